@@ -1,0 +1,85 @@
+"""HTTP session to OpenAI-compatible engines (shared by every engine adapter)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import msgspec
+
+from capyctl.adapters.engines._sse import SseParser
+from capyctl.domain.errors import EngineError, EngineUnavailable
+from capyctl.domain.ports import EngineSession
+from capyctl.domain.streams import StreamEvent
+
+_MAX_ERROR_BODY = 64 * 1024
+_decode_any = msgspec.json.decode
+
+
+def engine_error(status: int, body: bytes) -> EngineError:
+    """Map an engine's error answer (OpenAI envelope, flat, or not JSON) to ``EngineError``."""
+    try:
+        obj: Any = _decode_any(body)
+    except msgspec.DecodeError:
+        obj = None
+    error = obj.get("error", obj) if isinstance(obj, dict) else None
+    if not isinstance(error, dict):
+        text = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
+        return EngineError(status, f"engine answered {status}: {text}", None, {})
+    message = str(error.get("message") or f"engine answered {status}")
+    code = error.get("code")
+    etype = error.get("type")
+    name = etype if isinstance(etype, str) and etype else (code if isinstance(code, str) else None)
+    extra = {k: v for k, v in error.items() if k not in ("message", "type", "code", "object")}
+    return EngineError(status, message, name, extra)
+
+
+def make_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        trust_env=False,
+    )
+
+
+class HttpxEngineSession(EngineSession):
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    @asynccontextmanager
+    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+        request = self._client.build_request(
+            "POST",
+            base_url + "/v1/chat/completions",
+            content=body,
+            headers={"content-type": "application/json", "accept": "text/event-stream"},
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"could not reach the engine at {base_url}: {exc!r}") from exc
+        try:
+            if response.status_code != 200:
+                raw = b""
+                async for part in response.aiter_raw():
+                    raw += part
+                    if len(raw) > _MAX_ERROR_BODY:
+                        break
+                raise engine_error(response.status_code, raw)
+            yield _events(response)
+        finally:
+            await response.aclose()
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+    parser = SseParser()
+    try:
+        async for data in response.aiter_raw():
+            for event in parser.feed(data):
+                yield event
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"the engine connection broke: {exc!r}") from exc
+    for event in parser.close():
+        yield event

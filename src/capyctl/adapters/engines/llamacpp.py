@@ -1,0 +1,97 @@
+"""llama.cpp's ``llama-server``.
+
+Registered by the path of its binary; the version comes from
+``llama-server --version`` (``version: 0.6.0-dev (build 0, commit unknown)``
+reads as 0.6.0; a build-numbered ``version: 6123 (abcdef)`` reads as b6123).
+Ready when ``GET /health`` answers 200 (503 while the model loads). Running
+and waiting counts come from ``/metrics`` (``--metrics`` is forced):
+``llamacpp:requests_processing`` and ``llamacpp:requests_deferred``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.errors import InvalidEngine
+from capyctl.domain.ports import EngineAdapter
+
+_SEMVER = re.compile(r"version:\s*v?(\d+\.\d+\.\d+)")
+_BUILD = re.compile(r"version:\s*b?(\d+)\b")
+_GAUGE = re.compile(rb"^llamacpp:(requests_processing|requests_deferred)\s+([0-9.eE+-]+)\s*$", re.M)
+
+
+def parse_version(text: str) -> str:
+    if match := _SEMVER.search(text):
+        return match.group(1)
+    if match := _BUILD.search(text):
+        return "b" + match.group(1)
+    raise InvalidEngine(f"could not read a llama.cpp version from: {text.strip()[:200]!r}")
+
+
+class LlamaCppEngine(EngineAdapter):
+    family = EngineFamily.LLAMACPP
+    owned_options = {
+        "-m": "the model file, from the deployment's model",
+        "--model": "the model file, from the deployment's model",
+        "-a": "the served name, the deployment's name",
+        "--alias": "the served name, the deployment's name",
+        "--host": "the listen address, always 127.0.0.1",
+        "--port": "the port CapyCTL picks",
+        "--metrics": "the metrics endpoint CapyCTL reads",
+        "--no-metrics": "the metrics endpoint CapyCTL reads",
+        "--api-key": "engine authentication; CapyCTL is the only client",
+        "--api-key-file": "engine authentication; CapyCTL is the only client",
+        "-c": "use engine_config.context_length",
+        "--ctx-size": "use engine_config.context_length",
+    }
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        if not path.is_file():
+            raise InvalidEngine(f"{path} is not a file: give the path of the llama-server binary")
+        try:
+            done = subprocess.run(  # noqa: S603
+                [str(path), "--version"], capture_output=True, timeout=30, check=False
+            )
+        except OSError as exc:
+            raise InvalidEngine(f"could not run {path} --version: {exc}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise InvalidEngine(f"{path} --version did not answer within 30 s") from exc
+        text = (done.stdout + done.stderr).decode("utf-8", "replace")
+        if done.returncode != 0:
+            raise InvalidEngine(f"{path} --version exited with {done.returncode}: {text.strip()[:300]}")
+        return parse_version(text), text.strip()
+
+    def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
+        argv = [engine.path, "-m", spec.model, "--alias", spec.name]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics"]
+        if spec.engine_config.context_length is not None:
+            argv += ["-c", str(spec.engine_config.context_length)]
+        return argv + list(spec.engine_config.extra_args)
+
+    async def ready(self, base_url: str) -> bool:
+        try:
+            response = await self._client.get(base_url + "/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def load(self, base_url: str) -> tuple[int, int] | None:
+        try:
+            response = await self._client.get(base_url + "/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        found = {name: int(float(value)) for name, value in _GAUGE.findall(response.content)}
+        if b"requests_processing" not in found:
+            return None
+        return found[b"requests_processing"], found.get(b"requests_deferred", 0)

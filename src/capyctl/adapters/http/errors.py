@@ -1,0 +1,64 @@
+"""The one table from error codes to HTTP statuses, and the OpenAI error envelope."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from capyctl.domain.errors import CapyError, EngineError
+
+STATUS: dict[str, int] = {
+    "invalid_json": 400,
+    "invalid_request": 400,
+    "invalid_config": 400,
+    "invalid_engine": 400,
+    "missing_api_key": 401,
+    "invalid_api_key": 401,
+    "unauthorized": 401,
+    "model_not_found": 404,
+    "deployment_not_found": 404,
+    "engine_not_found": 404,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "deployment_stopped": 409,
+    "already_exists": 409,
+    "engine_in_use": 409,
+    "too_large": 413,
+    "engine_unavailable": 502,
+    "engine_restarted": 502,
+    "bad_engine_response": 502,
+    "deadline_exceeded": 504,
+    "stream_idle_timeout": 504,
+    "internal_error": 500,
+}
+
+
+def status_of(error: CapyError) -> int:
+    if isinstance(error, EngineError):
+        return error.status
+    return STATUS.get(error.code, 500)
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_exceeded"
+    if status == 503:
+        return "service_unavailable"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def envelope(error: CapyError) -> dict[str, Any]:
+    status = status_of(error)
+    kind = error.code if isinstance(error, EngineError) else error_type(status)
+    return {"error": {"message": error.message, "type": kind, "code": error.code, **error.extra}}
+
+
+def error_body(error: CapyError) -> bytes:
+    return msgspec.json.encode(envelope(error))
+
+
+def sse_error_event(error: CapyError) -> bytes:
+    return b"data: " + error_body(error) + b"\n\n"

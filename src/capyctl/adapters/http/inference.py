@@ -1,0 +1,95 @@
+"""The inference API (port 8443): chat on the bare-ASGI hot path, the rest on Litestar."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from litestar import Litestar, Request, Response, get
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+from litestar.handlers.base import BaseRouteHandler
+
+from capyctl.adapters.http.asgi import Scope
+from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.errors import envelope, status_of
+from capyctl.domain.auth import check_bearer
+from capyctl.domain.errors import CapyError, MethodNotAllowed, NotFound
+from capyctl.domain.ports import Clock
+from capyctl.services.fleet import Fleet
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def capy_error_response(_: Request, error: CapyError) -> Response[dict[str, Any]]:
+    return Response(envelope(error), status_code=status_of(error), headers={"cache-control": "no-store"})
+
+
+def http_error_response(request: Request, error: HTTPException) -> Response[dict[str, Any]]:
+    if error.status_code == 404:
+        return capy_error_response(request, NotFound(f"no such endpoint: {request.method} {request.url.path}"))
+    if error.status_code == 405:
+        return capy_error_response(request, MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+    wrapped = CapyError(str(error.detail))
+    wrapped.code = "invalid_request" if error.status_code < 500 else "internal_error"
+    return capy_error_response(request, wrapped)
+
+
+def error_handlers() -> dict[Any, Any]:
+    return {CapyError: capy_error_response, HTTPException: http_error_response}
+
+
+def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    check_bearer(connection.headers.get("authorization"), connection.app.state.api_keys())
+
+
+@get("/v1/models", guards=[require_key], sync_to_thread=False)
+def list_models(fleet: Fleet, clock: Clock) -> Response[dict[str, Any]]:
+    """Lists deployments; never starts, wakes or loads anything."""
+    created = int(clock.wall())
+    data = [
+        {
+            "id": s.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "capyctl",
+            "capyctl": {
+                "api": s.deployment.spec.api,
+                "engine": str(s.engine.family),
+                "engine_version": s.engine.version,
+                "state": str(s.status.state),
+            },
+        }
+        for s in fleet.supervisors()
+    ]
+    return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
+
+
+@get("/health", sync_to_thread=False)
+def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+def create_inference_app(
+    fleet: Fleet, clock: Clock, chat: ChatHandler, api_keys: Callable[[], list[str]]
+) -> Callable[..., Any]:
+    models = Litestar(
+        route_handlers=[list_models, health],
+        dependencies={
+            "fleet": Provide(lambda: fleet, sync_to_thread=False),
+            "clock": Provide(lambda: clock, sync_to_thread=False),
+        },
+        exception_handlers=error_handlers(),
+        openapi_config=None,
+        state=State({"api_keys": api_keys}),
+    )
+
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == CHAT_PATH:
+            await chat(scope, receive, send)
+        else:
+            await models(scope, receive, send)
+
+    return app

@@ -1,0 +1,123 @@
+"""The management API (127.0.0.1:7443 by default), behind the admin token.
+
+The CLI is its client: every ``capyctl`` command other than ``start
+standalone`` is one or a few calls here.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from litestar import Litestar, delete, get, post, put
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.handlers.base import BaseRouteHandler
+
+from capyctl.adapters.http.inference import error_handlers
+from capyctl.adapters.http.views import deployment_view, engine_view
+from capyctl.domain.errors import InvalidRequest, Unauthorized
+from capyctl.domain.ports import Clock
+from capyctl.services.fleet import Fleet
+
+
+def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    token: str = connection.app.state.admin_token
+    given = connection.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise Unauthorized()
+
+
+def _text(data: dict[str, Any], key: str, required: bool = True) -> str | None:
+    value = data.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{key!r} must be a non-empty string")
+    return value
+
+
+@get("/engines", sync_to_thread=False)
+def list_engines(fleet: Fleet) -> list[dict[str, Any]]:
+    return [engine_view(e) for e in fleet.list_engines()]
+
+
+@post("/engines", status_code=201)
+async def add_engine(fleet: Fleet, data: dict[str, Any]) -> dict[str, Any]:
+    path = _text(data, "path")
+    family = _text(data, "family", required=False) or "llamacpp"
+    engine = await fleet.add_engine(path or "", _text(data, "name", required=False), family)
+    return engine_view(engine)
+
+
+@delete("/engines/{name:str}", status_code=200, sync_to_thread=False)
+def remove_engine(fleet: Fleet, name: str) -> dict[str, Any]:
+    fleet.remove_engine(name)
+    return {"removed": name}
+
+
+@get("/deployments", sync_to_thread=False)
+def list_deployments(fleet: Fleet, clock: Clock) -> list[dict[str, Any]]:
+    now = clock.wall()
+    return [deployment_view(s, now) for s in fleet.supervisors()]
+
+
+@put("/deployments", status_code=200)
+async def apply_deployment(fleet: Fleet, clock: Clock, data: dict[str, Any]) -> dict[str, Any]:
+    activate = data.get("activate", False)
+    if not isinstance(activate, bool):
+        raise InvalidRequest("'activate' must be true or false")
+    outcome, supervisor = await fleet.apply(data.get("document"), activate)
+    return {"outcome": outcome, "deployment": deployment_view(supervisor, clock.wall())}
+
+
+@get("/deployments/{name:str}", sync_to_thread=False)
+def get_deployment(fleet: Fleet, clock: Clock, name: str) -> dict[str, Any]:
+    return deployment_view(fleet.get(name), clock.wall())
+
+
+@post("/deployments/{name:str}/start", status_code=200, sync_to_thread=False)
+def start_deployment(fleet: Fleet, clock: Clock, name: str) -> dict[str, Any]:
+    return deployment_view(fleet.start(name), clock.wall())
+
+
+@post("/deployments/{name:str}/stop", status_code=200)
+async def stop_deployment(fleet: Fleet, clock: Clock, name: str) -> dict[str, Any]:
+    return deployment_view(await fleet.stop(name), clock.wall())
+
+
+@delete("/deployments/{name:str}", status_code=200)
+async def delete_deployment(fleet: Fleet, name: str) -> dict[str, Any]:
+    await fleet.delete(name)
+    return {"deleted": name}
+
+
+@get("/events", sync_to_thread=False)
+def list_events(fleet: Fleet, deployment: str | None = None, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+    return fleet.events(deployment, after, min(max(limit, 1), 1000))
+
+
+def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Litestar:
+    return Litestar(
+        route_handlers=[
+            list_engines,
+            add_engine,
+            remove_engine,
+            list_deployments,
+            apply_deployment,
+            get_deployment,
+            start_deployment,
+            stop_deployment,
+            delete_deployment,
+            list_events,
+        ],
+        guards=[require_admin],
+        dependencies={
+            "fleet": Provide(lambda: fleet, sync_to_thread=False),
+            "clock": Provide(lambda: clock, sync_to_thread=False),
+        },
+        exception_handlers=error_handlers(),
+        openapi_config=None,
+        state=State({"admin_token": admin_token}),
+    )

@@ -1,0 +1,54 @@
+"""JSON views of engines and deployments, shared by the management API and /v1/models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capyctl.domain.deployments import InstanceState
+from capyctl.domain.engines import EngineInstall
+from capyctl.services.supervisor import Supervisor
+
+
+def engine_view(engine: EngineInstall) -> dict[str, Any]:
+    return {
+        "name": engine.name,
+        "family": str(engine.family),
+        "version": engine.version,
+        "path": engine.path,
+        "version_text": engine.version_text,
+    }
+
+
+def deployment_view(supervisor: Supervisor, now: float) -> dict[str, Any]:
+    spec = supervisor.deployment.spec
+    status = supervisor.status
+    running = status.state in (InstanceState.READY, InstanceState.STARTING) and status.started_at
+    return {
+        "name": spec.name,
+        "api": spec.api,
+        "engine": spec.engine,
+        "engine_family": str(supervisor.engine.family),
+        "engine_version": supervisor.engine.version,
+        "model": spec.model,
+        "state": str(status.state),
+        "operator_stopped": supervisor.deployment.operator_stopped,
+        "engine_config": {
+            "context_length": spec.engine_config.context_length,
+            "extra_args": list(spec.engine_config.extra_args),
+        },
+        "instances": [
+            {
+                "index": status.index,
+                "state": str(status.state),
+                "pid": status.pid,
+                "port": status.port,
+                "uptime_s": round(now - status.ready_at, 1)
+                if status.state is InstanceState.READY and status.ready_at
+                else None,
+                "started_at": status.started_at if running else None,
+                "restarts": status.restarts,
+                "last_error": status.last_error,
+                "log": status.log_path,
+            }
+        ],
+    }

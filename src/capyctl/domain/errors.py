@@ -1,0 +1,167 @@
+"""One set of domain errors, each with a stable code.
+
+Clients branch on ``code``; the HTTP adapter maps codes to statuses in one
+table (``adapters/http/errors.py``) and the CLI prints ``error [code]: message``.
+Extra fields (``reason``, ``available`` ...) travel in ``extra`` and end up
+beside ``code`` in the OpenAI error envelope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CapyError(Exception):
+    """Base of every error CapyCTL reports to a client or operator."""
+
+    code: str = "internal_error"
+
+    def __init__(self, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+
+
+class InvalidJson(CapyError):
+    code = "invalid_json"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("request body is not valid JSON", reason=reason)
+
+
+class InvalidRequest(CapyError):
+    code = "invalid_request"
+
+
+class TooLarge(CapyError):
+    code = "too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than the limit of {limit} bytes", limit=limit)
+
+
+class MissingApiKey(CapyError):
+    code = "missing_api_key"
+
+    def __init__(self) -> None:
+        super().__init__("no API key: send the header 'Authorization: Bearer <key>'")
+
+
+class InvalidApiKey(CapyError):
+    code = "invalid_api_key"
+
+    def __init__(self) -> None:
+        super().__init__("the API key is not valid")
+
+
+class ModelNotFound(CapyError):
+    code = "model_not_found"
+
+    def __init__(self, model: str, available: list[str]) -> None:
+        listed = ", ".join(available) if available else "none deployed"
+        super().__init__(
+            f"model {model!r} is not deployed here; available: {listed}",
+            model=model,
+            available=available,
+        )
+
+
+class DeploymentStopped(CapyError):
+    code = "deployment_stopped"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"deployment {name!r} was stopped by an operator; "
+            f"start it with: capyctl start deployment {name}",
+            model=name,
+        )
+
+
+class DeploymentNotFound(CapyError):
+    code = "deployment_not_found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no deployment named {name!r}; see: capyctl list deployments")
+
+
+class EngineNotFound(CapyError):
+    code = "engine_not_found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no engine named {name!r}; see: capyctl engine list")
+
+
+class EngineInUse(CapyError):
+    code = "engine_in_use"
+
+
+class AlreadyExists(CapyError):
+    code = "already_exists"
+
+
+class InvalidConfig(CapyError):
+    code = "invalid_config"
+
+
+class InvalidEngine(CapyError):
+    """An engine installation could not be recognised or probed."""
+
+    code = "invalid_engine"
+
+
+class EngineUnavailable(CapyError):
+    """The engine could not be started or reached."""
+
+    code = "engine_unavailable"
+
+
+class BadEngineResponse(CapyError):
+    """The engine answered something that is not the protocol it speaks."""
+
+    code = "bad_engine_response"
+
+
+class EngineRestarted(CapyError):
+    code = "engine_restarted"
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(
+            f"the engine serving {model!r} stopped while answering and is being restarted",
+            model=model,
+            reason=reason,
+        )
+
+
+class DeadlineExceeded(CapyError):
+    code = "deadline_exceeded"
+
+
+class StreamIdleTimeout(CapyError):
+    code = "stream_idle_timeout"
+
+
+class EngineError(CapyError):
+    """An engine's own error answer, relayed with its status and code."""
+
+    code = "engine_error"
+
+    def __init__(self, status: int, message: str, code: str | None, extra: dict[str, Any]) -> None:
+        super().__init__(message, **extra)
+        self.status = status
+        if code:
+            self.code = code
+
+
+class Unauthorized(CapyError):
+    code = "unauthorized"
+
+    def __init__(self) -> None:
+        super().__init__("management API: missing or wrong admin token")
+
+
+class NotFound(CapyError):
+    code = "not_found"
+
+
+class MethodNotAllowed(CapyError):
+    code = "method_not_allowed"

@@ -1,0 +1,89 @@
+"""Ports: what the domain and services ask of the outside world.
+
+Each is a ``typing.Protocol`` named for its role. Adapters implement them
+with real technology; tests use fakes with observable state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from capyctl.domain.deployments import Deployment, DeploymentSpec
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.streams import StreamEvent
+
+
+class Clock(Protocol):
+    def wall(self) -> float:
+        """Seconds since the Unix epoch."""
+
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes back; for durations only."""
+
+
+class Store(Protocol):
+    """Durable state: engines, deployments, events. Calls are short and blocking."""
+
+    def put_engine(self, engine: EngineInstall) -> None: ...
+    def get_engine(self, name: str) -> EngineInstall | None: ...
+    def list_engines(self) -> list[EngineInstall]: ...
+    def delete_engine(self, name: str) -> None: ...
+    def put_deployment(self, deployment: Deployment) -> None: ...
+    def get_deployment(self, name: str) -> Deployment | None: ...
+    def list_deployments(self) -> list[Deployment]: ...
+    def delete_deployment(self, name: str) -> None: ...
+    def add_event(self, at: float, deployment: str | None, kind: str, detail: dict[str, Any]) -> None: ...
+    def list_events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]: ...
+
+
+class ProcessHandle(Protocol):
+    pid: int
+
+    def returncode(self) -> int | None:
+        """The exit status, or None while the process runs. Never blocks."""
+
+    async def terminate(self, grace: float) -> int:
+        """SIGTERM the whole process group, SIGKILL it after ``grace`` seconds; returns the status.
+
+        Safe to call on a process that already exited, and under cancellation
+        (the caller shields it).
+        """
+
+
+class ProcessControl(Protocol):
+    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None) -> ProcessHandle:
+        """Start ``argv`` in its own process group, its output appended to ``log_path``."""
+
+
+class EngineAdapter(Protocol):
+    """What CapyCTL knows about one engine family."""
+
+    family: str
+    owned_options: dict[str, str]  # flag -> what CapyCTL controls with it
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        """Return (version, the installation's own version text); raise InvalidEngine."""
+
+    def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
+        """The engine's command line, CapyCTL's forced flags included."""
+
+    async def ready(self, base_url: str) -> bool:
+        """True once the engine answers requests; False while it loads. Never raises for I/O."""
+
+    async def load(self, base_url: str) -> tuple[int, int] | None:
+        """(running, waiting) requests as the engine reports them, None if unreadable."""
+
+
+class EngineSession(Protocol):
+    def chat_stream(self, base_url: str, body: bytes) -> AbstractAsyncContextManager[AsyncIterator[StreamEvent]]:
+        """POST a streamed chat request to the engine.
+
+        Entering raises ``EngineError`` when the engine refuses the request
+        (its status and body are kept) and ``EngineUnavailable`` when it
+        cannot be reached. Leaving the context, normally or by cancellation,
+        closes the engine connection at once: that is how CapyCTL asks an
+        engine to stop work on a request.
+        """

@@ -1,0 +1,51 @@
+"""The record CapyCTL keeps while an engine works on a request.
+
+It holds no caller identifiers: the caller's own ``X-Request-Id`` lives only
+in the log context, never here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Phase(enum.StrEnum):
+    RECEIVED = "received"
+    WAITING = "waiting"  # for its deployment to become ready
+    SENT = "sent"  # to the engine
+    ANSWERING = "answering"  # the engine has produced text or an error
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class CancelCause(enum.StrEnum):
+    CLIENT_GONE = "client_gone"
+    DEADLINE = "deadline"
+    IDLE = "stream_idle"
+    ENGINE_EXITED = "engine_exited"
+    UNVERIFIED = "unverified"
+
+
+class RequestRecord(msgspec.Struct, kw_only=True):
+    id: str
+    deployment: str
+    stream: bool
+    phase: Phase = Phase.RECEIVED
+    instance: int | None = None
+    answered: bool = False
+    cause: CancelCause | None = None
+
+    def sent(self, instance: int) -> None:
+        self.instance = instance
+        self.phase = Phase.SENT
+
+    def engine_answered(self) -> None:
+        self.answered = True
+        self.phase = Phase.ANSWERING
+
+    def cancelled(self, cause: CancelCause) -> None:
+        self.cause = cause
+        self.phase = Phase.CANCELLED

@@ -1,0 +1,181 @@
+"""The relay pipeline: what happens to each engine chunk on its way to a client.
+
+An engine stream is a sequence of events (``Chunk``, ``Comment``, ``EngineFailure``,
+``Done``). Each ``Chunk`` is decoded ONCE (``obj``) and keeps its raw JSON
+bytes (``raw``): stages read ``obj``, and only a stage that must change the
+chunk touches ``raw``. Everything a stage does not own is relayed byte for
+byte. Stages run in order; a stage may raise a ``CapyError`` to end the
+stream (the verifier of delta keys is such a stage). The streamed path
+writes ``raw`` as SSE; the non-streamed path feeds ``obj`` to ``Assembler``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+_encode = msgspec.json.encode
+
+
+class Chunk(msgspec.Struct):
+    raw: bytes
+    obj: dict[str, Any]
+
+
+class Comment(msgspec.Struct):
+    raw: bytes  # the comment line(s), without the final blank line
+
+
+class EngineFailure(msgspec.Struct):
+    """A ``data:`` event carrying ``{"error": ...}``: the engine gave up mid-stream."""
+
+    raw: bytes
+    error: dict[str, Any]
+
+
+class Done(msgspec.Struct):
+    pass
+
+
+StreamEvent = Chunk | Comment | EngineFailure | Done
+Stage = Callable[[Chunk], Chunk]
+
+GENERATED_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
+class ModelRewrite:
+    """Sets ``model`` to the name the client sent, touching only those bytes."""
+
+    __slots__ = ("_name", "_name_json", "_cache")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._name_json = _encode(name)
+        self._cache: dict[str, bytes] = {}
+
+    def __call__(self, chunk: Chunk) -> Chunk:
+        sent = chunk.obj.get("model")
+        if sent == self._name or "model" not in chunk.obj:
+            return chunk
+        pattern = self._cache.get(sent) if isinstance(sent, str) else None
+        if pattern is None:
+            pattern = b'"model":' + _encode(sent)
+            if isinstance(sent, str):
+                self._cache[sent] = pattern
+        chunk.obj["model"] = self._name
+        if pattern in chunk.raw:
+            chunk.raw = chunk.raw.replace(pattern, b'"model":' + self._name_json, 1)
+        else:  # unusual spacing from the engine: re-encode rather than risk a wrong splice
+            chunk.raw = _encode(chunk.obj)
+        return chunk
+
+
+def has_generated_text(obj: dict[str, Any]) -> bool:
+    """True when a chunk carries generated text; a role-only opening chunk does not."""
+    for choice in obj.get("choices") or ():
+        delta = choice.get("delta") or {}
+        for key in GENERATED_TEXT_KEYS:
+            if delta.get(key):
+                return True
+    return False
+
+
+def run_stages(stages: Sequence[Stage], chunk: Chunk) -> Chunk:
+    for stage in stages:
+        chunk = stage(chunk)
+    return chunk
+
+
+def _merge_tool_calls(into: list[dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
+    for piece in pieces:
+        index = piece.get("index", len(into))
+        while len(into) <= index:
+            into.append({})
+        call = into[index]
+        for key, value in piece.items():
+            if key == "index":
+                continue
+            if key == "function" and isinstance(value, dict):
+                function = call.setdefault("function", {})
+                for fkey, fvalue in value.items():
+                    if isinstance(fvalue, str) and isinstance(function.get(fkey), str):
+                        function[fkey] += fvalue
+                    elif fvalue is not None:
+                        function[fkey] = fvalue
+            elif value is not None:
+                call[key] = value
+
+
+class _ChoiceBuilder:
+    __slots__ = ("index", "role", "texts", "tool_calls", "extra")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.role = "assistant"
+        self.texts: dict[str, list[str]] = {}
+        self.tool_calls: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {"finish_reason": None}
+
+    def add(self, choice: dict[str, Any]) -> None:
+        for key, value in (choice.get("delta") or {}).items():
+            if key == "role":
+                self.role = value or self.role
+            elif key == "tool_calls":
+                _merge_tool_calls(self.tool_calls, value or [])
+            elif isinstance(value, str):
+                self.texts.setdefault(key, []).append(value)
+            elif value is not None:
+                self.texts.setdefault(key, [])
+        for key, value in choice.items():
+            if key in ("delta", "index"):
+                continue
+            if isinstance(value, list) and isinstance(self.extra.get(key), list):
+                self.extra[key] = self.extra[key] + value
+            elif key == "logprobs" and isinstance(value, dict) and isinstance(self.extra.get(key), dict):
+                merged = self.extra[key]
+                for lkey, lvalue in value.items():
+                    merged[lkey] = (merged.get(lkey) or []) + (lvalue or [])
+            elif value is not None or key not in self.extra:
+                self.extra[key] = value
+
+    def build(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": None}
+        for key, parts in self.texts.items():
+            message[key] = "".join(parts)
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return {"index": self.index, "message": message, **self.extra}
+
+
+class Assembler:
+    """Builds a ``chat.completion`` from the chunks of one engine stream.
+
+    Text keys of each ``delta`` are joined per choice, tool calls are joined by
+    their index, the other choice fields keep their last non-null value (lists
+    are concatenated), and the engine's own top-level fields (``timings``,
+    ``system_fingerprint``, ``usage`` ...) keep their last value.
+    """
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+        self._top: dict[str, Any] = {}
+        self._choices: dict[int, _ChoiceBuilder] = {}
+
+    def add(self, obj: dict[str, Any]) -> None:
+        for key, value in obj.items():
+            if key == "choices":
+                for choice in value or ():
+                    index = choice.get("index", 0)
+                    builder = self._choices.get(index)
+                    if builder is None:
+                        builder = self._choices[index] = _ChoiceBuilder(index)
+                    builder.add(choice)
+            elif key != "object":
+                self._top[key] = value
+
+    def result(self) -> dict[str, Any]:
+        answer: dict[str, Any] = {"object": "chat.completion", **self._top, "model": self._model}
+        answer["choices"] = [self._choices[i].build() for i in sorted(self._choices)]
+        return answer

@@ -1,0 +1,85 @@
+"""The composition root: the one place where CapyCTL's object graph is built.
+
+Flat on purpose: constructor calls only. Tests override providers with fakes
+(``container.processes.override(...)``). Nothing outside ``entrypoints/``
+imports this module or dependency-injector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from dependency_injector import containers, providers
+
+from capyctl.adapters.clock import SystemClock
+from capyctl.adapters.engines._http import HttpxEngineSession, make_client
+from capyctl.adapters.engines.llamacpp import LlamaCppEngine
+from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.process.children import PopenProcessControl
+from capyctl.adapters.process.ports import free_port
+from capyctl.adapters.storage.sqlite import SqliteStore
+from capyctl.adapters.storage.state_dir import StateDir
+from capyctl.services.chat import ChatService, ChatSettings
+from capyctl.services.events import Events
+from capyctl.services.fleet import Fleet
+from capyctl.services.supervisor import SupervisorSettings
+
+
+def open_store(state_dir: StateDir) -> Iterator[SqliteStore]:
+    state_dir.prepare()
+    store = SqliteStore(state_dir.database)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def log_root(state_dir: StateDir) -> Path:
+    return state_dir.root / "logs"
+
+
+def key_list(state_dir: StateDir) -> Callable[[], list[str]]:
+    """The accepted API keys (today the one in identity/credentials, written on first start)."""
+    keys = [state_dir.api_key()]
+    return lambda: keys
+
+
+class Container(containers.DeclarativeContainer):
+    config = providers.Configuration(strict=True)
+
+    state_dir = providers.Singleton(StateDir, root=config.state_dir)
+    clock = providers.Singleton(SystemClock)
+    store = providers.Resource(open_store, state_dir=state_dir)
+    events = providers.Singleton(Events, store=store, clock=clock)
+    http_client = providers.Singleton(make_client)
+    processes = providers.Singleton(PopenProcessControl)
+
+    llamacpp = providers.Singleton(LlamaCppEngine, client=http_client)
+    adapters = providers.Dict(llamacpp=llamacpp)
+    engine_session = providers.Singleton(HttpxEngineSession, client=http_client)
+
+    supervisor_settings = providers.Singleton(SupervisorSettings)
+    chat_settings = providers.Singleton(ChatSettings, request_deadline=config.request_deadline)
+
+    fleet = providers.Singleton(
+        Fleet,
+        store=store,
+        adapters=adapters,
+        processes=processes,
+        clock=clock,
+        events=events,
+        pick_port=providers.Object(free_port),
+        log_root=providers.Callable(log_root, state_dir),
+        settings=supervisor_settings,
+    )
+    chat_service = providers.Singleton(
+        ChatService, fleet=fleet, session=engine_session, clock=clock, settings=chat_settings
+    )
+    api_keys = providers.Singleton(key_list, state_dir)
+    chat_handler = providers.Singleton(
+        ChatHandler,
+        service=chat_service,
+        api_keys=api_keys,
+        max_body=config.max_body,
+    )

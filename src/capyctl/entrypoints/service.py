@@ -1,0 +1,108 @@
+"""``capyctl start standalone``: the server and its engines in one foreground process.
+
+Two uvicorn servers share one event loop: the inference API (0.0.0.0:8443 by
+default) and the management API (127.0.0.1:7443). CapyCTL binds both sockets
+itself first, so a busy port is a clear error before anything starts. SIGINT
+or SIGTERM stops the servers, then every engine (SIGTERM, then SIGKILL after
+the grace period), then exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import uvicorn
+
+from capyctl import __version__
+from capyctl.adapters.http.inference import create_inference_app
+from capyctl.adapters.http.management import create_management_app
+from capyctl.adapters.process.ports import listen_socket, parse_listen
+from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
+from capyctl.entrypoints.container import Container
+
+log = logging.getLogger("capyctl")
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: CapyCTL stops both servers itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _uvicorn(app: object) -> _Server:
+    config = uvicorn.Config(
+        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
+    return _Server(config)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
+
+
+def build_container(state_dir: Path, request_deadline: float = 1800.0) -> Container:
+    container = Container()
+    container.config.from_dict(
+        {"state_dir": state_dir, "request_deadline": request_deadline, "max_body": DEFAULT_MAX_BODY}
+    )
+    return container
+
+
+async def serve_standalone(state_dir: Path, listen: str, management: str) -> None:
+    inference_addr = parse_listen(listen, "--listen")
+    management_addr = parse_listen(management, "--management")
+    container = build_container(state_dir)
+    container.init_resources()
+    try:
+        await _serve(container, inference_addr, management_addr)
+    finally:
+        await container.http_client().aclose()
+        container.shutdown_resources()
+
+
+async def _serve(container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int]) -> None:
+    state: StateDir = container.state_dir()
+    state.prepare()
+    admin_token = state.admin_token()
+    api_keys = container.api_keys()
+    fleet = container.fleet()
+    inference = _uvicorn(create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys))
+    manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token))
+    inference_sock = listen_socket(*inference_addr, "--listen")
+    management_sock = listen_socket(*management_addr, "--management")
+    management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])
+    async with anyio.create_task_group() as tg:
+        await tg.start(fleet.run)
+        tg.start_soon(_stop_on_signal, [inference, manager], tg.cancel_scope)
+        state.write_management(management_url)
+        host, port = inference_sock.getsockname()[:2]
+        log.info(
+            "capyctl %s serving http://%s:%s/v1 (API key in %s); management %s",
+            __version__, host, port, state.root / CREDENTIALS, management_url,
+        )
+        async with anyio.create_task_group() as servers:
+            servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
+            servers.start_soon(lambda: manager.serve(sockets=[management_sock]))
+        tg.cancel_scope.cancel()
+    state.clear_management()
+    log.info("capyctl stopped; every engine is stopped")
+
+
+async def _stop_on_signal(servers: list[_Server], _scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s: stopping servers and engines", signal.Signals(signum).name)
+            for server in servers:
+                server.should_exit = True
+            return

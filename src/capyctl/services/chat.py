@@ -1,0 +1,132 @@
+"""A chat request's way through CapyCTL: resolve, make ready, ask the engine, relay.
+
+CapyCTL always asks the engine for a stream (CHAT-2): a non-streamed request
+is assembled here, so it is cancelled exactly like a stream. For a
+non-streamed request usage is asked for; a streamed one keeps the client's
+``stream_options``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+
+from capyctl.domain.errors import EngineError, EngineRestarted, EngineUnavailable, InvalidRequest
+from capyctl.domain.ports import Clock, EngineSession
+from capyctl.domain.requests import RequestRecord
+from capyctl.domain.streams import (
+    Assembler,
+    Chunk,
+    Done,
+    EngineFailure,
+    ModelRewrite,
+    Stage,
+    StreamEvent,
+    has_generated_text,
+)
+from capyctl.services.fleet import Fleet
+from capyctl.services.supervisor import Supervisor
+
+_encode = msgspec.json.encode
+
+
+class ChatSettings(msgspec.Struct, kw_only=True, frozen=True):
+    request_deadline: float = 1800.0  # seconds to the engine's first answer, start included
+    crash_notice: float = 1.0  # how long to wait for a broken connection to show as an engine exit
+
+
+def read_target(obj: dict[str, Any]) -> tuple[str, bool]:
+    """The model name and whether the client wants a stream; refuses what CapyCTL cannot serve."""
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required: the name of a deployment (see GET /v1/models)", param="model")
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be true or false", param="stream")
+    return model, stream
+
+
+def engine_body(obj: dict[str, Any], served_name: str, client_stream: bool) -> bytes:
+    body = dict(obj)
+    body["model"] = served_name
+    body["stream"] = True
+    if not client_stream:
+        body["stream_options"] = {"include_usage": True}
+    return _encode(body)
+
+
+def failure_error(error: dict[str, Any]) -> EngineError:
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+    name = error.get("type") if isinstance(error.get("type"), str) else None
+    extra = {k: v for k, v in error.items() if k not in ("message", "type", "code")}
+    return EngineError(status, str(error.get("message") or "the engine failed"), name, extra)
+
+
+class ChatService:
+    def __init__(self, fleet: Fleet, session: EngineSession, clock: Clock, settings: ChatSettings) -> None:
+        self._fleet = fleet
+        self._session = session
+        self._clock = clock
+        self._settings = settings
+
+    @asynccontextmanager
+    async def open(self, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+        """Yield the relayed events of the engine's answer to ``obj``.
+
+        Raises domain errors before anything is yielded (unknown model, engine
+        refusal ...). Leaving the context closes the engine connection.
+        """
+        supervisor = self._fleet.resolve(record.deployment)
+        url = await supervisor.wait_ready(self._settings.request_deadline)
+        launch = supervisor.launch
+        record.sent(instance=0)
+        body = engine_body(obj, supervisor.name, record.stream)
+        stages: list[Stage] = [ModelRewrite(record.deployment)]
+        try:
+            async with self._session.chat_stream(url, body) as events:
+                yield _relay(events, stages, record)
+        except EngineUnavailable as exc:
+            if await self._engine_gone(supervisor, launch):
+                raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
+            raise
+
+    async def _engine_gone(self, supervisor: Supervisor, launch: int) -> bool:
+        with anyio.move_on_after(self._settings.crash_notice):
+            while not supervisor.engine_gone(launch):
+                await anyio.sleep(0.02)
+            return True
+        return False
+
+    async def complete(self, record: RequestRecord, obj: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed answer, assembled from the engine's stream."""
+        assembler = Assembler(record.deployment)
+        async with self.open(record, obj) as events:
+            async for event in events:
+                if isinstance(event, Chunk):
+                    assembler.add(event.obj)
+                elif isinstance(event, EngineFailure):
+                    raise failure_error(event.error)
+                elif isinstance(event, Done):
+                    break
+        return assembler.result()
+
+
+async def _relay(
+    events: AsyncIterator[StreamEvent], stages: list[Stage], record: RequestRecord
+) -> AsyncIterator[StreamEvent]:
+    async for event in events:
+        if isinstance(event, Chunk):
+            for stage in stages:
+                event = stage(event)
+            if not record.answered and has_generated_text(event.obj):
+                record.engine_answered()
+        elif isinstance(event, EngineFailure):
+            record.engine_answered()
+        yield event
+        if isinstance(event, Done):
+            return

@@ -1,0 +1,208 @@
+"""The fleet: registered engines, deployments and the supervisors that run them.
+
+This is what the management API and the chat path ask: register an engine,
+apply a deployment file, start/stop/delete a deployment, and resolve a model
+name to a running instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from capyctl.domain.deployments import Deployment, DeploymentSpec, InstanceState, check_extra_args
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import (
+    AlreadyExists,
+    DeploymentNotFound,
+    DeploymentStopped,
+    EngineInUse,
+    EngineNotFound,
+    InvalidConfig,
+    InvalidEngine,
+    ModelNotFound,
+)
+from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
+from capyctl.services.events import Events
+from capyctl.services.supervisor import Supervisor, SupervisorSettings
+
+
+
+def decode_spec(document: Any) -> DeploymentSpec:
+    """Strictly convert a decoded deployment document; errors name the offending key."""
+    if not isinstance(document, dict):
+        raise InvalidConfig("a deployment file must be a mapping with at least name, engine and model")
+    try:
+        return msgspec.convert(document, DeploymentSpec)
+    except msgspec.ValidationError as exc:
+        raise InvalidConfig(f"deployment file: {exc}") from exc
+
+
+class Fleet:
+    def __init__(
+        self,
+        store: Store,
+        adapters: dict[str, EngineAdapter],
+        processes: ProcessControl,
+        clock: Clock,
+        events: Events,
+        pick_port: Callable[[], int],
+        log_root: Path,
+        settings: SupervisorSettings,
+    ) -> None:
+        self._store = store
+        self._adapters = adapters
+        self._processes = processes
+        self._clock = clock
+        self._events = events
+        self._pick_port = pick_port
+        self._log_root = log_root
+        self._settings = settings
+        self._supervisors: dict[str, Supervisor] = {}
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    # --- lifecycle -----------------------------------------------------------
+    async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Own the supervisors' tasks until cancelled; then stop every engine."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                for deployment in self._store.list_deployments():
+                    self._supervisor(deployment)
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+
+    async def shutdown(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for supervisor in self._supervisors.values():
+                tg.start_soon(supervisor.stop)
+
+    def _supervisor(self, deployment: Deployment) -> Supervisor:
+        engine = self._store.get_engine(deployment.spec.engine)
+        if engine is None:
+            raise EngineNotFound(deployment.spec.engine)
+        supervisor = Supervisor(
+            deployment,
+            engine,
+            self._adapters[engine.family],
+            self._processes,
+            self._clock,
+            self._events,
+            self._pick_port,
+            self._log_root / deployment.spec.name,
+            self._settings,
+        )
+        assert self._task_group is not None
+        supervisor.bind(self._task_group)
+        self._supervisors[deployment.spec.name] = supervisor
+        return supervisor
+
+    # --- engines ------------------------------------------------------------
+    async def add_engine(self, path: str, name: str | None, family: str = "llamacpp") -> EngineInstall:
+        adapter = self._adapters.get(family)
+        if adapter is None:
+            raise InvalidEngine(f"unknown engine family {family!r}; known: {', '.join(self._adapters)}")
+        resolved = Path(path).expanduser().resolve()
+        name = name or resolved.name
+        if self._store.get_engine(name) is not None:
+            raise AlreadyExists(f"an engine named {name!r} is registered already; pick another --name")
+        version, text = await anyio.to_thread.run_sync(adapter.probe, resolved)
+        engine = EngineInstall(name=name, family=adapter.family, path=str(resolved), version=version, version_text=text)
+        self._store.put_engine(engine)
+        self._events.emit(None, "engine_added", engine=name, version=version)
+        return engine
+
+    def list_engines(self) -> list[EngineInstall]:
+        return self._store.list_engines()
+
+    def remove_engine(self, name: str) -> None:
+        if self._store.get_engine(name) is None:
+            raise EngineNotFound(name)
+        users = [d.spec.name for d in self._store.list_deployments() if d.spec.engine == name]
+        if users:
+            raise EngineInUse(f"engine {name!r} is used by deployments {', '.join(users)}; delete them first")
+        self._store.delete_engine(name)
+        self._events.emit(None, "engine_removed", engine=name)
+
+    # --- deployments --------------------------------------------------------
+    async def apply(self, document: Any, activate: bool) -> tuple[str, Supervisor]:
+        spec = decode_spec(document)
+        engine = self._store.get_engine(spec.engine)
+        if engine is None:
+            raise EngineNotFound(spec.engine)
+        check_extra_args(spec.engine_config.extra_args, self._adapters[engine.family].owned_options)
+        if not Path(spec.model).expanduser().exists():
+            raise InvalidConfig(f"model file {spec.model!r} does not exist on this machine")
+        current = self._supervisors.get(spec.name)
+        outcome = "created"
+        if current is not None:
+            if current.deployment.spec == spec:
+                outcome = "unchanged"
+            else:
+                outcome = "updated"
+                await current.stop()
+                del self._supervisors[spec.name]
+                current = None
+        deployment = Deployment(spec=spec, operator_stopped=False)
+        self._store.put_deployment(deployment)
+        supervisor = current or self._supervisor(deployment)
+        supervisor.deployment.operator_stopped = False
+        self._events.emit(spec.name, f"deployment_{outcome}")
+        if activate:
+            supervisor.start()
+        return outcome, supervisor
+
+    def get(self, name: str) -> Supervisor:
+        supervisor = self._supervisors.get(name)
+        if supervisor is None:
+            raise DeploymentNotFound(name)
+        return supervisor
+
+    def names(self) -> list[str]:
+        return sorted(self._supervisors)
+
+    def supervisors(self) -> list[Supervisor]:
+        return [self._supervisors[name] for name in self.names()]
+
+    def start(self, name: str) -> Supervisor:
+        supervisor = self.get(name)
+        self._set_operator_stopped(supervisor, False)
+        supervisor.start()
+        return supervisor
+
+    async def stop(self, name: str) -> Supervisor:
+        supervisor = self.get(name)
+        self._set_operator_stopped(supervisor, True)
+        await supervisor.stop()
+        return supervisor
+
+    async def delete(self, name: str) -> None:
+        supervisor = self.get(name)
+        await supervisor.stop()
+        del self._supervisors[name]
+        self._store.delete_deployment(name)
+        self._events.emit(name, "deployment_deleted")
+
+    def _set_operator_stopped(self, supervisor: Supervisor, stopped: bool) -> None:
+        supervisor.deployment.operator_stopped = stopped
+        self._store.put_deployment(supervisor.deployment)
+        self._events.emit(supervisor.name, "operator_stop" if stopped else "operator_start")
+
+    def events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
+        return self._store.list_events(deployment, after_id, limit)
+
+    def resolve(self, model: str) -> Supervisor:
+        """The supervisor serving ``model`` for a request (it may still need starting)."""
+        supervisor = self._supervisors.get(model)
+        if supervisor is None:
+            raise ModelNotFound(model, self.names())
+        if supervisor.deployment.operator_stopped and supervisor.status.state is InstanceState.STOPPED:
+            raise DeploymentStopped(model)
+        return supervisor
