@@ -176,6 +176,10 @@ class Assembler:
                 self._top[key] = value
 
     def result(self) -> dict[str, Any]:
-        answer: dict[str, Any] = {"object": "chat.completion", **self._top, "model": self._model}
+        top = self._top
+        answer: dict[str, Any] = {"id": top.get("id"), "object": "chat.completion", "created": top.get("created")}
+        answer["model"] = self._model
         answer["choices"] = [self._choices[i].build() for i in sorted(self._choices)]
+        for key, value in top.items():
+            answer.setdefault(key, value)
         return answer

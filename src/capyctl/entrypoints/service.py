@@ -49,6 +49,7 @@ def configure_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
 
 
 def build_container(state_dir: Path, request_deadline: float = 1800.0) -> Container:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from litestar.handlers.base import BaseRouteHandler
 
 from capyctl.adapters.http.asgi import Scope
 from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.views import ClockDep, FleetDep
 from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.auth import check_bearer
 from capyctl.domain.errors import CapyError, MethodNotAllowed, NotFound
@@ -21,6 +23,7 @@ from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
 
 CHAT_PATH = "/v1/chat/completions"
+log = logging.getLogger("capyctl.http")
 
 
 def capy_error_response(_: Request, error: CapyError) -> Response[dict[str, Any]]:
@@ -37,8 +40,17 @@ def http_error_response(request: Request, error: HTTPException) -> Response[dict
     return capy_error_response(request, wrapped)
 
 
+def unexpected_error_response(request: Request, error: Exception) -> Response[dict[str, Any]]:
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
+    return capy_error_response(request, CapyError("internal error; see the CapyCTL log"))
+
+
 def error_handlers() -> dict[Any, Any]:
-    return {CapyError: capy_error_response, HTTPException: http_error_response}
+    return {
+        CapyError: capy_error_response,
+        HTTPException: http_error_response,
+        Exception: unexpected_error_response,
+    }
 
 
 def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -46,7 +58,7 @@ def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 
 
 @get("/v1/models", guards=[require_key], sync_to_thread=False)
-def list_models(fleet: Fleet, clock: Clock) -> Response[dict[str, Any]]:
+def list_models(fleet: FleetDep, clock: ClockDep) -> Response[dict[str, Any]]:
     """Lists deployments; never starts, wakes or loads anything."""
     created = int(clock.wall())
     data = [
@@ -83,6 +95,7 @@ def create_inference_app(
         },
         exception_handlers=error_handlers(),
         openapi_config=None,
+        logging_config=None,
         state=State({"api_keys": api_keys}),
     )
 

@@ -16,7 +16,7 @@ from litestar.di import Provide
 from litestar.handlers.base import BaseRouteHandler
 
 from capyctl.adapters.http.inference import error_handlers
-from capyctl.adapters.http.views import deployment_view, engine_view
+from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, engine_view
 from capyctl.domain.errors import InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
@@ -39,12 +39,12 @@ def _text(data: dict[str, Any], key: str, required: bool = True) -> str | None:
 
 
 @get("/engines", sync_to_thread=False)
-def list_engines(fleet: Fleet) -> list[dict[str, Any]]:
+def list_engines(fleet: FleetDep) -> list[dict[str, Any]]:
     return [engine_view(e) for e in fleet.list_engines()]
 
 
 @post("/engines", status_code=201)
-async def add_engine(fleet: Fleet, data: dict[str, Any]) -> dict[str, Any]:
+async def add_engine(fleet: FleetDep, data: dict[str, Any]) -> dict[str, Any]:
     path = _text(data, "path")
     family = _text(data, "family", required=False) or "llamacpp"
     engine = await fleet.add_engine(path or "", _text(data, "name", required=False), family)
@@ -52,19 +52,19 @@ async def add_engine(fleet: Fleet, data: dict[str, Any]) -> dict[str, Any]:
 
 
 @delete("/engines/{name:str}", status_code=200, sync_to_thread=False)
-def remove_engine(fleet: Fleet, name: str) -> dict[str, Any]:
+def remove_engine(fleet: FleetDep, name: str) -> dict[str, Any]:
     fleet.remove_engine(name)
     return {"removed": name}
 
 
 @get("/deployments", sync_to_thread=False)
-def list_deployments(fleet: Fleet, clock: Clock) -> list[dict[str, Any]]:
+def list_deployments(fleet: FleetDep, clock: ClockDep) -> list[dict[str, Any]]:
     now = clock.wall()
     return [deployment_view(s, now) for s in fleet.supervisors()]
 
 
 @put("/deployments", status_code=200)
-async def apply_deployment(fleet: Fleet, clock: Clock, data: dict[str, Any]) -> dict[str, Any]:
+async def apply_deployment(fleet: FleetDep, clock: ClockDep, data: dict[str, Any]) -> dict[str, Any]:
     activate = data.get("activate", False)
     if not isinstance(activate, bool):
         raise InvalidRequest("'activate' must be true or false")
@@ -73,28 +73,28 @@ async def apply_deployment(fleet: Fleet, clock: Clock, data: dict[str, Any]) -> 
 
 
 @get("/deployments/{name:str}", sync_to_thread=False)
-def get_deployment(fleet: Fleet, clock: Clock, name: str) -> dict[str, Any]:
+def get_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
     return deployment_view(fleet.get(name), clock.wall())
 
 
 @post("/deployments/{name:str}/start", status_code=200, sync_to_thread=False)
-def start_deployment(fleet: Fleet, clock: Clock, name: str) -> dict[str, Any]:
+def start_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
     return deployment_view(fleet.start(name), clock.wall())
 
 
 @post("/deployments/{name:str}/stop", status_code=200)
-async def stop_deployment(fleet: Fleet, clock: Clock, name: str) -> dict[str, Any]:
+async def stop_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
     return deployment_view(await fleet.stop(name), clock.wall())
 
 
 @delete("/deployments/{name:str}", status_code=200)
-async def delete_deployment(fleet: Fleet, name: str) -> dict[str, Any]:
+async def delete_deployment(fleet: FleetDep, name: str) -> dict[str, Any]:
     await fleet.delete(name)
     return {"deleted": name}
 
 
 @get("/events", sync_to_thread=False)
-def list_events(fleet: Fleet, deployment: str | None = None, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+def list_events(fleet: FleetDep, deployment: str | None = None, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
     return fleet.events(deployment, after, min(max(limit, 1), 1000))
 
 
@@ -119,5 +119,6 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Lites
         },
         exception_handlers=error_handlers(),
         openapi_config=None,
+        logging_config=None,
         state=State({"admin_token": admin_token}),
     )

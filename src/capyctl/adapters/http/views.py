@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from litestar.params import Dependency
 
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.ports import Clock
+from capyctl.services.fleet import Fleet
 from capyctl.services.supervisor import Supervisor
 
 
@@ -52,3 +56,8 @@ def deployment_view(supervisor: Supervisor, now: float) -> dict[str, Any]:
             }
         ],
     }
+
+
+# Handler parameters for services: Litestar must not try to validate them as data.
+FleetDep = Annotated[Fleet, Dependency(skip_validation=True)]
+ClockDep = Annotated[Clock, Dependency(skip_validation=True)]
