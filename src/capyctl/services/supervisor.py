@@ -105,7 +105,8 @@ class Supervisor:
             return
         assert self._task_group is not None, "supervisor not bound to a task group"
         self._set(S.STARTING)
-        self._task_group.start_soon(self._run)
+        self._scope = anyio.CancelScope()  # created now, so a stop() before _run begins still works
+        self._task_group.start_soon(self._run, self._scope)
 
     async def wait_ready(self, timeout: float) -> str:
         """Start if needed and wait until ready; the engine's base URL.
@@ -143,12 +144,9 @@ class Supervisor:
     async def stop(self) -> None:
         """Stop the engine and wait until it is gone."""
         if self._scope is not None:
-            self._stopping = True
             self._scope.cancel()
         while self.status.state in (S.STARTING, S.READY, S.STOPPING):
             await self._changed.wait()
-
-    _stopping = False
 
     def engine_gone(self, launch: int) -> bool:
         """True when the engine of ``launch`` has exited (crashed, restarted or stopped)."""
@@ -157,27 +155,31 @@ class Supervisor:
         process = self._process
         return process is None or process.returncode() is not None
 
-    async def _run(self) -> None:
+    async def _run(self, scope: anyio.CancelScope) -> None:
+        """Launch, watch and relaunch the engine until cancelled (stop or shutdown) or FAILED."""
         failures = 0
-        with anyio.CancelScope() as self._scope:
-            while True:
-                became_ready = await self._launch_once()
-                failures = 0 if became_ready else failures + 1
-                if failures >= self._settings.max_start_failures:
-                    self._set(S.FAILED)
-                    break
-                if self.status.state is not S.STARTING:
-                    self._set(S.STARTING)
-                delay = restart_delay(failures or 1)
-                self._events.emit(self.name, "engine_restarting", instance=0, after_s=delay)
-                await anyio.sleep(delay)
-                self.status.restarts += 1
-        self._scope = None
-        if self._stopping:
-            self._stopping = False
-            if self.status.state is not S.STOPPING:
+        try:
+            with scope:
+                while True:
+                    became_ready = await self._launch_once()
+                    failures = 0 if became_ready else failures + 1
+                    if failures >= self._settings.max_start_failures:
+                        self._set(S.FAILED)
+                        return
+                    if self.status.state is not S.STARTING:
+                        self._set(S.STARTING)
+                    delay = restart_delay(failures or 1)
+                    self._events.emit(self.name, "engine_restarting", instance=0, after_s=delay)
+                    await anyio.sleep(delay)
+                    self.status.restarts += 1
+        finally:
+            # Whoever cancelled us (an operator's stop, CapyCTL's shutdown), the state ends STOPPED.
+            if self._scope is scope:
+                self._scope = None
+            if self.status.state in (S.STARTING, S.READY):
                 self._set(S.STOPPING)
-            self._set(S.STOPPED)
+            if self.status.state is S.STOPPING:
+                self._set(S.STOPPED)
 
     async def _launch_once(self) -> bool:
         """Run one engine process to its end; True if it became ready first."""
@@ -202,7 +204,7 @@ class Supervisor:
             return True
         finally:
             with anyio.CancelScope(shield=True):
-                if self._stopping and self.status.state is not S.STOPPING:
+                if process.returncode() is None:  # only a cancellation leaves it running here
                     self._set(S.STOPPING)
                 await process.terminate(self._settings.stop_grace)
                 self.status.pid = None
@@ -217,6 +219,8 @@ class Supervisor:
             if await self.adapter.ready(self.base_url):
                 return True
             await anyio.sleep(0.1)
+        with anyio.CancelScope(shield=True):
+            await process.terminate(self._settings.stop_grace)
         self.status.last_error = f"engine not ready after {self._settings.startup_timeout:.0f} s"
         self._events.emit(self.name, "engine_start_failed", instance=0, reason="startup timeout")
         return False

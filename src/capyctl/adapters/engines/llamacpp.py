@@ -39,8 +39,6 @@ class LlamaCppEngine(EngineAdapter):
     owned_options = {
         "-m": "the model file, from the deployment's model",
         "--model": "the model file, from the deployment's model",
-        "-a": "the served name, the deployment's name",
-        "--alias": "the served name, the deployment's name",
         "--host": "the listen address, always 127.0.0.1",
         "--port": "the port CapyCTL picks",
         "--metrics": "the metrics endpoint CapyCTL reads",
@@ -71,7 +69,9 @@ class LlamaCppEngine(EngineAdapter):
         return parse_version(text), text.strip()
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
-        argv = [engine.path, "-m", spec.model, "--alias", spec.name]
+        # No --alias: the engine names the model after its file, and the relay
+        # rewrites `model` to the deployment's name on every chunk.
+        argv = [engine.path, "-m", spec.model]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics"]
         if spec.engine_config.context_length is not None:
             argv += ["-c", str(spec.engine_config.context_length)]

@@ -1,0 +1,3 @@
+from capyctl.entrypoints.cli.app import main
+
+main()

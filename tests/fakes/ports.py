@@ -1,0 +1,125 @@
+"""In-memory fakes of the ports, with observable state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from capyctl.domain.deployments import Deployment, DeploymentSpec
+from capyctl.domain.engines import EngineInstall
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        import time
+
+        return time.monotonic()  # supervisors time real waits; wall time stays fixed
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineInstall] = {}
+        self.deployments: dict[str, Deployment] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def put_engine(self, engine: EngineInstall) -> None:
+        self.engines[engine.name] = engine
+
+    def get_engine(self, name: str) -> EngineInstall | None:
+        return self.engines.get(name)
+
+    def list_engines(self) -> list[EngineInstall]:
+        return list(self.engines.values())
+
+    def delete_engine(self, name: str) -> None:
+        self.engines.pop(name, None)
+
+    def put_deployment(self, deployment: Deployment) -> None:
+        self.deployments[deployment.spec.name] = deployment
+
+    def get_deployment(self, name: str) -> Deployment | None:
+        return self.deployments.get(name)
+
+    def list_deployments(self) -> list[Deployment]:
+        return list(self.deployments.values())
+
+    def delete_deployment(self, name: str) -> None:
+        self.deployments.pop(name, None)
+
+    def add_event(self, at: float, deployment: str | None, kind: str, detail: dict[str, Any]) -> None:
+        self.events.append({"id": len(self.events) + 1, "at": at, "deployment": deployment, "kind": kind, "detail": detail})
+
+    def list_events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
+        rows = [e for e in self.events if e["id"] > after_id and deployment in (None, e["deployment"])]
+        return rows[:limit]
+
+    def kinds(self) -> list[str]:
+        return [e["kind"] for e in self.events]
+
+
+class FakeProcess:
+    _next_pid = 1000
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        FakeProcess._next_pid += 1
+        self.pid = FakeProcess._next_pid
+        self.argv = list(argv)
+        self.code: int | None = None
+        self.terminated = False
+
+    def returncode(self) -> int | None:
+        return self.code
+
+    def crash(self, code: int = -9) -> None:
+        self.code = code
+
+    async def terminate(self, grace: float) -> int:
+        self.terminated = True
+        if self.code is None:
+            self.code = -15
+        return self.code
+
+
+class FakeProcessControl:
+    def __init__(self) -> None:
+        self.spawned: list[FakeProcess] = []
+        self.exit_at_once = False
+
+    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None) -> FakeProcess:
+        process = FakeProcess(argv)
+        if self.exit_at_once:
+            process.code = 1
+        self.spawned.append(process)
+        return process
+
+    def running(self) -> list[FakeProcess]:
+        return [p for p in self.spawned if p.code is None]
+
+
+class FakeEngineAdapter:
+    family = "llamacpp"
+    owned_options = {"--port": "the port CapyCTL picks"}
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.probed: list[Path] = []
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        self.probed.append(path)
+        return "0.6.0", "version: 0.6.0-dev (build 0, commit unknown)"
+
+    def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
+        return [engine.path, "--port", str(port), *spec.engine_config.extra_args]
+
+    async def ready(self, base_url: str) -> bool:
+        return self.healthy
+
+    async def load(self, base_url: str) -> tuple[int, int] | None:
+        return (0, 0)
