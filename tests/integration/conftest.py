@@ -1,0 +1,39 @@
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, llama_paths
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def llama() -> LlamaPaths:
+    paths = llama_paths()
+    assert paths.server.exists(), f"llama-server missing at {paths.server}"
+    assert paths.model.exists(), f"SmolLM2 GGUF missing at {paths.model}"
+    return paths
+
+
+@pytest.fixture
+def capy(tmp_path: Path) -> Iterator[CapyServer]:
+    """A fresh CapyCTL with nothing registered; stopped after the test, whatever happens."""
+    server = CapyServer(tmp_path / "state").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Iterator[CapyServer]:
+    """A CapyCTL serving SmolLM2 as `smollm2` on the real llama-server, shared by a module."""
+    tmp = tmp_path_factory.mktemp("served")
+    server = CapyServer(tmp / "state").start()
+    try:
+        server.cli("engine", "add", str(llama.server), "--name", "llama-server")
+        server.cli("deploy", "model", "--file", str(deployment_file(tmp, "smollm2", "llama-server", llama.model)), "--wait")
+        yield server
+    finally:
+        server.stop()
