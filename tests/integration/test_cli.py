@@ -1,0 +1,92 @@
+"""The CLI's errors: `error [code]: message` on stderr, a non-zero exit, nothing changed."""
+
+from pathlib import Path
+
+import msgspec
+
+from tests.integration.harness import CapyServer, LlamaPaths, deployment_file
+
+
+def refuse(capy: CapyServer, *args: str) -> tuple[str, int]:
+    done = capy.cli(*args, check=False)
+    assert done.returncode != 0, done.stdout
+    assert done.stderr.startswith("error ["), done.stderr
+    return done.stderr, done.returncode
+
+
+def test_version_and_help_teach() -> None:
+    import subprocess
+    import sys
+
+    version = subprocess.run([sys.executable, "-m", "capyctl", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("capyctl ")
+    helped = subprocess.run([sys.executable, "-m", "capyctl", "deploy", "model", "--help"], capture_output=True, text=True)
+    assert "--activate" in helped.stdout and "--wait" in helped.stdout
+
+
+def test_no_server_is_a_clear_error(tmp_path: Path) -> None:
+    capy = CapyServer(tmp_path / "nothing")
+    stderr, code = refuse(capy, "list", "deployments")
+    assert "error [server_not_running]" in stderr and "capyctl start standalone" in stderr
+    assert code == 3
+
+
+def test_engine_add_reads_the_version_and_refuses_what_is_not_an_engine(
+    capy: CapyServer, llama: LlamaPaths, tmp_path: Path
+) -> None:
+    added = capy.cli_json("engine", "add", str(llama.server), "--name", "llama-server")
+    assert (added["name"], added["family"], added["version"]) == ("llama-server", "llamacpp", "0.6.0")
+    assert "0.6.0-dev" in added["version_text"]
+    listed = capy.cli("engine", "list").stdout
+    assert "llama-server" in listed and "0.6.0" in listed
+    stderr, _ = refuse(capy, "engine", "add", str(llama.server), "--name", "llama-server")
+    assert "error [already_exists]" in stderr
+    stderr, _ = refuse(capy, "engine", "add", str(tmp_path / "missing"))
+    assert "error [invalid_engine]" in stderr
+    fake = tmp_path / "not-an-engine"
+    fake.write_text("#!/bin/sh\necho hello\n")
+    fake.chmod(0o755)
+    stderr, code = refuse(capy, "engine", "add", str(fake))
+    assert "error [invalid_engine]" in stderr and "hello" in stderr and code == 6
+    assert [e["name"] for e in capy.cli_json("engine", "list")] == ["llama-server"]
+
+
+def test_deployment_files_are_checked_strictly(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
+    capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
+    cases = {
+        "unknown key": ("name: m\nengine: llama-server\nmodel: {m}\nengine_confg: {{}}\n", "engine_confg"),
+        "duplicate key": ("name: m\nengine: llama-server\nmodel: {m}\nmodel: {m}\n", "duplicate key 'model' on line 4"),
+        "owned option": (
+            "name: m\nengine: llama-server\nmodel: {m}\nengine_config:\n  extra_args: ['--port', '1']\n",
+            "--port is set by CapyCTL",
+        ),
+        "missing model": ("name: m\nengine: llama-server\nmodel: /no/such.gguf\n", "does not exist"),
+        "no engine": ("name: m\nengine: nope\nmodel: {m}\n", "error [engine_not_found]"),
+        "bad yaml": ("name: [m\n", "not valid YAML"),
+    }
+    for label, (text, expected) in cases.items():
+        path = tmp_path / "bad.yaml"
+        path.write_text(text.format(m=llama.model))
+        stderr, _ = refuse(capy, "deploy", "model", "--file", str(path))
+        assert expected in stderr, (label, stderr)
+    assert capy.cli_json("list", "deployments") == []
+
+
+def test_deploy_update_and_delete(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
+    capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
+    path = deployment_file(tmp_path, "smollm2", "llama-server", llama.model)
+    first = capy.cli_json("deploy", "model", "--file", str(path))
+    assert first["outcome"] == "created" and first["deployment"]["state"] == "stopped"
+    assert capy.cli_json("deploy", "model", "--file", str(path))["outcome"] == "unchanged"
+    doc = msgspec.yaml.decode(path.read_bytes())
+    doc["engine_config"]["context_length"] = 2048
+    path.write_bytes(msgspec.yaml.encode(doc))
+    assert capy.cli_json("deploy", "model", "--file", str(path))["outcome"] == "updated"
+    text = capy.cli("status", "deployment", "smollm2").stdout
+    assert "llama-server (llamacpp 0.6.0)" in text and "INSTANCE" in text and "RESTARTS" in text
+    stderr, _ = refuse(capy, "engine", "remove", "llama-server")
+    assert "error [engine_in_use]" in stderr
+    assert capy.cli_json("delete", "deployment", "smollm2") == {"deleted": "smollm2"}
+    stderr, code = refuse(capy, "status", "deployment", "smollm2")
+    assert "error [deployment_not_found]" in stderr and code == 4
+    capy.cli("engine", "remove", "llama-server")
