@@ -132,3 +132,14 @@ def test_engine_log_files_are_per_launch(capy: CapyServer, llama: LlamaPaths, tm
     assert first != second
     assert Path(first).parent == Path(second).parent == capy.state_dir / "logs" / "smollm2"
     assert "llama" in Path(second).read_text(errors="replace").lower()
+
+
+def test_no_orphan_engine_when_capyctl_is_killed(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
+    deploy(capy, llama, tmp_path, "--wait")
+    pid = status(capy)["instances"][0]["pid"]
+    capy.process.kill()  # SIGKILL: CapyCTL gets no chance to stop its engines itself
+    capy.process.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid), "the engine outlived CapyCTL"
