@@ -83,27 +83,33 @@ async def _serve(container: Container, inference_addr: tuple[str, int], manageme
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])
-    async with anyio.create_task_group() as tg:
-        await tg.start(fleet.run)
-        tg.start_soon(_stop_on_signal, [inference, manager], tg.cancel_scope)
-        state.write_management(management_url)
-        host, port = inference_sock.getsockname()[:2]
-        log.info(
-            "capyctl %s serving http://%s:%s/v1 (API key in %s); management %s",
-            __version__, host, port, state.root / CREDENTIALS, management_url,
-        )
-        async with anyio.create_task_group() as servers:
-            servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
-            servers.start_soon(lambda: manager.serve(sockets=[management_sock]))
-        tg.cancel_scope.cancel()
-    state.clear_management()
+    # The signal watcher outlives the engines' shutdown, so a second Ctrl-C
+    # cannot kill CapyCTL halfway through stopping them.
+    async with anyio.create_task_group() as watcher:
+        watcher.start_soon(_stop_on_signal, [inference, manager])
+        async with anyio.create_task_group() as tg:
+            await tg.start(fleet.run)
+            state.write_management(management_url)
+            host, port = inference_sock.getsockname()[:2]
+            log.info(
+                "capyctl %s serving http://%s:%s/v1 (API key in %s); management %s",
+                __version__, host, port, state.root / CREDENTIALS, management_url,
+            )
+            async with anyio.create_task_group() as servers:
+                servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
+                servers.start_soon(lambda: manager.serve(sockets=[management_sock]))
+            state.clear_management()
+            tg.cancel_scope.cancel()  # fleet.run stops every engine on its way out
+        watcher.cancel_scope.cancel()
     log.info("capyctl stopped; every engine is stopped")
 
 
-async def _stop_on_signal(servers: list[_Server], _scope: anyio.CancelScope) -> None:
+async def _stop_on_signal(servers: list[_Server]) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("received %s: stopping servers and engines", signal.Signals(signum).name)
-            for server in servers:
-                server.should_exit = True
-            return
+            if not servers[0].should_exit:
+                log.info("received %s: stopping servers and engines", signal.Signals(signum).name)
+                for server in servers:
+                    server.should_exit = True
+            else:
+                log.info("received %s again: still stopping engines", signal.Signals(signum).name)
