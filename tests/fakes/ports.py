@@ -111,6 +111,15 @@ class FakeEngineAdapter:
         self.healthy = True
         self.probed: list[Path] = []
 
+    def recognises(self, path: Path) -> bool:
+        return True
+
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+        return {}
+
+    async def probe_version(self, base_url: str) -> str | None:
+        return None
+
     def probe(self, path: Path) -> tuple[str, str]:
         self.probed.append(path)
         return "0.6.0", "version: 0.6.0-dev (build 0, commit unknown)"

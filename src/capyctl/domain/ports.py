@@ -64,11 +64,20 @@ class EngineAdapter(Protocol):
     family: str
     owned_options: dict[str, str]  # flag -> what CapyCTL controls with it
 
+    def recognises(self, path: Path) -> bool:
+        """True when ``path`` is an installation of this family (cheap, no process started)."""
+
     def probe(self, path: Path) -> tuple[str, str]:
         """Return (version, the installation's own version text); raise InvalidEngine."""
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         """The engine's command line, CapyCTL's forced flags included."""
+
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+        """Extra environment variables for the engine process."""
+
+    async def probe_version(self, base_url: str) -> str | None:
+        """The version a running engine reports about itself (attached engines), None if it does not tell."""
 
     async def ready(self, base_url: str) -> bool:
         """True once the engine answers requests; False while it loads. Never raises for I/O."""

@@ -189,7 +189,8 @@ class Supervisor:
         log_path = self._log_dir / f"{int(self._clock.wall() * 1000)}-{self.launch}.log"
         self.status.port, self.status.log_path = port, str(log_path)
         self.status.started_at = self._clock.wall()
-        self._process = process = await self._processes.spawn(argv, log_path, None)
+        env = self.adapter.environment(self.engine, self.deployment.spec)
+        self._process = process = await self._processes.spawn(argv, log_path, env)
         self.status.pid = process.pid
         self._events.emit(self.name, "engine_started", instance=0, pid=process.pid, port=port)
         try:

@@ -52,6 +52,22 @@ class LlamaCppEngine(EngineAdapter):
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client
 
+    def recognises(self, path: Path) -> bool:
+        return path.is_file()
+
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+        return {}
+
+    async def probe_version(self, base_url: str) -> str | None:
+        """llama.cpp's /props carries ``build_info`` (e.g. ``b0-unknown``); only a real build number helps."""
+        try:
+            response = await self._client.get(base_url + "/props", timeout=2.0)
+            build = response.json().get("build_info", "") if response.status_code == 200 else ""
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        match = re.match(r"b(\d+)", build)
+        return f"b{match.group(1)}" if match and match.group(1) != "0" else None
+
     def probe(self, path: Path) -> tuple[str, str]:
         if not path.is_file():
             raise InvalidEngine(f"{path} is not a file: give the path of the llama-server binary")
