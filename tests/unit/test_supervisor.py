@@ -9,6 +9,7 @@ import pytest
 from capyctl.domain.deployments import Deployment, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.fields import row_for
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from capyctl.services.supervisor import Supervisor, SupervisorSettings
@@ -28,6 +29,7 @@ class World:
         self.supervisor = Supervisor(
             Deployment(spec=spec), engine, self.adapter, self.processes, FakeClock(),
             Events(self.store, FakeClock()), lambda: 5555, Path("/tmp/capyctl-test-logs"), SETTINGS,
+            row_for(engine.family, engine.version),
         )
 
     def states(self) -> list[str]:

@@ -32,11 +32,28 @@ class EngineConfig(Strict):
     extra_args: list[str] = []
 
 
+ENGINE_FAMILIES = ("vllm", "sglang", "llamacpp", "tensorfold")
+URL_PATTERN = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?(/[^\s]*)?$")
+
+
 class DeploymentSpec(Strict):
+    """A deployment file.
+
+    Managed (the usual case): ``engine`` names a registered engine and
+    ``model`` is what it loads; CapyCTL starts and stops the engine.
+    Attached: ``endpoint`` is the URL of an engine running outside CapyCTL,
+    ``engine`` its family, ``model`` the name that engine serves (default:
+    the deployment's name) and ``engine_version`` its version when the engine
+    does not tell it. CapyCTL routes, verifies and relays, but never starts
+    or stops an attached engine.
+    """
+
     name: str
     engine: str
-    model: str
+    model: str | None = None
     api: Literal["chat", "decisions"] = "chat"
+    endpoint: str | None = None
+    engine_version: str | None = None
     engine_config: EngineConfig = EngineConfig()
 
     def __post_init__(self) -> None:
@@ -47,6 +64,29 @@ class DeploymentSpec(Strict):
             )
         if self.engine_config.context_length is not None and self.engine_config.context_length <= 0:
             raise InvalidConfig("engine_config.context_length must be a positive number of tokens")
+        if self.endpoint is None:
+            if not self.model:
+                raise InvalidConfig("model is required: the model file or directory the engine loads")
+            if self.engine_version is not None:
+                raise InvalidConfig("engine_version is only for attached deployments (with endpoint)")
+            return
+        if not URL_PATTERN.match(self.endpoint):
+            raise InvalidConfig(f"endpoint {self.endpoint!r} is not an http(s)://host[:port] URL")
+        if self.engine not in ENGINE_FAMILIES:
+            raise InvalidConfig(
+                f"with endpoint, engine names the engine's family: one of {', '.join(ENGINE_FAMILIES)}"
+            )
+        if self.engine_config != EngineConfig():
+            raise InvalidConfig("engine_config does not apply to an attached engine: CapyCTL does not start it")
+
+    @property
+    def attached(self) -> bool:
+        return self.endpoint is not None
+
+    @property
+    def served_model(self) -> str:
+        """The model name CapyCTL sends to the engine."""
+        return (self.model or self.name) if self.attached else self.name
 
 
 def check_extra_args(extra_args: list[str], owned: dict[str, str]) -> None:
@@ -66,6 +106,7 @@ class InstanceState(enum.StrEnum):
     READY = "ready"
     STOPPING = "stopping"
     FAILED = "failed"
+    UNAVAILABLE = "unavailable"  # an attached engine that does not answer
 
 
 S = InstanceState
@@ -75,6 +116,7 @@ TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     S.READY: frozenset({S.STOPPING, S.STARTING}),  # READY -> STARTING: crash, restart
     S.STOPPING: frozenset({S.STOPPED}),
     S.FAILED: frozenset({S.STARTING, S.STOPPING, S.STOPPED}),
+    S.UNAVAILABLE: frozenset(),  # attached engines are watched, never moved by CapyCTL
 }
 
 
@@ -86,6 +128,7 @@ def check_transition(current: InstanceState, new: InstanceState) -> None:
 class Deployment(msgspec.Struct, kw_only=True):
     spec: DeploymentSpec
     operator_stopped: bool = False
+    probed_version: str | None = None  # what an attached engine said its version was
 
 
 def restart_delay(consecutive_failures: int, base: float = 0.5, ceiling: float = 30.0) -> float:

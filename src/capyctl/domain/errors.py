@@ -132,6 +132,17 @@ class EngineRestarted(CapyError):
         )
 
 
+class UnverifiedStream(CapyError):
+    code = "unverified_stream"
+
+    def __init__(self, key: str, where: str) -> None:
+        super().__init__(
+            f"the engine sent the delta key {key!r}, which is not verified for {where}; "
+            "the stream was ended so that an untested field never reaches a client",
+            key=key,
+        )
+
+
 class DeadlineExceeded(CapyError):
     code = "deadline_exceeded"
 

@@ -16,6 +16,7 @@ import anyio
 import msgspec
 
 from capyctl.domain.errors import EngineError, EngineRestarted, EngineUnavailable, InvalidRequest
+from capyctl.domain.fields import DeltaVerifier
 from capyctl.domain.ports import Clock, EngineSession
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.streams import (
@@ -28,8 +29,7 @@ from capyctl.domain.streams import (
     StreamEvent,
     has_generated_text,
 )
-from capyctl.services.fleet import Fleet
-from capyctl.services.supervisor import Supervisor
+from capyctl.services.fleet import Fleet, Runner
 
 _encode = msgspec.json.encode
 
@@ -85,8 +85,13 @@ class ChatService:
         url = await supervisor.wait_ready(self._settings.request_deadline)
         launch = supervisor.launch
         record.sent(instance=0)
-        body = engine_body(obj, supervisor.name, record.stream)
-        stages: list[Stage] = [ModelRewrite(record.deployment)]
+        body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)
+        engine = supervisor.engine
+        # The verifier runs first: nothing of a chunk with an unverified key is sent.
+        stages: list[Stage] = [
+            DeltaVerifier(supervisor.fields.row.delta, f"{engine.family} {engine.version}"),
+            ModelRewrite(record.deployment),
+        ]
         try:
             async with self._session.chat_stream(url, body) as events:
                 yield _relay(events, stages, record)
@@ -95,7 +100,7 @@ class ChatService:
                 raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
             raise
 
-    async def _engine_gone(self, supervisor: Supervisor, launch: int) -> bool:
+    async def _engine_gone(self, supervisor: Runner, launch: int) -> bool:
         with anyio.move_on_after(self._settings.crash_notice):
             while not supervisor.engine_gone(launch):
                 await anyio.sleep(0.02)

@@ -15,7 +15,8 @@ import anyio
 import msgspec
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec, InstanceState, check_extra_args
-from capyctl.domain.engines import EngineInstall
+from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
     AlreadyExists,
     DeploymentNotFound,
@@ -28,8 +29,12 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.events import Events
+from capyctl.services.attached import AttachedSupervisor
 from capyctl.services.supervisor import Supervisor, SupervisorSettings
 
+
+
+Runner = Supervisor | AttachedSupervisor  # what serves one deployment
 
 
 def decode_spec(document: Any) -> DeploymentSpec:
@@ -62,7 +67,7 @@ class Fleet:
         self._pick_port = pick_port
         self._log_root = log_root
         self._settings = settings
-        self._supervisors: dict[str, Supervisor] = {}
+        self._supervisors: dict[str, Runner] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
 
     # --- lifecycle -----------------------------------------------------------
@@ -84,21 +89,34 @@ class Fleet:
             for supervisor in self._supervisors.values():
                 tg.start_soon(supervisor.stop)
 
-    def _supervisor(self, deployment: Deployment) -> Supervisor:
-        engine = self._store.get_engine(deployment.spec.engine)
+    def _engine_of(self, deployment: Deployment) -> EngineInstall:
+        spec = deployment.spec
+        if spec.attached:
+            version = spec.engine_version or deployment.probed_version or "unknown"
+            how = "declared in the deployment file" if spec.engine_version else "reported by the engine"
+            return EngineInstall(
+                name=f"{spec.engine}@{spec.endpoint}", family=EngineFamily(spec.engine),
+                path=str(spec.endpoint), version=version, version_text=how,
+            )
+        engine = self._store.get_engine(spec.engine)
         if engine is None:
-            raise EngineNotFound(deployment.spec.engine)
-        supervisor = Supervisor(
-            deployment,
-            engine,
-            self._adapters[engine.family],
-            self._processes,
-            self._clock,
-            self._events,
-            self._pick_port,
-            self._log_root / deployment.spec.name,
-            self._settings,
-        )
+            raise EngineNotFound(spec.engine)
+        return engine
+
+    def _supervisor(self, deployment: Deployment) -> Runner:
+        engine = self._engine_of(deployment)
+        adapter = self._adapters[engine.family]
+        fields = row_for(engine.family, engine.version)
+        if not fields.verified:
+            self._events.emit(deployment.spec.name, "unverified_engine_version", **fields.describe(engine.version))
+        supervisor: Runner
+        if deployment.spec.attached:
+            supervisor = AttachedSupervisor(deployment, engine, adapter, self._clock, self._events, fields)
+        else:
+            supervisor = Supervisor(
+                deployment, engine, adapter, self._processes, self._clock, self._events,
+                self._pick_port, self._log_root / deployment.spec.name, self._settings, fields,
+            )
         assert self._task_group is not None
         supervisor.bind(self._task_group)
         self._supervisors[deployment.spec.name] = supervisor
@@ -132,25 +150,40 @@ class Fleet:
         self._events.emit(None, "engine_removed", engine=name)
 
     # --- deployments --------------------------------------------------------
-    async def apply(self, document: Any, activate: bool) -> tuple[str, Supervisor]:
-        spec = decode_spec(document)
+    async def _check(self, spec: DeploymentSpec) -> str | None:
+        """Refuse a deployment that cannot work; an attached engine's probed version."""
+        if spec.attached:
+            if spec.engine_version:
+                return None
+            version = await self._adapters[spec.engine].probe_version(str(spec.endpoint).rstrip("/"))
+            if version is None:
+                raise InvalidConfig(
+                    f"could not read the engine version from {spec.endpoint}; "
+                    "declare it in the deployment file with engine_version"
+                )
+            return version
         engine = self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
         check_extra_args(spec.engine_config.extra_args, self._adapters[engine.family].owned_options)
-        if not Path(spec.model).expanduser().exists():
-            raise InvalidConfig(f"model file {spec.model!r} does not exist on this machine")
+        if not Path(str(spec.model)).expanduser().exists():
+            raise InvalidConfig(f"model {spec.model!r} does not exist on this machine")
+        return None
+
+    async def apply(self, document: Any, activate: bool) -> tuple[str, Runner]:
+        spec = decode_spec(document)
+        probed = await self._check(spec)
         current = self._supervisors.get(spec.name)
         outcome = "created"
         if current is not None:
-            if current.deployment.spec == spec:
+            if current.deployment.spec == spec and current.deployment.probed_version == probed:
                 outcome = "unchanged"
             else:
                 outcome = "updated"
                 await current.stop()
                 del self._supervisors[spec.name]
                 current = None
-        deployment = Deployment(spec=spec, operator_stopped=False)
+        deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
         self._store.put_deployment(deployment)
         supervisor = current or self._supervisor(deployment)
         supervisor.deployment.operator_stopped = False
@@ -159,7 +192,7 @@ class Fleet:
             supervisor.start()
         return outcome, supervisor
 
-    def get(self, name: str) -> Supervisor:
+    def get(self, name: str) -> Runner:
         supervisor = self._supervisors.get(name)
         if supervisor is None:
             raise DeploymentNotFound(name)
@@ -168,16 +201,16 @@ class Fleet:
     def names(self) -> list[str]:
         return sorted(self._supervisors)
 
-    def supervisors(self) -> list[Supervisor]:
+    def supervisors(self) -> list[Runner]:
         return [self._supervisors[name] for name in self.names()]
 
-    def start(self, name: str) -> Supervisor:
+    def start(self, name: str) -> Runner:
         supervisor = self.get(name)
         self._set_operator_stopped(supervisor, False)
         supervisor.start()
         return supervisor
 
-    async def stop(self, name: str) -> Supervisor:
+    async def stop(self, name: str) -> Runner:
         supervisor = self.get(name)
         self._set_operator_stopped(supervisor, True)
         await supervisor.stop()
@@ -190,7 +223,7 @@ class Fleet:
         self._store.delete_deployment(name)
         self._events.emit(name, "deployment_deleted")
 
-    def _set_operator_stopped(self, supervisor: Supervisor, stopped: bool) -> None:
+    def _set_operator_stopped(self, supervisor: Runner, stopped: bool) -> None:
         supervisor.deployment.operator_stopped = stopped
         self._store.put_deployment(supervisor.deployment)
         self._events.emit(supervisor.name, "operator_stop" if stopped else "operator_start")
@@ -198,7 +231,7 @@ class Fleet:
     def events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
         return self._store.list_events(deployment, after_id, limit)
 
-    def resolve(self, model: str) -> Supervisor:
+    def resolve(self, model: str) -> Runner:
         """The supervisor serving ``model`` for a request (it may still need starting)."""
         supervisor = self._supervisors.get(model)
         if supervisor is None:

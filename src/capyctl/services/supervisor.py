@@ -22,6 +22,7 @@ import msgspec
 from capyctl.domain.deployments import Deployment, InstanceState, check_transition, restart_delay
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
 from capyctl.services.events import Events
 
@@ -60,8 +61,10 @@ class Supervisor:
         pick_port: Callable[[], int],
         log_dir: Path,
         settings: SupervisorSettings,
+        fields: RowChoice,
     ) -> None:
         self.deployment = deployment
+        self.fields = fields
         self.engine = engine
         self.adapter = adapter
         self._processes = processes

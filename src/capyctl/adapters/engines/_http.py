@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import httpx
 import msgspec
 
@@ -70,7 +71,10 @@ class HttpxEngineSession(EngineSession):
                 raise engine_error(response.status_code, raw)
             yield _events(response)
         finally:
-            await response.aclose()
+            # Shielded: under cancellation (client gone) an unshielded close can be cut
+            # short, leaving the socket open and the engine generating until GC.
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
 
 
 async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:

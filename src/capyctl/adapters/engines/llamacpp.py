@@ -87,7 +87,7 @@ class LlamaCppEngine(EngineAdapter):
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         # No --alias: the engine names the model after its file, and the relay
         # rewrites `model` to the deployment's name on every chunk.
-        argv = [engine.path, "-m", spec.model]
+        argv = [engine.path, "-m", str(spec.model)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--metrics"]
         if spec.engine_config.context_length is not None:
             argv += ["-c", str(spec.engine_config.context_length)]

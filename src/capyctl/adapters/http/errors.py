@@ -28,6 +28,7 @@ STATUS: dict[str, int] = {
     "engine_unavailable": 502,
     "engine_restarted": 502,
     "bad_engine_response": 502,
+    "unverified_stream": 502,
     "deadline_exceeded": 504,
     "stream_idle_timeout": 504,
     "internal_error": 500,

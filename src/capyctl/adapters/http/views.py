@@ -9,8 +9,7 @@ from litestar.params import Dependency
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.ports import Clock
-from capyctl.services.fleet import Fleet
-from capyctl.services.supervisor import Supervisor
+from capyctl.services.fleet import Fleet, Runner
 
 
 def engine_view(engine: EngineInstall) -> dict[str, Any]:
@@ -23,7 +22,7 @@ def engine_view(engine: EngineInstall) -> dict[str, Any]:
     }
 
 
-def deployment_view(supervisor: Supervisor, now: float) -> dict[str, Any]:
+def deployment_view(supervisor: Runner, now: float) -> dict[str, Any]:
     spec = supervisor.deployment.spec
     status = supervisor.status
     running = status.state in (InstanceState.READY, InstanceState.STARTING) and status.started_at
@@ -34,7 +33,9 @@ def deployment_view(supervisor: Supervisor, now: float) -> dict[str, Any]:
         "engine_family": str(supervisor.engine.family),
         "engine_version": supervisor.engine.version,
         "model": spec.model,
+        "endpoint": spec.endpoint,
         "state": str(status.state),
+        "fields": supervisor.fields.describe(supervisor.engine.version),
         "operator_stopped": supervisor.deployment.operator_stopped,
         "engine_config": {
             "context_length": spec.engine_config.context_length,

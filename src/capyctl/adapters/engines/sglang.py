@@ -1,0 +1,110 @@
+"""SGLang's server (``python -m sglang.launch_server``).
+
+Registered by the directory of the virtualenv SGLang is installed in; the
+version is that of the ``sglang`` distribution, read from its metadata without
+importing it. ``--enable-metrics`` is forced (without it there is no
+``/metrics``, so no load reading) and so is ``--enable-cache-report`` (cached
+prompt tokens in ``usage``, MET-4); neither can be turned off by a deployment.
+
+``GET /health`` answers 503 while the server starts (and shuts down), then 200
+without running a generation. Running and waiting counts are the ``/metrics``
+gauges ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs``, labelled by
+model, engine type and ranks (summed over label sets). The running version is
+the ``version`` field of ``GET /get_server_info`` (``GET /server_info`` where
+that older route is gone).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from capyctl.adapters.engines import _prom, _venv
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.errors import InvalidEngine
+from capyctl.domain.ports import EngineAdapter
+
+DISTRIBUTION = "sglang"
+_RUNNING = "sglang:num_running_reqs"
+_WAITING = "sglang:num_queue_reqs"
+
+
+class SglangEngine(EngineAdapter):
+    family = EngineFamily.SGLANG
+    owned_options = {
+        "--model-path": "the model, from the deployment's model",
+        "--model": "the model, from the deployment's model",
+        "--served-model-name": "the model's name, from the deployment's name",
+        "--host": "the listen address, always 127.0.0.1",
+        "--port": "the port CapyCTL picks",
+        "--api-key": "engine authentication; CapyCTL is the only client",
+        "--admin-api-key": "engine authentication; CapyCTL is the only client",
+        "--enable-metrics": "the metrics endpoint CapyCTL reads, always on",
+        "--no-enable-metrics": "the metrics endpoint CapyCTL reads, always on",
+        "--enable-cache-report": "cached-token counts in usage, always on (MET-4)",
+        "--no-enable-cache-report": "cached-token counts in usage, always on (MET-4)",
+        "--context-length": "use engine_config.context_length",
+    }
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    def recognises(self, path: Path) -> bool:
+        return _venv.find(path, DISTRIBUTION) is not None
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        if not path.is_dir():
+            raise InvalidEngine(
+                f"{path} is not a directory: give the directory of the virtualenv SGLang is installed in"
+            )
+        dist = _venv.find(path, DISTRIBUTION)
+        if dist is None:
+            raise InvalidEngine(
+                f"{path} holds no sglang package (looked in lib/python3.*/site-packages): "
+                "give the directory of the virtualenv SGLang is installed in"
+            )
+        if not _venv.python(path).exists():
+            raise InvalidEngine(f"{path} has no bin/python: give the virtualenv's own directory")
+        return _venv.public_version(dist.version), f"{_venv.normalise(dist.name)} {dist.version}"
+
+    def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
+        argv = [str(_venv.python(Path(engine.path))), "-m", "sglang.launch_server"]
+        argv += ["--model-path", spec.model, "--served-model-name", spec.name]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--enable-metrics", "--enable-cache-report"]
+        if spec.engine_config.context_length is not None:
+            argv += ["--context-length", str(spec.engine_config.context_length)]
+        return argv + list(spec.engine_config.extra_args)
+
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+        return {}
+
+    async def probe_version(self, base_url: str) -> str | None:
+        for route in ("/get_server_info", "/server_info"):
+            try:
+                response = await self._client.get(base_url + route, timeout=2.0)
+                version = response.json().get("version") if response.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+            except (ValueError, AttributeError):
+                version = None
+            if isinstance(version, str) and version:
+                return _venv.public_version(version)
+        return None
+
+    async def ready(self, base_url: str) -> bool:
+        try:
+            response = await self._client.get(base_url + "/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def load(self, base_url: str) -> tuple[int, int] | None:
+        try:
+            response = await self._client.get(base_url + "/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return _prom.running_waiting(response.content, [_RUNNING], [_WAITING])

