@@ -39,6 +39,13 @@ def test_non_streamed_chat_is_assembled_from_the_engine_stream(served: CapyServe
     assert answer["usage"]["completion_tokens"] <= 24 and answer["usage"]["prompt_tokens"] > 0
     assert answer["timings"]["predicted_n"] == answer["usage"]["completion_tokens"]
     assert answer["system_fingerprint"] == "b0-unknown"
+    metrics = answer["capyctl"]["metrics"]
+    timings = answer["timings"]
+    assert metrics["prefill_ms"] == {"value": round(timings["prompt_ms"], 2), "source": "engine"}
+    assert metrics["decode_tokens_per_second"] == {"value": round(timings["predicted_per_second"], 2), "source": "engine"}
+    assert metrics["ttft_ms"]["source"] == "router" and 0 < metrics["ttft_ms"]["value"] < 60_000
+    assert metrics["cached_tokens"] == {"value": answer["usage"]["prompt_tokens_details"]["cached_tokens"], "source": "engine"}
+    assert "queue_ms" not in metrics  # llama.cpp does not measure it: absent, never 0
 
 
 def test_streamed_chat_relays_engine_chunks_with_model_rewritten(served: CapyServer) -> None:
@@ -50,7 +57,11 @@ def test_streamed_chat_relays_engine_chunks_with_model_rewritten(served: CapySer
         text = r.read().decode()
     events = sse_events(text)
     assert events[-1] == "data: [DONE]"
-    chunks = [msgspec.json.decode(e[len("data: "):]) for e in events[:-1]]
+    assert events[-2].startswith(": x-capyctl-metrics ")  # one comment line just before [DONE]
+    metrics = msgspec.json.decode(events[-2][len(": x-capyctl-metrics "):])
+    assert metrics["ttft_ms"]["source"] == "router" and metrics["ttft_ms"]["value"] > 0
+    assert metrics["prefill_ms"]["source"] == "engine"  # llama.cpp's timings.prompt_ms
+    chunks = [msgspec.json.decode(e[len("data: "):]) for e in events[:-2]]
     assert all(c["model"] == "smollm2" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
@@ -63,7 +74,7 @@ def test_streamed_usage_only_when_the_client_asks(served: CapyServer) -> None:
     body = {"model": "smollm2", "messages": HELLO, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, headers=served.headers(), timeout=60) as r:
         events = sse_events(r.read().decode())
-    usage = msgspec.json.decode(events[-2][len("data: "):])
+    usage = msgspec.json.decode(events[-3][len("data: "):])
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
 
 

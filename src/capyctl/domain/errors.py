@@ -132,6 +132,16 @@ class EngineRestarted(CapyError):
         )
 
 
+class CacheSaltUnsupported(CapyError):
+    code = "cache_salt_unsupported"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this deployment's engine does not keep prompt caches apart by cache_salt; "
+            "send the request without cache_salt, or use a vLLM or SGLang deployment"
+        )
+
+
 class UnverifiedStream(CapyError):
     code = "unverified_stream"
 

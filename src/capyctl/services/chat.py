@@ -15,8 +15,16 @@ from typing import Any
 import anyio
 import msgspec
 
-from capyctl.domain.errors import EngineError, EngineRestarted, EngineUnavailable, InvalidRequest
+from capyctl.domain.errors import (
+    CacheSaltUnsupported,
+    EngineError,
+    EngineRestarted,
+    EngineUnavailable,
+    InvalidRequest,
+)
+from capyctl.domain.engines import EngineFamily
 from capyctl.domain.fields import DeltaVerifier
+from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineSession
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.streams import (
@@ -27,11 +35,11 @@ from capyctl.domain.streams import (
     ModelRewrite,
     Stage,
     StreamEvent,
-    has_generated_text,
 )
 from capyctl.services.fleet import Fleet, Runner
 
 _encode = msgspec.json.encode
+SALTED_FAMILIES = frozenset({EngineFamily.VLLM, EngineFamily.SGLANG})  # engines that honour cache_salt
 
 
 class ChatSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -73,28 +81,35 @@ class ChatService:
         self._session = session
         self._clock = clock
         self._settings = settings
+        self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[AsyncIterator[StreamEvent]]:
-        """Yield the relayed events of the engine's answer to ``obj``.
+    async def open(self, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[EngineCall]:
+        """Yield the engine call answering ``obj``: its relayed events, and its metrics at the end.
 
         Raises domain errors before anything is yielded (unknown model, engine
         refusal ...). Leaving the context closes the engine connection.
         """
         supervisor = self._fleet.resolve(record.deployment)
+        engine = supervisor.engine
+        check_cache_salt(obj, engine.family)
         url = await supervisor.wait_ready(self._settings.request_deadline)
         launch = supervisor.launch
         record.sent(instance=0)
         body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)
-        engine = supervisor.engine
+        meter = Meter(self._clock.monotonic)
         # The verifier runs first: nothing of a chunk with an unverified key is sent.
         stages: list[Stage] = [
             DeltaVerifier(supervisor.fields.row.delta, f"{engine.family} {engine.version}"),
+            meter,
             ModelRewrite(record.deployment),
         ]
+        row = self._metrics_rows.get((engine.family, engine.version))
+        if row is None:
+            row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
         try:
             async with self._session.chat_stream(url, body) as events:
-                yield _relay(events, stages, record)
+                yield EngineCall(_relay(events, stages, record, meter), meter, row)
         except EngineUnavailable as exc:
             if await self._engine_gone(supervisor, launch):
                 raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
@@ -108,27 +123,54 @@ class ChatService:
         return False
 
     async def complete(self, record: RequestRecord, obj: dict[str, Any]) -> dict[str, Any]:
-        """A non-streamed answer, assembled from the engine's stream."""
+        """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
         assembler = Assembler(record.deployment)
-        async with self.open(record, obj) as events:
-            async for event in events:
+        async with self.open(record, obj) as call:
+            async for event in call.events:
                 if isinstance(event, Chunk):
                     assembler.add(event.obj)
                 elif isinstance(event, EngineFailure):
                     raise failure_error(event.error)
                 elif isinstance(event, Done):
                     break
-        return assembler.result()
+        answer = assembler.result()
+        answer["capyctl"] = {"metrics": call.metrics()}
+        return answer
+
+
+class EngineCall:
+    """One engine call in progress: its relayed events, then its metrics."""
+
+    __slots__ = ("events", "_meter", "_row")
+
+    def __init__(self, events: AsyncIterator[StreamEvent], meter: Meter, row: MetricsRow) -> None:
+        self.events = events
+        self._meter = meter
+        self._row = row
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        return self._meter.figures(self._row)
+
+
+def check_cache_salt(obj: dict[str, Any], family: str) -> None:
+    """SALT-1/SALT-2: a valid salt, and only for engines that partition their cache by it."""
+    if "cache_salt" not in obj:
+        return
+    salt = obj["cache_salt"]
+    if not isinstance(salt, str) or not salt or len(salt.encode()) > 1024:
+        raise InvalidRequest("'cache_salt' must be a non-empty string of at most 1024 bytes", param="cache_salt")
+    if family not in SALTED_FAMILIES:
+        raise CacheSaltUnsupported()
 
 
 async def _relay(
-    events: AsyncIterator[StreamEvent], stages: list[Stage], record: RequestRecord
+    events: AsyncIterator[StreamEvent], stages: list[Stage], record: RequestRecord, meter: Meter
 ) -> AsyncIterator[StreamEvent]:
     async for event in events:
         if isinstance(event, Chunk):
             for stage in stages:
                 event = stage(event)
-            if not record.answered and has_generated_text(event.obj):
+            if not record.answered and meter.first_text_at is not None:
                 record.engine_answered()
         elif isinstance(event, EngineFailure):
             record.engine_answered()

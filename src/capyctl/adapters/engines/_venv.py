@@ -6,6 +6,9 @@ only reads files: ``lib/python3.*/site-packages/*.dist-info/METADATA`` (and a
 legacy ``*.egg-info``'s ``PKG-INFO``), whose ``Name`` and ``Version`` headers
 say what is installed. Nothing of the engine is imported or run, so a probe is
 cheap and cannot execute an engine's import-time code.
+
+Such engines also share how they read their options (Python's ``argparse``):
+``ArgparseOptions`` matches the spellings of an owned option they accept.
 """
 
 from __future__ import annotations
@@ -100,3 +103,43 @@ def find(venv: Path, *names: str) -> Distribution | None:
         if (dist := dists.get(normalise(name))) is not None:
             return dist
     return None
+
+
+class ArgparseOptions(dict[str, str]):
+    """Options CapyCTL owns on a Python engine's command line, matched the way the engine reads them.
+
+    Python engines parse options with ``argparse``, which accepts any
+    unambiguous beginning of a long option (vLLM 0.32 runs
+    ``--disable-log-stat`` and ``--no-enable-per-request`` as the full flags),
+    and vLLM also reads ``--disable_log_stats`` as ``--disable-log-stats``.
+    ``flag in options`` (what ``check_extra_args`` asks) is true for those
+    spellings too, and ``options[flag]`` says what CapyCTL controls with it;
+    iterating lists the canonical flags only. An abbreviation that argparse
+    would find ambiguous is refused as well: the engine would not start with it.
+    """
+
+    def canonical(self, flag: object) -> str | None:
+        """The owned flag ``flag`` stands for, or None."""
+        if not isinstance(flag, str):
+            return None
+        if dict.__contains__(self, flag):
+            return flag
+        if not flag.startswith("--") or len(flag) <= 2:
+            return None
+        spelled = "--" + flag[2:].replace("_", "-")
+        if dict.__contains__(self, spelled):
+            return spelled
+        return next((owned for owned in self if owned.startswith(spelled)), None)
+
+    def __contains__(self, flag: object) -> bool:
+        return self.canonical(flag) is not None
+
+    def __getitem__(self, flag: str) -> str:
+        canonical = self.canonical(flag)
+        if canonical is None:
+            raise KeyError(flag)
+        return dict.__getitem__(self, canonical)
+
+    def get(self, flag: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        canonical = self.canonical(flag)
+        return default if canonical is None else dict.__getitem__(self, canonical)

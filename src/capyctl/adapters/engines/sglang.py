@@ -30,23 +30,27 @@ DISTRIBUTION = "sglang"
 _RUNNING = "sglang:num_running_reqs"
 _WAITING = "sglang:num_queue_reqs"
 
+_OWNED = {
+    "--config": "a file of options, which could set those CapyCTL owns; list options in extra_args",
+    "--model-path": "the model, from the deployment's model",
+    "--model": "the model, from the deployment's model",
+    "--served-model-name": "the model's name, from the deployment's name",
+    "--host": "the listen address, always 127.0.0.1",
+    "--port": "the port CapyCTL picks",
+    "--api-key": "engine authentication; CapyCTL is the only client",
+    "--admin-api-key": "engine authentication; CapyCTL is the only client",
+    "--enable-metrics": "the metrics endpoint CapyCTL reads, always on",
+    "--no-enable-metrics": "the metrics endpoint CapyCTL reads, always on",
+    "--enable-cache-report": "cached-token counts in usage, always on (MET-4)",
+    "--no-enable-cache-report": "cached-token counts in usage, always on (MET-4)",
+    "--context-length": "use engine_config.context_length",
+}
+
 
 class SglangEngine(EngineAdapter):
     family = EngineFamily.SGLANG
-    owned_options = {
-        "--model-path": "the model, from the deployment's model",
-        "--model": "the model, from the deployment's model",
-        "--served-model-name": "the model's name, from the deployment's name",
-        "--host": "the listen address, always 127.0.0.1",
-        "--port": "the port CapyCTL picks",
-        "--api-key": "engine authentication; CapyCTL is the only client",
-        "--admin-api-key": "engine authentication; CapyCTL is the only client",
-        "--enable-metrics": "the metrics endpoint CapyCTL reads, always on",
-        "--no-enable-metrics": "the metrics endpoint CapyCTL reads, always on",
-        "--enable-cache-report": "cached-token counts in usage, always on (MET-4)",
-        "--no-enable-cache-report": "cached-token counts in usage, always on (MET-4)",
-        "--context-length": "use engine_config.context_length",
-    }
+    # also refuses abbreviations argparse would expand to one of these (--enable-cache-rep)
+    owned_options = _venv.ArgparseOptions(_OWNED)
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client

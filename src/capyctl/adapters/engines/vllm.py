@@ -40,6 +40,7 @@ _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 
 _OWNED = {
+    "--config": "a file of options, which could set those CapyCTL owns; list options in extra_args",
     "--model": "the model, from the deployment's model",
     "--served-model-name": "the model's name, from the deployment's name",
     "--host": "the listen address, always 127.0.0.1",
@@ -53,11 +54,6 @@ _OWNED = {
 }
 
 
-def _spellings(owned: dict[str, str]) -> dict[str, str]:
-    """vLLM's argument parser reads ``--max_model_len`` as ``--max-model-len``: own both spellings."""
-    return {**owned, **{"--" + flag[2:].replace("-", "_"): why for flag, why in owned.items()}}
-
-
 def has_per_request_metrics(version: str) -> bool:
     low, high = PER_REQUEST_METRICS
     return low <= version_key(version)[:2] <= high
@@ -65,7 +61,8 @@ def has_per_request_metrics(version: str) -> bool:
 
 class VllmEngine(EngineAdapter):
     family = EngineFamily.VLLM
-    owned_options = _spellings(_OWNED)
+    # also refuses --disable_log_stats and abbreviations such as --no-enable-per-request
+    owned_options = _venv.ArgparseOptions(_OWNED)
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client

@@ -32,6 +32,8 @@ _encode = msgspec.json.encode
 _NO_STORE = (b"cache-control", b"no-store")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), _NO_STORE, (b"x-accel-buffering", b"no")]
 _DONE = b"data: [DONE]\n\n"
+# Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
+_STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -91,14 +93,14 @@ class ChatHandler:
     async def _stream(self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: list) -> None:
         started = False
         try:
-            async with self._service.open(record, obj) as events:
+            async with self._service.open(record, obj) as call:
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]})
                 started = True
-                async for event in events:
+                async for event in call.events:
                     if isinstance(event, Chunk):
                         body = b"data: " + event.raw + b"\n\n"
                     elif isinstance(event, Done):
-                        body = _DONE
+                        body = b": x-capyctl-metrics " + _encode(call.metrics()) + b"\n\n" + _DONE
                     elif isinstance(event, EngineFailure):
                         body = b"data: " + event.raw + b"\n\n"
                     elif isinstance(event, Comment):
@@ -107,6 +109,9 @@ class ChatHandler:
             record.phase = Phase.DONE
         except CapyError as error:
             record.phase = Phase.FAILED
+            if not started and error.code in _STREAMED_REFUSALS:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]})
+                started = True
             if not started:
                 await send_json(send, status_of(error), error_body(error), headers)
                 return

@@ -1,0 +1,208 @@
+"""The replay engine as a bare ASGI application.
+
+``POST /v1/chat/completions`` serves a recorded case: request fields ``replay_case`` (which
+recording), ``replay_chunk_size`` (bytes per write; default one write per SSE event) and
+``replay_pace`` (``recorded`` | ``fast``, overriding ``--pace``). Error cases answer their recorded
+status and body. A client that hangs up mid-answer is noticed at once (an ``http.disconnect``
+watcher) and counted; ``GET /replay/stats`` reports the counts. While the engine "sleeps", chat
+requests wait (counted as waiting) until it is woken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from capyctl.replay.assemble import assemble
+from capyctl.replay.dialects import Dialect
+from capyctl.replay.recordings import Case, Recording
+
+_CHAT = "/v1/chat/completions"
+_JSON = b"application/json"
+
+
+class ChatRequest(msgspec.Struct):
+    stream: bool | None = None
+    replay_case: str | None = None
+    replay_chunk_size: int | None = None
+    replay_pace: str | None = None
+
+
+_decode_request = msgspec.json.Decoder(ChatRequest).decode
+
+
+class ReplayApp:
+    def __init__(self, recording: Recording, dialect: str, version: str, pace: str = "fast",
+                 default_case: str | None = None):
+        self.recording = recording
+        self.dialect = Dialect(dialect, version, recording.model)
+        self.pace = pace
+        self.default_case = default_case or recording.default_case()
+        if self.default_case not in recording.cases:
+            raise ValueError(f"default case {self.default_case!r} is not in {recording.path}")
+        self.running = self.waiting = self.completed = self.disconnected = self.requests = 0
+        self._awake = asyncio.Event()
+        self._awake.set()
+        stream_type = self.dialect.stream_content_type
+        if dialect == "vllm":
+            stream_type += b"; charset=utf-8"
+        self._stream_headers = [(b"content-type", stream_type), (b"cache-control", b"no-cache")]
+
+    # -- State for the dialects -------------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return not self._awake.is_set()
+
+    def sleep(self, level: int) -> None:
+        self._awake.clear()
+
+    def wake(self) -> None:
+        self._awake.set()
+
+    def stats(self) -> dict[str, int]:
+        return {"running": self.running, "completed": self.completed, "disconnected": self.disconnected,
+                "requests": self.requests}
+
+    # -- ASGI -------------------------------------------------------------------------------------------
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"]
+                await send({"type": kind + ".complete"})
+                if kind == "lifespan.shutdown":
+                    return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        if path == _CHAT and method == "POST":
+            await self._chat(receive, send)
+            return
+        if path == "/replay/stats" and method == "GET":
+            await _answer(send, 200, _JSON, msgspec.json.encode(self.stats()))
+            return
+        answer = self.dialect.route(method, path, scope.get("query_string", b""), self)
+        if answer is None:
+            answer = (404, _JSON, self.dialect.error(404, f"no route {method} {path}"))
+        await _answer(send, *answer)
+
+    async def _chat(self, receive: Any, send: Any) -> None:
+        self.requests += 1
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected += 1
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            request = _decode_request(body)
+        except msgspec.DecodeError as exc:
+            await _answer(send, 400, _JSON, self.dialect.error(400, f"invalid request body: {exc}"))
+            self.completed += 1
+            return
+        name = request.replay_case or self.default_case
+        case = self.recording.cases.get(name)
+        if case is None:
+            await _answer(send, 404, _JSON, self.dialect.error(404, f"replay case {name!r} not found"))
+            self.completed += 1
+            return
+        if case.kind == "error":
+            await _answer(send, case.status, case.content_type, case.body)
+            self.completed += 1
+            return
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            if await self._wait_awake(watcher):
+                pace = request.replay_pace or self.pace
+                self.running += 1
+                try:
+                    if request.stream:
+                        gone = await self._stream(send, case, request.replay_chunk_size, pace, watcher)
+                    else:
+                        gone = await self._whole(send, case, pace, watcher)
+                finally:
+                    self.running -= 1
+            else:
+                gone = True
+        finally:
+            watcher.cancel()
+        if gone:
+            self.disconnected += 1
+        else:
+            self.completed += 1
+
+    async def _wait_awake(self, watcher: asyncio.Future[None]) -> bool:
+        """False if the client left while the engine slept."""
+        if self._awake.is_set():
+            return True
+        self.waiting += 1
+        woken = asyncio.ensure_future(self._awake.wait())
+        try:
+            await asyncio.wait((woken, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting -= 1
+            woken.cancel()
+        return not watcher.done()
+
+    async def _stream(self, send: Any, case: Case, chunk: int | None, pace: str,
+                      watcher: asyncio.Future[None]) -> bool:
+        """Write the case's bytes; True if the client hung up before the last one."""
+        await send({"type": "http.response.start", "status": 200, "headers": self._stream_headers})
+        recorded = pace == "recorded"
+        if recorded:
+            groups = [_pieces(e, chunk) for e in case.events]
+        else:
+            groups = [_pieces(case.body, chunk)] if chunk else [[e] for e in case.events]
+        delay = self.recording.first_chunk_s if recorded else 0.0
+        for group in groups:
+            if watcher.done():
+                return True
+            if delay > 0:
+                await asyncio.wait((watcher,), timeout=delay)
+                if watcher.done():
+                    return True
+            for n, piece in enumerate(group):
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                if not n & 63:
+                    await asyncio.sleep(0)  # let other streams (and the disconnect watcher) run
+                    if watcher.done():
+                        return True
+            delay = self.recording.interval_s if recorded else 0.0
+        if watcher.done():
+            return True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return False
+
+    async def _whole(self, send: Any, case: Case, pace: str, watcher: asyncio.Future[None]) -> bool:
+        """The assembled chat.completion, after the stream's recorded duration in recorded pace."""
+        if pace == "recorded":
+            total = self.recording.first_chunk_s + self.recording.interval_s * max(len(case.events) - 1, 0)
+            await asyncio.wait((watcher,), timeout=total)
+            if watcher.done():
+                return True
+        status, body = assemble(case.events)
+        await _answer(send, status, _JSON, body)
+        return False
+
+
+async def _until_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _pieces(data: bytes, size: int | None) -> list[bytes]:
+    if not size or size <= 0 or size >= len(data):
+        return [data]
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+async def _answer(send: Any, status: int, content_type: bytes | None, body: bytes) -> None:
+    headers = [(b"content-length", str(len(body)).encode())]
+    if content_type is not None:
+        headers.append((b"content-type", content_type))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
