@@ -45,8 +45,9 @@ def llama_paths() -> LlamaPaths:
 class CapyServer:
     """`capyctl start standalone` as a child process on free loopback ports."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, *extra_args: str) -> None:
         self.state_dir = state_dir
+        self.extra_args = extra_args
         self.port = free_port()
         self.management_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -58,7 +59,8 @@ class CapyServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "capyctl", "start", "standalone",
-                 "--listen", f"127.0.0.1:{self.port}", "--management", f"127.0.0.1:{self.management_port}"],
+                 "--listen", f"127.0.0.1:{self.port}", "--management", f"127.0.0.1:{self.management_port}",
+                 *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )
         deadline = time.monotonic() + timeout

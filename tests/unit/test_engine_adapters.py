@@ -256,7 +256,9 @@ def test_tensorfold_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
             [
                 "--host", "--port", "--model", "--served-model-name", "--enable-per-request-metrics",
                 "--no-enable-per-request-metrics", "--disable-log-stats", "--api-key", "--uds", "--max-model-len",
-                "--disable_log_stats", "--no_enable_per_request_metrics", "--served_model_name",
+                "--config", "--disable_log_stats", "--no_enable_per_request_metrics", "--served_model_name",
+                # argparse abbreviations vLLM 0.32 was seen to accept
+                "--disable-log-stat", "--no-enable-per-request", "--served-model",
             ],
         ),
         (
@@ -264,7 +266,7 @@ def test_tensorfold_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
             [
                 "--model-path", "--model", "--served-model-name", "--host", "--port", "--enable-metrics",
                 "--enable-cache-report", "--no-enable-metrics", "--no-enable-cache-report", "--api-key",
-                "--context-length",
+                "--context-length", "--config", "--enable-cache-rep", "--enable-metric",
             ],
         ),
         (TensorfoldEngine, ["--host", "--port", "--alias", "--context", "--api-key", "--api-key-file"]),
@@ -277,6 +279,19 @@ def test_owned_options_are_refused_in_extra_args(adapter: type, flags: list[str]
         with pytest.raises(InvalidConfig, match="is set by CapyCTL"):
             check_extra_args([flag + "=x"], owned)
     check_extra_args(["--dtype", "bfloat16", "--tp-size", "2", "--parallel", "2"], owned)
+
+
+def test_argparse_options_match_the_spellings_argparse_accepts() -> None:
+    owned = _venv.ArgparseOptions({"--disable-log-stats": "gauges", "--port": "port"})
+    assert list(owned) == ["--disable-log-stats", "--port"]
+    assert owned["--disable_log_stats"] == owned["--disable-log"] == owned.get("--disable-log-stats") == "gauges"
+    for other in ("--disable-log-requests", "--dtype", "--", "-p", "--portal", "port", 3):
+        assert other not in owned
+        assert owned.get(other) is None  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        owned["--dtype"]
+    with pytest.raises(InvalidConfig, match=r"--disable-log is set by CapyCTL \(gauges\)"):
+        check_extra_args(["--disable-log"], owned)
 
 
 def test_every_forced_flag_is_owned(tmp_path: Path, client: httpx.AsyncClient) -> None:

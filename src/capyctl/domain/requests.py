@@ -10,6 +10,8 @@ import enum
 
 import msgspec
 
+from capyctl.domain.errors import InvalidRequest
+
 
 class Phase(enum.StrEnum):
     RECEIVED = "received"
@@ -49,3 +51,17 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     def cancelled(self, cause: CancelCause) -> None:
         self.cause = cause
         self.phase = Phase.CANCELLED
+
+
+def check_caller_id(values: list[str]) -> str | None:
+    """The caller's ``X-Request-Id``: 1-128 printable ASCII characters, no spaces, given at most once."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidRequest("X-Request-Id was given more than once; send it once", param="X-Request-Id")
+    value = values[0]
+    if not 1 <= len(value) <= 128 or not all("!" <= char <= "~" for char in value):
+        raise InvalidRequest(
+            "X-Request-Id must be 1 to 128 printable ASCII characters without spaces", param="X-Request-Id"
+        )
+    return value

@@ -7,6 +7,7 @@ imports this module or dependency-injector.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +16,11 @@ from dependency_injector import containers, providers
 from capyctl.adapters.clock import SystemClock
 from capyctl.adapters.engines._http import HttpxEngineSession, make_client
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
+from capyctl.adapters.engines.sglang import SglangEngine
+from capyctl.adapters.engines.tensorfold import TensorfoldEngine
+from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.adapters.process.ports import free_port
 from capyctl.adapters.storage.sqlite import SqliteStore
@@ -56,11 +61,16 @@ class Container(containers.DeclarativeContainer):
     processes = providers.Singleton(PopenProcessControl)
 
     llamacpp = providers.Singleton(LlamaCppEngine, client=http_client)
-    adapters = providers.Dict(llamacpp=llamacpp)
+    vllm = providers.Singleton(VllmEngine, client=http_client)
+    sglang = providers.Singleton(SglangEngine, client=http_client)
+    tensorfold = providers.Singleton(TensorfoldEngine, client=http_client)
+    adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
     engine_session = providers.Singleton(HttpxEngineSession, client=http_client)
 
     supervisor_settings = providers.Singleton(SupervisorSettings)
-    chat_settings = providers.Singleton(ChatSettings, request_deadline=config.request_deadline)
+    chat_settings = providers.Singleton(
+        ChatSettings, request_deadline=config.request_deadline, host_name=providers.Callable(socket.gethostname)
+    )
 
     fleet = providers.Singleton(
         Fleet,
@@ -74,12 +84,14 @@ class Container(containers.DeclarativeContainer):
         settings=supervisor_settings,
     )
     chat_service = providers.Singleton(
-        ChatService, fleet=fleet, session=engine_session, clock=clock, settings=chat_settings
+        ChatService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings
     )
     api_keys = providers.Singleton(key_list, state_dir)
+    request_stats = providers.Singleton(RequestStats, fleet=fleet, chat=chat_service)
     chat_handler = providers.Singleton(
         ChatHandler,
         service=chat_service,
         api_keys=api_keys,
         max_body=config.max_body,
+        stats=request_stats,
     )

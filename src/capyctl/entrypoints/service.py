@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,13 +44,6 @@ def _uvicorn(app: object) -> _Server:
     return _Server(config)
 
 
-def configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
-
-
 def build_container(state_dir: Path, request_deadline: float = 1800.0) -> Container:
     container = Container()
     container.config.from_dict(
@@ -78,7 +70,9 @@ async def _serve(container: Container, inference_addr: tuple[str, int], manageme
     admin_token = state.admin_token()
     api_keys = container.api_keys()
     fleet = container.fleet()
-    inference = _uvicorn(create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys))
+    inference = _uvicorn(
+        create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys, container.request_stats())
+    )
     manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token))
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")

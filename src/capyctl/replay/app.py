@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` serves a recorded case: request fields ``replay_case`` (which
 recording), ``replay_chunk_size`` (bytes per write; default one write per SSE event) and
-``replay_pace`` (``recorded`` | ``fast``, overriding ``--pace``). Error cases answer their recorded
+``replay_pace`` (``recorded`` | ``fast``, overriding ``--pace``) and ``replay_interval_ms`` (a fixed
+wait before the first event and between events, overriding both). Error cases answer their recorded
 status and body. A client that hangs up mid-answer is noticed at once (an ``http.disconnect``
 watcher) and counted; ``GET /replay/stats`` reports the counts. While the engine "sleeps", chat
 requests wait (counted as waiting) until it is woken.
@@ -28,6 +29,7 @@ class ChatRequest(msgspec.Struct):
     replay_case: str | None = None
     replay_chunk_size: int | None = None
     replay_pace: str | None = None
+    replay_interval_ms: float | None = None
 
 
 _decode_request = msgspec.json.Decoder(ChatRequest).decode
@@ -117,13 +119,13 @@ class ReplayApp:
         watcher = asyncio.ensure_future(_until_disconnect(receive))
         try:
             if await self._wait_awake(watcher):
-                pace = request.replay_pace or self.pace
+                waits = self._waits(request)
                 self.running += 1
                 try:
                     if request.stream:
-                        gone = await self._stream(send, case, request.replay_chunk_size, pace, watcher)
+                        gone = await self._stream(send, case, request.replay_chunk_size, waits, watcher)
                     else:
-                        gone = await self._whole(send, case, pace, watcher)
+                        gone = await self._whole(send, case, waits, watcher)
                 finally:
                     self.running -= 1
             else:
@@ -134,6 +136,15 @@ class ReplayApp:
             self.disconnected += 1
         else:
             self.completed += 1
+
+    def _waits(self, request: ChatRequest) -> tuple[float, float]:
+        """(before the first event, between events) in seconds."""
+        if request.replay_interval_ms is not None:
+            wait = max(request.replay_interval_ms, 0.0) / 1000
+            return wait, wait
+        if (request.replay_pace or self.pace) == "recorded":
+            return self.recording.first_chunk_s, self.recording.interval_s
+        return 0.0, 0.0
 
     async def _wait_awake(self, watcher: asyncio.Future[None]) -> bool:
         """False if the client left while the engine slept."""
@@ -148,16 +159,15 @@ class ReplayApp:
             woken.cancel()
         return not watcher.done()
 
-    async def _stream(self, send: Any, case: Case, chunk: int | None, pace: str,
+    async def _stream(self, send: Any, case: Case, chunk: int | None, waits: tuple[float, float],
                       watcher: asyncio.Future[None]) -> bool:
         """Write the case's bytes; True if the client hung up before the last one."""
         await send({"type": "http.response.start", "status": 200, "headers": self._stream_headers})
-        recorded = pace == "recorded"
-        if recorded:
+        delay, interval = waits
+        if delay or interval:  # paced: a write never spans two events
             groups = [_pieces(e, chunk) for e in case.events]
-        else:
+        else:  # fast: chunks may span events
             groups = [_pieces(case.body, chunk)] if chunk else [[e] for e in case.events]
-        delay = self.recording.first_chunk_s if recorded else 0.0
         for group in groups:
             if watcher.done():
                 return True
@@ -171,16 +181,16 @@ class ReplayApp:
                     await asyncio.sleep(0)  # let other streams (and the disconnect watcher) run
                     if watcher.done():
                         return True
-            delay = self.recording.interval_s if recorded else 0.0
+            delay = interval
         if watcher.done():
             return True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
 
-    async def _whole(self, send: Any, case: Case, pace: str, watcher: asyncio.Future[None]) -> bool:
-        """The assembled chat.completion, after the stream's recorded duration in recorded pace."""
-        if pace == "recorded":
-            total = self.recording.first_chunk_s + self.recording.interval_s * max(len(case.events) - 1, 0)
+    async def _whole(self, send: Any, case: Case, waits: tuple[float, float], watcher: asyncio.Future[None]) -> bool:
+        """The assembled chat.completion, after the stream's duration when paced."""
+        total = waits[0] + waits[1] * max(len(case.events) - 1, 0)
+        if total > 0:
             await asyncio.wait((watcher,), timeout=total)
             if watcher.done():
                 return True

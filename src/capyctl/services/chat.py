@@ -26,7 +26,7 @@ from capyctl.domain.engines import EngineFamily
 from capyctl.domain.fields import DeltaVerifier
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineSession
-from capyctl.domain.requests import RequestRecord
+from capyctl.domain.requests import Phase, RequestRecord
 from capyctl.domain.streams import (
     Assembler,
     Chunk,
@@ -36,6 +36,7 @@ from capyctl.domain.streams import (
     Stage,
     StreamEvent,
 )
+from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet, Runner
 
 _encode = msgspec.json.encode
@@ -45,6 +46,7 @@ SALTED_FAMILIES = frozenset({EngineFamily.VLLM, EngineFamily.SGLANG})  # engines
 class ChatSettings(msgspec.Struct, kw_only=True, frozen=True):
     request_deadline: float = 1800.0  # seconds to the engine's first answer, start included
     crash_notice: float = 1.0  # how long to wait for a broken connection to show as an engine exit
+    host_name: str = "local"  # the machine serving standalone deployments, as logs name it
 
 
 def read_target(obj: dict[str, Any]) -> tuple[str, bool]:
@@ -76,12 +78,19 @@ def failure_error(error: dict[str, Any]) -> EngineError:
 
 
 class ChatService:
-    def __init__(self, fleet: Fleet, session: EngineSession, clock: Clock, settings: ChatSettings) -> None:
+    def __init__(
+        self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings
+    ) -> None:
         self._fleet = fleet
+        self._events = events
         self._session = session
         self._clock = clock
         self._settings = settings
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
+        self.live: dict[str, RequestRecord] = {}  # requests being served, read by the metrics endpoint
+
+    def knows(self, name: str) -> bool:
+        return self._fleet.has(name)
 
     @asynccontextmanager
     async def open(self, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[EngineCall]:
@@ -93,9 +102,21 @@ class ChatService:
         supervisor = self._fleet.resolve(record.deployment)
         engine = supervisor.engine
         check_cache_salt(obj, engine.family)
+        self.live[record.id] = record
+        try:
+            async with self._engine_call(supervisor, record, obj) as call:
+                yield call
+        finally:
+            del self.live[record.id]
+
+    @asynccontextmanager
+    async def _engine_call(self, supervisor: Runner, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[EngineCall]:
+        engine = supervisor.engine
+        record.phase = Phase.WAITING
         url = await supervisor.wait_ready(self._settings.request_deadline)
         launch = supervisor.launch
         record.sent(instance=0)
+        self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
         body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)
         meter = Meter(self._clock.monotonic)
         # The verifier runs first: nothing of a chunk with an unverified key is sent.

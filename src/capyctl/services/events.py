@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from capyctl.domain.ports import Clock, Store
+from capyctl.services.context import caller_request_id
 
 log = logging.getLogger("capyctl.events")
 
@@ -18,4 +19,19 @@ class Events:
     def emit(self, deployment: str | None, kind: str, **detail: Any) -> None:
         self._store.add_event(self._clock.wall(), deployment, kind, detail)
         described = " ".join(f"{k}={v}" for k, v in detail.items())
-        log.info("%s %s %s", kind, deployment or "-", described, extra={"event": kind, **detail})
+        log.info("%s %s %s", kind, deployment or "-", described,
+                 extra={"event": kind, "deployment": deployment, **detail})
+
+    def selection(self, request_id: str, deployment: str, host: str, instance: int) -> None:
+        """A request routed to an instance: stored without the caller's ID, logged with it."""
+        self._store.add_event(
+            self._clock.wall(), deployment, "router_selection",
+            {"capyctl_request_id": request_id, "host": host, "instance": instance},
+        )
+        caller = caller_request_id.get()
+        log.info(
+            "request %s%s %s -> %s instance %d",
+            request_id, f" (caller {caller})" if caller else "", deployment, host, instance,
+            extra={"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
+                   "deployment": deployment, "host": host, "instance": instance},
+        )

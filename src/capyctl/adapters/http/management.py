@@ -46,7 +46,7 @@ def list_engines(fleet: FleetDep) -> list[dict[str, Any]]:
 @post("/engines", status_code=201)
 async def add_engine(fleet: FleetDep, data: dict[str, Any]) -> dict[str, Any]:
     path = _text(data, "path")
-    family = _text(data, "family", required=False) or "llamacpp"
+    family = _text(data, "family", required=False)
     engine = await fleet.add_engine(path or "", _text(data, "name", required=False), family)
     return engine_view(engine)
 

