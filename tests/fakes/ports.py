@@ -92,7 +92,7 @@ class FakeProcessControl:
         self.spawned: list[FakeProcess] = []
         self.exit_at_once = False
 
-    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None) -> FakeProcess:
+    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str | None] | None) -> FakeProcess:
         process = FakeProcess(argv)
         if self.exit_at_once:
             process.code = 1
@@ -114,7 +114,7 @@ class FakeEngineAdapter:
     def recognises(self, path: Path) -> bool:
         return True
 
-    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
         return {}
 
     async def probe_version(self, base_url: str) -> str | None:

@@ -101,3 +101,20 @@ async def test_an_engine_that_never_starts_fails_with_its_error(world: World) ->
         await world.supervisor.wait_ready(10)
     assert world.supervisor.status.state is InstanceState.FAILED
     assert len(world.processes.spawned) == SETTINGS.max_start_failures
+
+
+async def test_engine_environment_changes_reach_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real child process: variables the adapter sets are there, the ones it removes are gone."""
+    from capyctl.adapters.process.children import PopenProcessControl
+
+    monkeypatch.setenv("LLAMA_ARG_API_KEY", "leaked")
+    monkeypatch.setenv("KEEP_ME", "kept")
+    log = tmp_path / "env.log"
+    process = await PopenProcessControl().spawn(
+        ["sh", "-c", 'echo "key=${LLAMA_ARG_API_KEY-unset} keep=$KEEP_ME new=$NEW"'], log,
+        {"LLAMA_ARG_API_KEY": None, "NEW": "1"},
+    )
+    with anyio.fail_after(5):
+        while process.returncode() is None:
+            await anyio.sleep(0.01)
+    assert log.read_text().strip() == "key=unset keep=kept new=1"

@@ -54,8 +54,11 @@ class ProcessHandle(Protocol):
 
 
 class ProcessControl(Protocol):
-    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None) -> ProcessHandle:
-        """Start ``argv`` in its own process group, its output appended to ``log_path``."""
+    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str | None] | None) -> ProcessHandle:
+        """Start ``argv`` in its own process group, its output appended to ``log_path``.
+
+        The child gets CapyCTL's environment changed by ``env`` (None removes a variable).
+        """
 
 
 class EngineAdapter(Protocol):
@@ -73,8 +76,8 @@ class EngineAdapter(Protocol):
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         """The engine's command line, CapyCTL's forced flags included."""
 
-    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
-        """Extra environment variables for the engine process."""
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
+        """Environment changes for the engine process: a value sets a variable, None removes it."""
 
     async def probe_version(self, base_url: str) -> str | None:
         """The version a running engine reports about itself (attached engines), None if it does not tell."""

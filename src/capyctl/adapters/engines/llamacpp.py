@@ -10,6 +10,7 @@ and waiting counts come from ``/metrics`` (``--metrics`` is forced):
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -55,8 +56,9 @@ class LlamaCppEngine(EngineAdapter):
     def recognises(self, path: Path) -> bool:
         return path.is_file()
 
-    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
-        return {}
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
+        # llama-server reads LLAMA_ARG_<OPTION> variables: inherited ones must not override CapyCTL's flags
+        return {name: None for name in os.environ if name.startswith("LLAMA_ARG_")}
 
     async def probe_version(self, base_url: str) -> str | None:
         """llama.cpp's /props carries ``build_info`` (e.g. ``b0-unknown``); only a real build number helps."""

@@ -81,7 +81,7 @@ class SglangEngine(EngineAdapter):
             argv += ["--context-length", str(spec.engine_config.context_length)]
         return argv + list(spec.engine_config.extra_args)
 
-    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
         return {}
 
     async def probe_version(self, base_url: str) -> str | None:

@@ -76,8 +76,8 @@ class TensorfoldEngine(EngineAdapter):
             argv += ["--context", str(spec.engine_config.context_length)]
         return argv + list(spec.engine_config.extra_args)
 
-    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
-        return {}
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
+        return {"TENSORFOLD_API_KEY": None}  # an inherited key would lock CapyCTL out
 
     async def _health(self, base_url: str) -> dict[str, object] | None:
         try:

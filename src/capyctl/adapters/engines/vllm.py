@@ -95,8 +95,9 @@ class VllmEngine(EngineAdapter):
             argv += ["--max-model-len", str(spec.engine_config.context_length)]
         return argv + list(spec.engine_config.extra_args)
 
-    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str]:
-        return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
+        # VLLM_API_KEY inherited from CapyCTL's environment would lock CapyCTL out of its own engine
+        return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": None}
 
     async def probe_version(self, base_url: str) -> str | None:
         try:

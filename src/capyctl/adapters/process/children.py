@@ -60,15 +60,21 @@ class PopenProcessHandle(ProcessHandle):
 
 
 class PopenProcessControl(ProcessControl):
-    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None) -> ProcessHandle:
+    async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str | None] | None) -> ProcessHandle:
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        environment = dict(os.environ)
+        for name, value in (env or {}).items():
+            if value is None:
+                environment.pop(name, None)
+            else:
+                environment[name] = value
         with open(log_path, "ab") as log:
             process = subprocess.Popen(  # noqa: S603 - argv comes from the engine adapter
                 list(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env=environment,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, async-signal-safe enough
             )
