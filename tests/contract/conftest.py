@@ -67,12 +67,12 @@ def cases(expect: str, stream_only: bool = True) -> list[tuple[str, str]]:
 
 
 class SseSnapshot(SingleFileSnapshotExtension):
-    _file_extension = "sse"
+    file_extension = "sse"
     _write_mode = WriteMode.TEXT
 
 
 class JsonSnapshot(SingleFileSnapshotExtension):
-    _file_extension = "json"
+    file_extension = "json"
     _write_mode = WriteMode.TEXT
 
 

@@ -1,9 +1,10 @@
 """The replay engine as a bare ASGI application.
 
-``POST /v1/chat/completions`` serves a recorded case: request fields ``replay_case`` (which
-recording), ``replay_chunk_size`` (bytes per write; default one write per SSE event) and
-``replay_pace`` (``recorded`` | ``fast``, overriding ``--pace``) and ``replay_interval_ms`` (a fixed
-wait before the first event and between events, overriding both). Error cases answer their recorded
+``POST /v1/chat/completions`` serves a recorded case, chosen by optional request fields:
+``replay_case`` (which recording), ``replay_chunk_size`` (bytes per write; default one write per
+SSE event), ``replay_pace`` (``recorded`` | ``fast``, overriding ``--pace``) and
+``replay_interval_ms`` (a fixed wait before the first event and between events, overriding the
+pace). Error cases answer their recorded
 status and body. A client that hangs up mid-answer is noticed at once (an ``http.disconnect``
 watcher) and counted; ``GET /replay/stats`` reports the counts. While the engine "sleeps", chat
 requests wait (counted as waiting) until it is woken.
@@ -45,8 +46,8 @@ class ReplayApp:
         if self.default_case not in recording.cases:
             raise ValueError(f"default case {self.default_case!r} is not in {recording.path}")
         self.running = self.waiting = self.completed = self.disconnected = self.requests = 0
-        self._awake = asyncio.Event()
-        self._awake.set()
+        self._asleep = False
+        self._sleepers: set[asyncio.Future[None]] = set()
         stream_type = self.dialect.stream_content_type
         if dialect == "vllm":
             stream_type += b"; charset=utf-8"
@@ -55,13 +56,15 @@ class ReplayApp:
     # -- State for the dialects -------------------------------------------------------------------------
     @property
     def sleeping(self) -> bool:
-        return not self._awake.is_set()
+        return self._asleep
 
     def sleep(self, level: int) -> None:
-        self._awake.clear()
+        self._asleep = True
 
     def wake(self) -> None:
-        self._awake.set()
+        self._asleep = False
+        for future in self._sleepers:
+            _resolve(future)
 
     def stats(self) -> dict[str, int]:
         return {"running": self.running, "completed": self.completed, "disconnected": self.disconnected,
@@ -116,22 +119,22 @@ class ReplayApp:
             await _answer(send, case.status, case.content_type, case.body)
             self.completed += 1
             return
-        watcher = asyncio.ensure_future(_until_disconnect(receive))
+        client = _Client(receive)
         try:
-            if await self._wait_awake(watcher):
+            if await self._wait_awake(client):
                 waits = self._waits(request)
                 self.running += 1
                 try:
                     if request.stream:
-                        gone = await self._stream(send, case, request.replay_chunk_size, waits, watcher)
+                        gone = await self._stream(send, case, request.replay_chunk_size, waits, client)
                     else:
-                        gone = await self._whole(send, case, waits, watcher)
+                        gone = await self._whole(send, case, waits, client)
                 finally:
                     self.running -= 1
             else:
                 gone = True
         finally:
-            watcher.cancel()
+            client.close()
         if gone:
             self.disconnected += 1
         else:
@@ -146,62 +149,107 @@ class ReplayApp:
             return self.recording.first_chunk_s, self.recording.interval_s
         return 0.0, 0.0
 
-    async def _wait_awake(self, watcher: asyncio.Future[None]) -> bool:
+    async def _wait_awake(self, client: _Client) -> bool:
         """False if the client left while the engine slept."""
-        if self._awake.is_set():
+        if not self._asleep:
             return True
+        woken = asyncio.get_running_loop().create_future()
+        self._sleepers.add(woken)
         self.waiting += 1
-        woken = asyncio.ensure_future(self._awake.wait())
         try:
-            await asyncio.wait((woken, watcher), return_when=asyncio.FIRST_COMPLETED)
+            return not await client.wait(woken)
         finally:
             self.waiting -= 1
-            woken.cancel()
-        return not watcher.done()
+            self._sleepers.discard(woken)
 
     async def _stream(self, send: Any, case: Case, chunk: int | None, waits: tuple[float, float],
-                      watcher: asyncio.Future[None]) -> bool:
+                      client: _Client) -> bool:
         """Write the case's bytes; True if the client hung up before the last one."""
         await send({"type": "http.response.start", "status": 200, "headers": self._stream_headers})
-        delay, interval = waits
-        if delay or interval:  # paced: a write never spans two events
+        first, interval = waits
+        paced = first > 0 or interval > 0
+        if paced:  # a write never spans two events
             groups = [_pieces(e, chunk) for e in case.events]
         else:  # fast: chunks may span events
             groups = [_pieces(case.body, chunk)] if chunk else [[e] for e in case.events]
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + first
+        writes = 0
         for group in groups:
-            if watcher.done():
-                return True
-            if delay > 0:
-                await asyncio.wait((watcher,), timeout=delay)
-                if watcher.done():
+            if paced:  # on a fixed schedule: waits do not add up their overshoot
+                if await client.wait_until(next_at):
                     return True
-            for n, piece in enumerate(group):
+                next_at = max(next_at + interval, loop.time())
+            elif client.gone:
+                return True
+            for piece in group:
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
-                if not n & 63:
-                    await asyncio.sleep(0)  # let other streams (and the disconnect watcher) run
-                    if watcher.done():
+                writes += 1
+                if not writes & 63:  # now and then let other streams and the watcher run
+                    await asyncio.sleep(0)
+                    if client.gone:
                         return True
-            delay = interval
-        if watcher.done():
+        if client.gone:
             return True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
 
-    async def _whole(self, send: Any, case: Case, waits: tuple[float, float], watcher: asyncio.Future[None]) -> bool:
+    async def _whole(self, send: Any, case: Case, waits: tuple[float, float], client: _Client) -> bool:
         """The assembled chat.completion, after the stream's duration when paced."""
         total = waits[0] + waits[1] * max(len(case.events) - 1, 0)
-        if total > 0:
-            await asyncio.wait((watcher,), timeout=total)
-            if watcher.done():
-                return True
+        if await client.wait_until(asyncio.get_running_loop().time() + total):
+            return True
         status, body = assemble(case.events)
         await _answer(send, status, _JSON, body)
         return False
 
 
-async def _until_disconnect(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class _Client:
+    """One request's connection: ``gone`` turns true on ``http.disconnect`` and ends any wait at once."""
+
+    __slots__ = ("gone", "_waiter", "_task")
+
+    def __init__(self, receive: Any):
+        self.gone = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._waiter is not None:
+            _resolve(self._waiter)
+
+    async def wait(self, future: asyncio.Future[None]) -> bool:
+        """Wait for ``future`` or a hang-up; True if the client is gone."""
+        if self.gone:
+            return True
+        self._waiter = future
+        try:
+            await future
+        finally:
+            self._waiter = None
+        return self.gone
+
+    async def wait_until(self, deadline: float) -> bool:
+        loop = asyncio.get_running_loop()
+        if deadline <= loop.time() or self.gone:
+            return self.gone
+        future = loop.create_future()
+        timer = loop.call_at(deadline, _resolve, future)
+        try:
+            return await self.wait(future)
+        finally:
+            timer.cancel()
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _pieces(data: bytes, size: int | None) -> list[bytes]:

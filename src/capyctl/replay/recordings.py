@@ -1,8 +1,7 @@
 """Loading one recording folder: its cases (``.sse`` streams, ``.json`` + ``.headers`` error answers),
 their metadata and the pace to serve them at.
 
-A folder's ``metadata.json`` lists the cases; a ``metadata.replay.json`` beside it (used where the
-captured ``metadata.json`` is left untouched) supplies ``pace`` and ``cases`` it lacks.
+A folder's ``metadata.json`` lists the cases and the pace.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import Any
 
 import msgspec
 
-OVERLAY = "metadata.replay.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +62,8 @@ def split_events(data: bytes) -> tuple[bytes, ...]:
 
 
 def read_metadata(folder: Path) -> dict[str, Any]:
-    """metadata.json with the overlay's ``pace`` and ``cases`` merged in where it has none."""
-    meta: dict[str, Any] = {}
-    if (folder / "metadata.json").exists():
-        meta = msgspec.json.decode((folder / "metadata.json").read_bytes())
-    if (folder / OVERLAY).exists():
-        overlay = msgspec.json.decode((folder / OVERLAY).read_bytes())
-        for key in ("pace", "cases"):
-            if key in overlay and key not in meta:
-                meta[key] = overlay[key]
-    return meta
+    path = folder / "metadata.json"
+    return msgspec.json.decode(path.read_bytes()) if path.exists() else {}
 
 
 def case_files(folder: Path) -> dict[str, Path]:
