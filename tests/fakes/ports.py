@@ -106,6 +106,7 @@ class FakeProcessControl:
 class FakeEngineAdapter:
     family = "llamacpp"
     owned_options = {"--port": "the port CapyCTL picks"}
+    owned_env: tuple[str, ...] = ("SECRET_",)
 
     def __init__(self) -> None:
         self.healthy = True

@@ -5,7 +5,14 @@ import pytest
 
 from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, llama_paths
 
-pytestmark = pytest.mark.integration
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration runs real processes: `-m "not integration"` skips it."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 class EngineConfig(Strict):
     context_length: int | None = None
     extra_args: list[str] = []
+    env: dict[str, str] = {}  # extra environment variables for the engine process
 
 
 ENGINE_FAMILIES = ("vllm", "sglang", "llamacpp", "tensorfold")
@@ -98,6 +99,17 @@ def check_extra_args(extra_args: list[str], owned: dict[str, str]) -> None:
                 f"engine_config.extra_args: {flag} is set by CapyCTL ({owned[flag]}) and cannot be "
                 "overridden; remove it from the deployment file"
             )
+
+
+def check_env(env: dict[str, str], owned: tuple[str, ...]) -> None:
+    """Refuse engine environment variables CapyCTL controls (a name ending in '_' is a prefix)."""
+    for name in env:
+        for mine in owned:
+            if name == mine or (mine.endswith("_") and name.startswith(mine)):
+                raise InvalidConfig(
+                    f"engine_config.env: {name} is controlled by CapyCTL for this engine and cannot be set; "
+                    "remove it from the deployment file"
+                )
 
 
 class InstanceState(enum.StrEnum):

@@ -132,6 +132,16 @@ class EngineRestarted(CapyError):
         )
 
 
+class ApiMismatch(CapyError):
+    code = "api_mismatch"
+
+    def __init__(self, model: str, api: str, path: str, use: str) -> None:
+        super().__init__(
+            f"model {model} serves the {api} API, which {path} does not answer; send its requests to {use}",
+            model=model,
+        )
+
+
 class CacheSaltUnsupported(CapyError):
     code = "cache_salt_unsupported"
 

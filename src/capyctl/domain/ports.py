@@ -66,6 +66,7 @@ class EngineAdapter(Protocol):
 
     family: str
     owned_options: dict[str, str]  # flag -> what CapyCTL controls with it
+    owned_env: tuple[str, ...]  # environment variables CapyCTL controls; a trailing "_" makes a prefix
 
     def recognises(self, path: Path) -> bool:
         """True when ``path`` is an installation of this family (cheap, no process started)."""

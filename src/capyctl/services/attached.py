@@ -41,6 +41,7 @@ class AttachedSupervisor:
         self._clock = clock
         self._events = events
         self.status = InstanceStatus(state=S.UNAVAILABLE)
+        self._task_group: anyio.abc.TaskGroup | None = None
 
     @property
     def name(self) -> str:
@@ -51,7 +52,7 @@ class AttachedSupervisor:
         return str(self.deployment.spec.endpoint).rstrip("/")
 
     def bind(self, task_group: anyio.abc.TaskGroup) -> None:
-        """Nothing runs in the background for an attached engine."""
+        self._task_group = task_group
 
     def _set(self, state: InstanceState, error: str | None = None) -> None:
         if state is self.status.state:
@@ -63,8 +64,17 @@ class AttachedSupervisor:
         self._events.emit(self.name, "state_changed", instance=0, previous=str(previous), state=str(state))
 
     def start(self) -> None:
+        """Resume routing and check the engine now, so `--wait` sees it ready without a request."""
         if self.status.state is S.STOPPED:
             self._set(S.UNAVAILABLE)
+        if self.status.state is not S.READY and self._task_group is not None:
+            self._task_group.start_soon(self._check)
+
+    async def _check(self) -> None:
+        try:
+            await self.wait_ready(self.attach_wait)
+        except EngineUnavailable:
+            pass  # stays UNAVAILABLE; the next request checks again
 
     async def stop(self) -> None:
         self._set(S.STOPPED)

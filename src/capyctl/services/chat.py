@@ -16,6 +16,7 @@ import anyio
 import msgspec
 
 from capyctl.domain.errors import (
+    ApiMismatch,
     CacheSaltUnsupported,
     EngineError,
     EngineRestarted,
@@ -100,6 +101,8 @@ class ChatService:
         refusal ...). Leaving the context closes the engine connection.
         """
         supervisor = self._fleet.resolve(record.deployment)
+        if supervisor.deployment.spec.api != "chat":
+            raise ApiMismatch(record.deployment, "decisions", "/v1/chat/completions", "POST /v1/systemone")
         engine = supervisor.engine
         check_cache_salt(obj, engine.family)
         self.live[record.id] = record

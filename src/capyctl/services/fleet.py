@@ -14,7 +14,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from capyctl.domain.deployments import Deployment, DeploymentSpec, InstanceState, check_extra_args
+from capyctl.domain.deployments import (
+    Deployment,
+    DeploymentSpec,
+    InstanceState,
+    check_env,
+    check_extra_args,
+)
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
@@ -74,6 +80,7 @@ class Fleet:
     async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Own the supervisors' tasks until cancelled; then stop every engine."""
         try:
+            await self._refresh_engines()
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
                 for deployment in self._store.list_deployments():
@@ -83,6 +90,19 @@ class Fleet:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.shutdown()
+
+    async def _refresh_engines(self) -> None:
+        """Read each registered engine's version again: an engine upgraded in place must not keep its old row."""
+        for engine in self._store.list_engines():
+            try:
+                version, text = await anyio.to_thread.run_sync(self._adapters[engine.family].probe, Path(engine.path))
+            except InvalidEngine as exc:
+                self._events.emit(None, "engine_unreadable", engine=engine.name, reason=exc.message)
+                continue
+            if version != engine.version:
+                self._store.put_engine(msgspec.structs.replace(engine, version=version, version_text=text))
+                self._events.emit(None, "engine_version_changed", engine=engine.name, previous=engine.version,
+                                  version=version)
 
     async def shutdown(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -178,13 +198,17 @@ class Fleet:
         engine = self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
-        check_extra_args(spec.engine_config.extra_args, self._adapters[engine.family].owned_options)
-        if not Path(str(spec.model)).expanduser().exists():
+        adapter = self._adapters[engine.family]
+        check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
+        check_env(spec.engine_config.env, adapter.owned_env)
+        if not Path(str(spec.model)).exists():
             raise InvalidConfig(f"model {spec.model!r} does not exist on this machine")
         return None
 
     async def apply(self, document: Any, activate: bool) -> tuple[str, Runner]:
         spec = decode_spec(document)
+        if not spec.attached and spec.model:  # engines get the path the operator meant, not a literal "~"
+            spec = msgspec.structs.replace(spec, model=str(Path(spec.model).expanduser()))
         probed = await self._check(spec)
         current = self._supervisors.get(spec.name)
         outcome = "created"

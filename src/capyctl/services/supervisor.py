@@ -21,7 +21,7 @@ import msgspec
 
 from capyctl.domain.deployments import Deployment, InstanceState, check_transition, restart_delay
 from capyctl.domain.engines import EngineInstall
-from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.errors import DeadlineExceeded, EngineUnavailable
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
 from capyctl.services.events import Events
@@ -130,8 +130,8 @@ class Supervisor:
                     self.start()
                     continue
                 await self._changed.wait()
-        raise EngineUnavailable(
-            f"deployment {self.name!r} did not become ready within {timeout:.0f} s "
+        raise DeadlineExceeded(
+            f"deployment {self.name!r} did not become ready within the request deadline of {timeout:.0f} s "
             f"(state {self.status.state}); engine log: {self.status.log_path}",
             model=self.name,
         )
@@ -192,7 +192,9 @@ class Supervisor:
         log_path = self._log_dir / f"{int(self._clock.wall() * 1000)}-{self.launch}.log"
         self.status.port, self.status.log_path = port, str(log_path)
         self.status.started_at = self._clock.wall()
-        env = self.adapter.environment(self.engine, self.deployment.spec)
+        # the deployment's variables first; what the adapter forces (or removes) wins
+        env: dict[str, str | None] = {**self.deployment.spec.engine_config.env}
+        env.update(self.adapter.environment(self.engine, self.deployment.spec))
         self._process = process = await self._processes.spawn(argv, log_path, env)
         self.status.pid = process.pid
         self._events.emit(self.name, "engine_started", instance=0, pid=process.pid, port=port)

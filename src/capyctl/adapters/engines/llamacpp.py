@@ -37,6 +37,7 @@ def parse_version(text: str) -> str:
 
 class LlamaCppEngine(EngineAdapter):
     family = EngineFamily.LLAMACPP
+    owned_env: tuple[str, ...] = ("LLAMA_ARG_",)
     owned_options = {
         "-m": "the model file, from the deployment's model",
         "--model": "the model file, from the deployment's model",

@@ -50,6 +50,7 @@ _OWNED = {
 class SglangEngine(EngineAdapter):
     family = EngineFamily.SGLANG
     # also refuses abbreviations argparse would expand to one of these (--enable-cache-rep)
+    owned_env: tuple[str, ...] = ()
     owned_options = _venv.ArgparseOptions(_OWNED)
 
     def __init__(self, client: httpx.AsyncClient) -> None:

@@ -37,6 +37,7 @@ _WAITING = ["tensorfold:requests_waiting", "tensorfold:num_requests_waiting"]
 
 class TensorfoldEngine(EngineAdapter):
     family = EngineFamily.TENSORFOLD
+    owned_env: tuple[str, ...] = ("TENSORFOLD_API_KEY",)
     owned_options = {
         "--host": "the listen address, always 127.0.0.1",
         "--port": "the port CapyCTL picks",

@@ -62,6 +62,7 @@ def has_per_request_metrics(version: str) -> bool:
 class VllmEngine(EngineAdapter):
     family = EngineFamily.VLLM
     # also refuses --disable_log_stats and abbreviations such as --no-enable-per-request
+    owned_env: tuple[str, ...] = ("VLLM_API_KEY", "HF_HUB_OFFLINE", "VLLM_SERVER_DEV_MODE")
     owned_options = _venv.ArgparseOptions(_OWNED)
 
     def __init__(self, client: httpx.AsyncClient) -> None:

@@ -32,7 +32,7 @@ from capyctl.adapters.http.asgi import (
 from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.auth import check_bearer
-from capyctl.domain.errors import CapyError, InvalidJson, InvalidRequest
+from capyctl.domain.errors import CapyError, InvalidJson, InvalidRequest, MethodNotAllowed
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
 from capyctl.services.chat import ChatService, read_target
@@ -75,7 +75,7 @@ class ChatHandler:
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         try:
             if scope["method"] != "POST":
-                raise InvalidRequest("use POST for /v1/chat/completions")
+                raise MethodNotAllowed(f"{scope['method']} is not allowed on /v1/chat/completions; use POST")
             check_bearer(header(scope, b"authorization"), self._api_keys())
             caller_values = header_values(scope, b"x-request-id")
             if caller_values:  # handed back as given, once it is known to be valid

@@ -14,6 +14,7 @@ STATUS: dict[str, int] = {
     "invalid_config": 400,
     "invalid_engine": 400,
     "cache_salt_unsupported": 400,
+    "api_mismatch": 400,
     "missing_api_key": 401,
     "invalid_api_key": 401,
     "unauthorized": 401,

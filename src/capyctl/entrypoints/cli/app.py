@@ -113,8 +113,11 @@ def start_standalone(
     log_format: Annotated[
         LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
     ] = LogFormat.TEXT,
+    json: Annotated[bool, typer.Option("--json", help="Same as --log-format json.")] = False,
 ) -> None:
     """Run CapyCTL and its engines in the foreground until Ctrl-C or SIGTERM."""
+    if json:
+        log_format = LogFormat.JSON
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
@@ -193,7 +196,8 @@ def deploy_model(
 
 
 def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
+    """Poll the deployment until ready, printing each state change on stderr."""
+    started = time.monotonic()
     last = None
     while True:
         deployment = api.call("GET", f"/deployments/{name}")
@@ -204,13 +208,17 @@ def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -
         if state == "ready":
             return deployment
         instance = deployment["instances"][0]
+        waited = time.monotonic() - started
         if state in ("failed", "stopped"):
-            raise DeploymentFailed(
-                f"deployment {name} is {state}: {instance['last_error']}; engine log: {instance['log']}"
-            )
-        if time.monotonic() > deadline:
+            raise DeploymentFailed(f"deployment {name} is {state}: {instance['last_error']}; engine log: {instance['log']}")
+        if state == "unavailable" and waited > ATTACHED_PATIENCE:
+            raise DeploymentFailed(f"deployment {name}: {instance['last_error']}")
+        if waited > timeout:
             raise WaitTimeout(f"deployment {name} not ready after {timeout:.0f} s (state {state}); log: {instance['log']}")
         time.sleep(0.25)
+
+
+ATTACHED_PATIENCE = 12.0  # an attached engine is checked for 10 s by the server
 
 
 class DeploymentFailed(CapyError):
@@ -244,7 +252,10 @@ def _status_text(d: dict[str, Any]) -> str:
         f"state       {d['state']}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
         f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
         f"api         {d['api']}",
-        f"model       {d['model']}",
+        f"endpoint    {d['endpoint']} (attached: CapyCTL does not start or stop it)" if d["endpoint"]
+        else f"model       {d['model']}",
+        f"fields      {'verified' if d['fields']['verified'] else 'UNVERIFIED'}: {d['fields']['row']} "
+        f"({d['fields']['provenance']})",
         "",
     ]
     rows = [

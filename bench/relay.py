@@ -1,0 +1,148 @@
+"""Relay benchmark: N concurrent streams straight to the replay engine vs. through CapyCTL, in one run.
+
+    python bench/relay.py [--recording tests/contract/recordings/vllm/0.32.0] [--case chat_stream_usage]
+                          [--concurrency 1,16,64,256] [--seconds 3]
+
+The replay engine serves a recorded real stream at full speed. For each N the
+two paths are measured alternately (direct, relayed, direct, relayed) so a
+noisy machine hurts both alike. Printed per N: time to first chunk p50/p99 of
+each path and the added median, chunks per second of each path and their
+ratio, and CapyCTL's CPU seconds per 1,000 relayed chunks (from /proc).
+Figures are ratios against the direct baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.integration.harness import CapyServer  # noqa: E402
+
+_LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
+
+
+async def one_stream(host: str, port: int, path: str, body: bytes, key: str | None) -> tuple[float, int]:
+    """(seconds to the first data chunk, data chunks received) for one streamed request."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(head + body)
+    first = 0.0
+    chunks = 0
+    tail = b""
+    while data := await reader.read(65536):
+        window = tail + data
+        found = window.count(b"data: ")
+        if found and not first:
+            first = time.perf_counter() - started
+        chunks += found
+        tail = window[-5:]
+    writer.close()
+    return first, chunks
+
+
+async def load(host: str, port: int, body: bytes, key: str | None, n: int, seconds: float) -> dict:
+    ttfts: list[float] = []
+    chunks = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal chunks
+        while time.perf_counter() < stop:
+            first, got = await one_stream(host, port, "/v1/chat/completions", body, key)
+            ttfts.append(first)
+            chunks += got
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(n)))
+    elapsed = time.perf_counter() - began
+    return {"ttfts": ttfts, "chunks": chunks, "elapsed": elapsed}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recording", default=str(ROOT / "tests/contract/recordings/vllm/0.32.0"))
+    parser.add_argument("--case", default="chat_stream_usage")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per path and round")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of direct and relayed per N")
+    args = parser.parse_args()
+    recording = Path(args.recording)
+    engine, version = recording.parent.name, recording.name
+
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "capyctl.replay", "--dialect", engine, "--version", version,
+         "--recordings", str(recording), "--port", "0", "--pace", "fast"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="capyctl-bench-"))
+    capy = CapyServer(tmp / "state")
+    try:
+        line = replay.stdout.readline().decode()  # type: ignore[union-attr]
+        match = _LISTENING.search(line)
+        assert match, f"replay engine did not start: {line}"
+        rhost, rport = match.group(1), int(match.group(2))
+        capy.start()
+        deployment = tmp / "bench.yaml"
+        deployment.write_text(
+            f"name: bench\nengine: {engine}\nendpoint: http://{rhost}:{rport}\nengine_version: {version}\n")
+        capy.cli("deploy", "model", "--file", str(deployment))
+        body = (b'{"model":"bench","stream":true,"replay_case":"%s",'
+                b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode())
+        pid = capy.process.pid  # type: ignore[union-attr]
+        print(f"relay benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores, "
+              f"{args.rounds}x{args.seconds:.0f} s per path and N")
+        print(f"{'N':>4} {'ttft p50 direct/relay ms':>26} {'added p50':>10} {'ttft p99 direct/relay ms':>26} "
+              f"{'chunks/s direct':>16} {'relay':>10} {'ratio':>6} {'CPU s/1k chunks':>16}")
+        for n in (int(x) for x in args.concurrency.split(",")):
+            direct = {"ttfts": [], "chunks": 0, "elapsed": 0.0}
+            relay = {"ttfts": [], "chunks": 0, "elapsed": 0.0}
+            cpu = 0.0
+            for _ in range(args.rounds):
+                for target, sink in (("direct", direct), ("relay", relay)):
+                    before = cpu_seconds(pid)
+                    if target == "direct":
+                        got = asyncio.run(load(rhost, rport, body.replace(b'"bench"', b'"x"'), None, n, args.seconds))
+                    else:
+                        got = asyncio.run(load("127.0.0.1", capy.port, body, capy.api_key, n, args.seconds))
+                        cpu += cpu_seconds(pid) - before
+                    sink["ttfts"] += got["ttfts"]
+                    sink["chunks"] += got["chunks"]
+                    sink["elapsed"] += got["elapsed"]
+            d_rate = direct["chunks"] / direct["elapsed"]
+            r_rate = relay["chunks"] / relay["elapsed"]
+            added = statistics.median(relay["ttfts"]) * 1000 - statistics.median(direct["ttfts"]) * 1000
+            print(f"{n:>4} {pct(direct['ttfts'], .5):>12.2f} / {pct(relay['ttfts'], .5):>9.2f} {added:>10.2f} "
+                  f"{pct(direct['ttfts'], .99):>12.2f} / {pct(relay['ttfts'], .99):>9.2f} "
+                  f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {cpu / relay['chunks'] * 1000:>16.3f}")
+    finally:
+        capy.stop()
+        replay.terminate()
+        replay.wait(10)
+
+
+if __name__ == "__main__":
+    main()
