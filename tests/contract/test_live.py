@@ -81,14 +81,14 @@ def _stable(event: dict | str) -> dict | str:
 def test_live_engine_relayed_unchanged(live_capy: CapyServer, engine: tuple, tmp_path: Path) -> None:
     family, version, url, extra = engine
     name = f"live-{family}"
-    doc = {"name": name, "engine": family, "endpoint": url}
+    engine_model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    doc = {"name": name, "engine": family, "endpoint": url, "model": engine_model}
     if version:
         doc["engine_version"] = version
     path = tmp_path / "live.yaml"
     path.write_bytes(msgspec.yaml.encode(doc))
     live_capy.cli("deploy", "model", "--file", str(path))
     served_as = live_capy.cli_json("status", "deployment", name)
-    engine_model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     for stream_options in (None, {"include_usage": True}):
         body = {**REQUEST, **extra, "stream": True}
         if stream_options:
