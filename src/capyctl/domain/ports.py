@@ -91,8 +91,10 @@ class EngineAdapter(Protocol):
 
 
 class EngineSession(Protocol):
-    def chat_stream(self, base_url: str, body: bytes) -> AbstractAsyncContextManager[AsyncIterator[StreamEvent]]:
-        """POST a streamed chat request to the engine.
+    def chat_stream(
+        self, base_url: str, body: bytes
+    ) -> AbstractAsyncContextManager[AsyncIterator[list[StreamEvent]]]:
+        """POST a streamed chat request to the engine; its events come in batches, one per network read.
 
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it

@@ -14,7 +14,8 @@ from pathlib import Path
 from dependency_injector import containers, providers
 
 from capyctl.adapters.clock import SystemClock
-from capyctl.adapters.engines._http import HttpxEngineSession, make_client
+from capyctl.adapters.engines._http import make_client
+from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
@@ -65,7 +66,7 @@ class Container(containers.DeclarativeContainer):
     sglang = providers.Singleton(SglangEngine, client=http_client)
     tensorfold = providers.Singleton(TensorfoldEngine, client=http_client)
     adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
-    engine_session = providers.Singleton(HttpxEngineSession, client=http_client)
+    engine_session = providers.Singleton(WireEngineSession)
 
     supervisor_settings = providers.Singleton(SupervisorSettings)
     chat_settings = providers.Singleton(

@@ -17,6 +17,7 @@ import msgspec
 
 from capyctl.domain.errors import (
     ApiMismatch,
+    CapyError,
     CacheSaltUnsupported,
     EngineError,
     EngineRestarted,
@@ -150,24 +151,23 @@ class ChatService:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
         assembler = Assembler(record.deployment)
         async with self.open(record, obj) as call:
-            async for event in call.events:
-                if isinstance(event, Chunk):
-                    assembler.add(event.obj)
-                elif isinstance(event, EngineFailure):
-                    raise failure_error(event.error)
-                elif isinstance(event, Done):
-                    break
+            async for batch in call.events:
+                for event in batch:
+                    if isinstance(event, Chunk):
+                        assembler.add(event.obj)
+                    elif isinstance(event, EngineFailure):
+                        raise failure_error(event.error)
         answer = assembler.result()
         answer["capyctl"] = {"metrics": call.metrics()}
         return answer
 
 
 class EngineCall:
-    """One engine call in progress: its relayed events, then its metrics."""
+    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics."""
 
     __slots__ = ("events", "_meter", "_row")
 
-    def __init__(self, events: AsyncIterator[StreamEvent], meter: Meter, row: MetricsRow) -> None:
+    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow) -> None:
         self.events = events
         self._meter = meter
         self._row = row
@@ -188,16 +188,29 @@ def check_cache_salt(obj: dict[str, Any], family: str) -> None:
 
 
 async def _relay(
-    events: AsyncIterator[StreamEvent], stages: list[Stage], record: RequestRecord, meter: Meter
-) -> AsyncIterator[StreamEvent]:
-    async for event in events:
-        if isinstance(event, Chunk):
-            for stage in stages:
-                event = stage(event)
-            if not record.answered and meter.first_text_at is not None:
+    batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter
+) -> AsyncIterator[list[StreamEvent]]:
+    """Run the stages over each batch of events; a batch ends the stream at its ``Done``.
+
+    When a stage refuses a chunk, the chunks before it in the batch are still
+    relayed, then the error ends the stream: nothing of the refused chunk is sent.
+    """
+    async for batch in batches:
+        for position, event in enumerate(batch):
+            if isinstance(event, Chunk):
+                try:
+                    for stage in stages:
+                        event = stage(event)
+                except CapyError:
+                    if position:
+                        yield batch[:position]
+                    raise
+                batch[position] = event
+                if not record.answered and meter.first_text_at is not None:
+                    record.engine_answered()
+            elif isinstance(event, EngineFailure):
                 record.engine_answered()
-        elif isinstance(event, EngineFailure):
-            record.engine_answered()
-        yield event
-        if isinstance(event, Done):
-            return
+            elif isinstance(event, Done):
+                yield batch[: position + 1]
+                return
+        yield batch

@@ -50,7 +50,7 @@ class HttpxEngineSession(EngineSession):
         self._client = client
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[StreamEvent]]:
+    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
         request = self._client.build_request(
             "POST",
             base_url + "/v1/chat/completions",
@@ -77,13 +77,15 @@ class HttpxEngineSession(EngineSession):
                 await response.aclose()
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[StreamEvent]:
+async def _events(response: httpx.Response) -> AsyncIterator[list[StreamEvent]]:
+    """The engine's events, one batch per network read (so the relay writes once per read)."""
     parser = SseParser()
     try:
         async for data in response.aiter_raw():
-            for event in parser.feed(data):
-                yield event
+            batch = list(parser.feed(data))
+            if batch:
+                yield batch
     except httpx.HTTPError as exc:
         raise EngineUnavailable(f"the engine connection broke: {exc!r}") from exc
-    for event in parser.close():
-        yield event
+    if last := list(parser.close()):
+        yield last

@@ -127,20 +127,20 @@ class ChatHandler:
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]})
                 started = True
                 first, began = True, 0.0
-                async for event in call.events:
+                async for batch in call.events:
                     if first:
                         began, first = time.perf_counter(), False
-                    if isinstance(event, Chunk):
-                        body = b"data: " + event.raw + b"\n\n"
-                    elif isinstance(event, Done):
-                        metrics = call.metrics()
-                        outcome[1] = metrics.get("ttft_ms", {}).get("value")
-                        body = b": x-capyctl-metrics " + _encode(metrics) + b"\n\n" + _DONE
-                    elif isinstance(event, EngineFailure):
-                        body = b"data: " + event.raw + b"\n\n"
-                    elif isinstance(event, Comment):
-                        body = event.raw + b"\n\n"
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    parts: list[bytes] = []
+                    for event in batch:
+                        if isinstance(event, Chunk | EngineFailure):
+                            parts += (b"data: ", event.raw, b"\n\n")
+                        elif isinstance(event, Done):
+                            metrics = call.metrics()
+                            outcome[1] = metrics.get("ttft_ms", {}).get("value")
+                            parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n", _DONE)
+                        elif isinstance(event, Comment):
+                            parts += (event.raw, b"\n\n")
+                    await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
                     if began:
                         self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
                         began = 0.0

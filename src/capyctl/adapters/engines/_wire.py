@@ -1,0 +1,177 @@
+"""The streamed chat call to an engine: HTTP/1.1 on asyncio with httptools' C parser.
+
+This is the relay's hot path, so it avoids a general HTTP client: each
+socket read is parsed once (chunked framing included) by ``httptools`` and
+handed on whole, so the SSE parser and the client-side write see every event
+that arrived together as one batch. Connections are kept alive and reused
+per engine address; a stream that was cut short closes its connection, which
+is how an engine learns that its client is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import anyio
+import httptools
+
+from capyctl.adapters.engines._http import engine_error
+from capyctl.adapters.engines._sse import SseParser
+from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.ports import EngineSession
+from capyctl.domain.streams import StreamEvent
+
+_HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
+_MAX_ERROR_BODY = 64 * 1024
+_IDLE_PER_ENGINE = 64
+
+
+class _Response(asyncio.Protocol):
+    """One connection; parses whatever the engine sends and wakes the reader."""
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.status = 0
+        self.headers_done = False
+        self.complete = False
+        self.lost: BaseException | None = None
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.lost = exc
+        if self.buffered > _HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()
+            self.paused = True
+        self._wake()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.complete:
+            self.lost = self.lost or exc or ConnectionResetError("the engine closed the connection")
+        self.transport = None
+        self._wake()
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    # the reader's side
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        await self.waiter
+
+    def take(self) -> bytes:
+        data = b"".join(self.body) if len(self.body) != 1 else self.body[0]
+        self.body.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        return self.complete and self.transport is not None and not self.transport.is_closing() \
+            and self.parser.should_keep_alive()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class WireEngineSession(EngineSession):
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[_Response]] = {}
+
+    async def _connection(self, host: str, port: int) -> tuple[_Response, bool]:
+        idle = self._idle.get((host, port))
+        while idle:
+            conn = idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing():
+                return conn, True
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(_Response, host, port)
+        except OSError as exc:
+            raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
+        return conn, False
+
+    async def _send(self, host: str, port: int, path: str, body: bytes) -> _Response:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
+            conn, reused = await self._connection(host, port)
+            conn.transport.write(head + body)  # type: ignore[union-attr]
+            while not conn.headers_done and conn.lost is None:
+                await conn.wait()
+            if conn.headers_done:
+                return conn
+            if not reused:
+                break
+        raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
+
+    @asynccontextmanager
+    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
+        url = urlsplit(base_url)
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        path = url.path.rstrip("/") + "/v1/chat/completions"
+        conn = await self._send(host, port, path, body)
+        try:
+            if conn.status != 200:
+                while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
+                    await conn.wait()
+                raise engine_error(conn.status, conn.take())
+            yield _batches(conn)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if conn.reusable():
+                    idle = self._idle.setdefault((host, port), [])
+                    if len(idle) < _IDLE_PER_ENGINE:
+                        idle.append(conn)
+                    else:
+                        conn.close()
+                else:
+                    conn.close()  # cut short: closing is how the engine learns to stop
+
+
+async def _batches(conn: _Response) -> AsyncIterator[list[StreamEvent]]:
+    parser = SseParser()
+    while True:
+        if conn.body:
+            batch = list(parser.feed(conn.take()))
+            if batch:
+                yield batch
+            continue
+        if conn.complete:
+            break
+        if conn.lost is not None:
+            raise EngineUnavailable(f"the engine connection broke: {conn.lost!r}")
+        await conn.wait()
+    if last := list(parser.close()):
+        yield last
