@@ -54,7 +54,8 @@ async def one_stream(host: str, port: int, path: str, body: bytes, key: str | No
     return first, chunks
 
 
-async def load(host: str, port: int, body: bytes, key: str | None, n: int, seconds: float) -> dict:
+async def load(host: str, port: int, body: bytes, key: str | None, n: int, seconds: float, expect: int) -> dict:
+    """N workers sending requests back to back; every answer must carry the whole recording."""
     ttfts: list[float] = []
     chunks = 0
     stop = time.perf_counter() + seconds
@@ -63,6 +64,8 @@ async def load(host: str, port: int, body: bytes, key: str | None, n: int, secon
         nonlocal chunks
         while time.perf_counter() < stop:
             first, got = await one_stream(host, port, "/v1/chat/completions", body, key)
+            if got != expect:
+                raise SystemExit(f"a stream carried {got} data events instead of {expect}: the relay lost some")
             ttfts.append(first)
             chunks += got
 
@@ -113,6 +116,7 @@ def main() -> None:
         body = (b'{"model":"bench","stream":true,"replay_case":"%s",'
                 b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode())
         pid = capy.process.pid  # type: ignore[union-attr]
+        expect = (recording / f"{args.case}.sse").read_bytes().count(b"data: ")
         print(f"relay benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores, "
               f"{args.rounds}x{args.seconds:.0f} s per path and N")
         print(f"{'N':>4} {'ttft p50 direct/relay ms':>26} {'added p50':>10} {'ttft p99 direct/relay ms':>26} "
@@ -125,9 +129,9 @@ def main() -> None:
                 for target, sink in (("direct", direct), ("relay", relay)):
                     before = cpu_seconds(pid)
                     if target == "direct":
-                        got = asyncio.run(load(rhost, rport, body.replace(b'"bench"', b'"x"'), None, n, args.seconds))
+                        got = asyncio.run(load(rhost, rport, body.replace(b'"bench"', b'"x"'), None, n, args.seconds, expect))
                     else:
-                        got = asyncio.run(load("127.0.0.1", capy.port, body, capy.api_key, n, args.seconds))
+                        got = asyncio.run(load("127.0.0.1", capy.port, body, capy.api_key, n, args.seconds, expect))
                         cpu += cpu_seconds(pid) - before
                     sink["ttfts"] += got["ttfts"]
                     sink["chunks"] += got["chunks"]

@@ -15,14 +15,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
-import anyio
 import httptools
 
 from capyctl.adapters.engines._http import engine_error
 from capyctl.adapters.engines._sse import SseParser
 from capyctl.domain.errors import EngineUnavailable
 from capyctl.domain.ports import EngineSession
-from capyctl.domain.streams import StreamEvent
+from capyctl.domain.streams import Done, StreamEvent
 
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
@@ -35,14 +34,20 @@ class _Response(asyncio.Protocol):
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.release_to: list[_Response] | None = None  # idle pool to join once the response completes
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for the next request on this connection."""
         self.status = 0
         self.headers_done = False
         self.complete = False
-        self.lost: BaseException | None = None
         self.body: list[bytes] = []
         self.buffered = 0
         self.paused = False
-        self.waiter: asyncio.Future[None] | None = None
+        self.saw_done = False  # the SSE stream ended with [DONE]; only HTTP framing may follow
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -75,6 +80,9 @@ class _Response(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
+        if self.release_to is not None and self.reusable():
+            self.release_to.append(self)
+            self.release_to = None
 
     # the reader's side
     def _wake(self) -> None:
@@ -127,6 +135,7 @@ class WireEngineSession(EngineSession):
         ).encode()
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
             conn, reused = await self._connection(host, port)
+            conn.reset()
             conn.transport.write(head + body)  # type: ignore[union-attr]
             while not conn.headers_done and conn.lost is None:
                 await conn.wait()
@@ -148,16 +157,31 @@ class WireEngineSession(EngineSession):
                     await conn.wait()
                 raise engine_error(conn.status, conn.take())
             yield _batches(conn)
-        finally:
-            with anyio.CancelScope(shield=True):
-                if conn.reusable():
-                    idle = self._idle.setdefault((host, port), [])
-                    if len(idle) < _IDLE_PER_ENGINE:
-                        idle.append(conn)
-                    else:
-                        conn.close()
-                else:
-                    conn.close()  # cut short: closing is how the engine learns to stop
+        except BaseException:
+            conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
+            raise
+        self._release(conn, (host, port))
+
+    def _release(self, conn: _Response, key: tuple[str, int]) -> None:
+        """Keep a finished connection for the next request to this engine."""
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= _IDLE_PER_ENGINE:
+            conn.close()
+        elif conn.reusable():
+            idle.append(conn)
+        elif conn.saw_done and conn.lost is None:
+            # [DONE] came; the end of the HTTP message has not yet: join the pool when it does,
+            # and close if it never comes
+            conn.release_to = idle
+            asyncio.get_running_loop().call_later(5.0, _close_unreleased, conn)
+        else:
+            conn.close()
+
+
+def _close_unreleased(conn: _Response) -> None:
+    if conn.release_to is not None:
+        conn.release_to = None
+        conn.close()
 
 
 async def _batches(conn: _Response) -> AsyncIterator[list[StreamEvent]]:
@@ -166,6 +190,8 @@ async def _batches(conn: _Response) -> AsyncIterator[list[StreamEvent]]:
         if conn.body:
             batch = list(parser.feed(conn.take()))
             if batch:
+                if isinstance(batch[-1], Done):
+                    conn.saw_done = True
                 yield batch
             continue
         if conn.complete:
