@@ -117,6 +117,8 @@ class Supervisor:
         A FAILED or STOPPED instance gets one new start for this request;
         if that fails too, ``EngineUnavailable`` says why.
         """
+        if self.status.state is S.READY:  # the common case: no scope, no waiting
+            return self.base_url
         started = False
         with anyio.move_on_after(timeout):
             while True:

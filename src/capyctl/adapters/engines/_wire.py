@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
+import anyio
 import httptools
 
 from capyctl.adapters.engines._http import engine_error
@@ -43,6 +44,7 @@ class _Response(asyncio.Protocol):
         """Ready for the next request on this connection."""
         self.status = 0
         self.headers_done = False
+        self.keep_alive = False
         self.complete = False
         self.body: list[bytes] = []
         self.buffered = 0
@@ -72,6 +74,7 @@ class _Response(asyncio.Protocol):
     # httptools callbacks
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # only valid while the message is parsed
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -103,8 +106,7 @@ class _Response(asyncio.Protocol):
         return data
 
     def reusable(self) -> bool:
-        return self.complete and self.transport is not None and not self.transport.is_closing() \
-            and self.parser.should_keep_alive()
+        return self.complete and self.keep_alive and self.transport is not None and not self.transport.is_closing()
 
     def close(self) -> None:
         if self.transport is not None:
@@ -160,6 +162,12 @@ class WireEngineSession(EngineSession):
         except BaseException:
             conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
             raise
+        if conn.saw_done and not conn.complete and conn.lost is None:
+            # only the end of the HTTP message is missing and it is a few bytes behind:
+            # wait for it briefly, so that the connection can serve the next request
+            with anyio.move_on_after(0.02):
+                while not conn.complete and conn.lost is None:
+                    await conn.wait()
         self._release(conn, (host, port))
 
     def _release(self, conn: _Response, key: tuple[str, int]) -> None:

@@ -121,15 +121,12 @@ class ChatHandler:
     async def _stream(
         self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: list
     ) -> None:
-        started = False
+        start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]}
+        opened = started = False
         try:
             async with self._service.open(record, obj) as call:
-                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]})
-                started = True
-                first, began = True, 0.0
+                opened = True
                 async for batch in call.events:
-                    if first:
-                        began, first = time.perf_counter(), False
                     parts: list[bytes] = []
                     for event in batch:
                         if isinstance(event, Chunk | EngineFailure):
@@ -140,20 +137,26 @@ class ChatHandler:
                             parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n", _DONE)
                         elif isinstance(event, Comment):
                             parts += (event.raw, b"\n\n")
-                    await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-                    if began:
+                    if not started:  # headers go out with the first chunk: one wake-up for the client
+                        began = time.perf_counter()
+                        await send(start)
+                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
                         self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-                        began = 0.0
+                        started = True
+                    else:
+                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
             record.phase = Phase.DONE
             outcome[0] = "ok"
         except CapyError as error:
             record.phase = Phase.FAILED
             outcome[0] = error.code
-            if not started and error.code in _STREAMED_REFUSALS:
-                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]})
-                started = True
-            if not started:
+            if not started and not opened and error.code not in _STREAMED_REFUSALS:
                 await send_json(send, status_of(error), error_body(error), headers)
                 return
+            if not started:  # the engine accepted the request: the client gets a stream with the error
+                await send(start)
+                started = True
             await send({"type": "http.response.body", "body": sse_error_event(error), "more_body": True})
+        if not started:
+            await send(start)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
