@@ -1,0 +1,85 @@
+"""The engine stream client on a real replay engine: whole streams, kept-alive connections, clean cuts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from capyctl.adapters.engines._wire import WireEngineSession
+from capyctl.domain.errors import EngineError, EngineUnavailable
+from capyctl.domain.streams import Chunk, Done
+
+RECORDING = Path(__file__).parents[1] / "contract" / "recordings" / "vllm" / "0.32.0"
+BODY = b'{"model":"x","stream":true,"messages":[],"replay_case":"chat_stream_usage"}'
+
+
+@pytest.fixture(scope="module")
+def replay() -> Iterator[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "capyctl.replay", "--dialect", "vllm", "--recordings", str(RECORDING), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        line = process.stdout.readline().decode()  # type: ignore[union-attr]
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line
+        yield match.group(1)
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def expected_chunks() -> int:
+    return (RECORDING / "chat_stream_usage.sse").read_bytes().count(b"data: {")
+
+
+async def read_all(session: WireEngineSession, url: str, body: bytes = BODY) -> list:
+    events = []
+    async with session.chat_stream(url, body) as batches:
+        async for batch in batches:
+            events += batch
+    return events
+
+
+async def test_streams_are_whole_and_connections_are_reused(replay: str) -> None:
+    session = WireEngineSession()
+    for _ in range(3):
+        events = await read_all(session, replay)
+        assert sum(isinstance(e, Chunk) for e in events) == expected_chunks()
+        assert isinstance(events[-1], Done)
+        idle = session._idle[("127.0.0.1", int(replay.rsplit(":", 1)[1]))]
+        assert len(idle) == 1  # the one connection went back to the pool, every time
+    connection = idle[0]
+    await read_all(session, replay)
+    assert session._idle[("127.0.0.1", int(replay.rsplit(":", 1)[1]))] == [connection]
+
+
+async def test_a_cut_stream_closes_its_connection(replay: str) -> None:
+    session = WireEngineSession()
+    before = httpx.get(replay + "/replay/stats").json()["disconnected"]
+    slow = BODY[:-1] + b',"replay_interval_ms":20}'
+    async with session.chat_stream(replay, slow) as batches:
+        async for _ in batches:
+            break  # the client went away after the first batch
+    assert session._idle.get(("127.0.0.1", int(replay.rsplit(":", 1)[1])), []) == []
+    with anyio.fail_after(2):
+        while httpx.get(replay + "/replay/stats").json()["disconnected"] == before:
+            await anyio.sleep(0.02)
+
+
+async def test_engine_refusals_and_unreachable_engines(replay: str) -> None:
+    session = WireEngineSession()
+    with pytest.raises(EngineError) as refused:
+        async with session.chat_stream(replay, BODY.replace(b"chat_stream_usage", b"error_bad_messages")):
+            pass
+    assert refused.value.status == 400
+    with pytest.raises(EngineUnavailable, match="could not reach"):
+        async with session.chat_stream("http://127.0.0.1:9", BODY):
+            pass
