@@ -373,6 +373,7 @@ async def test_sglang_ready_load_version(httpx_mock: HTTPXMock, client: httpx.As
     httpx_mock.add_response(url=BASE + "/server_info", json={"version": "0.5.23"})
     assert await engine.probe_version(BASE) == "0.5.23"
     httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/get_server_info")
+    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/server_info")
     assert await engine.probe_version(BASE) is None
     httpx_mock.add_response(url=BASE + "/get_server_info", status_code=404)
     httpx_mock.add_response(url=BASE + "/server_info", json={"no": "version"})

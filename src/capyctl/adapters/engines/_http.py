@@ -37,6 +37,29 @@ def engine_error(status: int, body: bytes) -> EngineError:
     return EngineError(status, message, name, extra)
 
 
+async def fetch_ok(client: httpx.AsyncClient, url: str) -> httpx.Response | None:
+    """GET an engine's side route (health, metrics, version): the answer if it was 200, else None.
+
+    Never raises for network trouble: an engine that does not answer is simply not ready.
+    """
+    try:
+        response = await client.get(url, timeout=2.0)
+    except httpx.HTTPError:
+        return None
+    return response if response.status_code == 200 else None
+
+
+async def fetch_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    response = await fetch_ok(client, url)
+    if response is None:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def make_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from capyctl.adapters.engines import _prom
+from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine
@@ -24,7 +26,7 @@ from capyctl.domain.ports import EngineAdapter
 
 _SEMVER = re.compile(r"version:\s*v?(\d+\.\d+\.\d+)")
 _BUILD = re.compile(r"version:\s*b?(\d+)\b")
-_GAUGE = re.compile(rb"^llamacpp:(requests_processing|requests_deferred)\s+([0-9.eE+-]+)\s*$", re.M)
+_RUNNING, _WAITING = "llamacpp:requests_processing", "llamacpp:requests_deferred"
 
 
 def parse_version(text: str) -> str:
@@ -63,11 +65,8 @@ class LlamaCppEngine(EngineAdapter):
 
     async def probe_version(self, base_url: str) -> str | None:
         """llama.cpp's /props carries ``build_info`` (e.g. ``b0-unknown``); only a real build number helps."""
-        try:
-            response = await self._client.get(base_url + "/props", timeout=2.0)
-            build = response.json().get("build_info", "") if response.status_code == 200 else ""
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
+        props = await fetch_json(self._client, base_url + "/props")
+        build = str(props.get("build_info", "")) if props is not None else ""
         match = re.match(r"b(\d+)", build)
         return f"b{match.group(1)}" if match and match.group(1) != "0" else None
 
@@ -97,20 +96,8 @@ class LlamaCppEngine(EngineAdapter):
         return argv + list(spec.engine_config.extra_args)
 
     async def ready(self, base_url: str) -> bool:
-        try:
-            response = await self._client.get(base_url + "/health", timeout=2.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await fetch_ok(self._client, base_url + "/health") is not None
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        try:
-            response = await self._client.get(base_url + "/metrics", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        found = {name: int(float(value)) for name, value in _GAUGE.findall(response.content)}
-        if b"requests_processing" not in found:
-            return None
-        return found[b"requests_processing"], found.get(b"requests_deferred", 0)
+        response = await fetch_ok(self._client, base_url + "/metrics")
+        return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])

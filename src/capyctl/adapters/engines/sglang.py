@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine
@@ -87,29 +88,15 @@ class SglangEngine(EngineAdapter):
 
     async def probe_version(self, base_url: str) -> str | None:
         for route in ("/get_server_info", "/server_info"):
-            try:
-                response = await self._client.get(base_url + route, timeout=2.0)
-                version = response.json().get("version") if response.status_code == 200 else None
-            except httpx.HTTPError:
-                return None
-            except (ValueError, AttributeError):
-                version = None
+            body = await fetch_json(self._client, base_url + route)
+            version = body.get("version") if body is not None else None
             if isinstance(version, str) and version:
                 return _venv.public_version(version)
         return None
 
     async def ready(self, base_url: str) -> bool:
-        try:
-            response = await self._client.get(base_url + "/health", timeout=2.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await fetch_ok(self._client, base_url + "/health") is not None
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        try:
-            response = await self._client.get(base_url + "/metrics", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        return _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+        response = await fetch_ok(self._client, base_url + "/metrics")
+        return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine
@@ -81,12 +82,7 @@ class TensorfoldEngine(EngineAdapter):
         return {"TENSORFOLD_API_KEY": None}  # an inherited key would lock CapyCTL out
 
     async def _health(self, base_url: str) -> dict[str, object] | None:
-        try:
-            response = await self._client.get(base_url + "/health", timeout=2.0)
-            body = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
-        return body if isinstance(body, dict) else None
+        return await fetch_json(self._client, base_url + "/health")
 
     async def probe_version(self, base_url: str) -> str | None:
         health = await self._health(base_url)
@@ -98,10 +94,5 @@ class TensorfoldEngine(EngineAdapter):
         return health is not None and health.get("status") == "ok"
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        try:
-            response = await self._client.get(base_url + "/metrics", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        return _prom.running_waiting(response.content, _RUNNING, _WAITING)
+        response = await fetch_ok(self._client, base_url + "/metrics")
+        return None if response is None else _prom.running_waiting(response.content, _RUNNING, _WAITING)

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
 from capyctl.domain.errors import InvalidEngine
@@ -101,25 +102,13 @@ class VllmEngine(EngineAdapter):
         return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": None}
 
     async def probe_version(self, base_url: str) -> str | None:
-        try:
-            response = await self._client.get(base_url + "/version", timeout=2.0)
-            version = response.json().get("version") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
+        body = await fetch_json(self._client, base_url + "/version")
+        version = body.get("version") if body is not None else None
         return _venv.public_version(version) if isinstance(version, str) and version else None
 
     async def ready(self, base_url: str) -> bool:
-        try:
-            response = await self._client.get(base_url + "/health", timeout=2.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        return await fetch_ok(self._client, base_url + "/health") is not None
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        try:
-            response = await self._client.get(base_url + "/metrics", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        return _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+        response = await fetch_ok(self._client, base_url + "/metrics")
+        return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
