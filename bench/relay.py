@@ -75,6 +75,25 @@ async def load(host: str, port: int, body: bytes, key: str | None, n: int, secon
     return {"ttfts": ttfts, "chunks": chunks, "elapsed": elapsed}
 
 
+async def hang_up_delay(host: str, port: int, body: bytes, key: str, stats_url: str) -> float:
+    """Seconds from a client hang-up to the engine seeing its connection closed (polled on /replay/stats)."""
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        before = (await client.get(stats_url)).json()["disconnected"]
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(head + body)
+        while b"data: " not in await reader.read(65536):
+            pass
+        writer.transport.abort()
+        gone = time.perf_counter()
+        while (await client.get(stats_url)).json()["disconnected"] == before:
+            pass
+        return time.perf_counter() - gone
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -92,6 +111,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per path and round")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of direct and relayed per N")
+    parser.add_argument("--hangups", type=int, default=20, help="client hang-ups to time (0: none)")
     args = parser.parse_args()
     recording = Path(args.recording)
     engine, version = recording.parent.name, recording.name
@@ -142,6 +162,13 @@ def main() -> None:
             print(f"{n:>4} {pct(direct['ttfts'], .5):>12.2f} / {pct(relay['ttfts'], .5):>9.2f} {added:>10.2f} "
                   f"{pct(direct['ttfts'], .99):>12.2f} / {pct(relay['ttfts'], .99):>9.2f} "
                   f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {cpu / relay['chunks'] * 1000:>16.3f}")
+        if args.hangups:
+            paced = body[:-1] + b',"replay_pace":"recorded"}'
+            stats_url = f"http://{rhost}:{rport}/replay/stats"
+            delays = [asyncio.run(hang_up_delay("127.0.0.1", capy.port, paced, capy.api_key, stats_url))
+                      for _ in range(args.hangups)]
+            print(f"client hang-up -> engine connection closed: p50 {pct(delays, .5):.2f} ms, "
+                  f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
     finally:
         capy.stop()
         replay.terminate()
