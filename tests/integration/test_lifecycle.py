@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, pid_alive
+from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, engine_metric, pid_alive
 
 HELLO = [{"role": "user", "content": "Hello"}]
 LONG = {"max_tokens": 1500, "ignore_eos": True, "messages": [{"role": "user", "content": "Count to 1000."}]}
@@ -87,12 +87,21 @@ def test_a_crashed_engine_is_restarted_and_its_requests_get_502(capy: CapyServer
         with httpx.stream("POST", capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=60,
                           json={"model": "smollm2", "stream": True, **LONG}) as r:
             results["stream_status"] = r.status_code
-            results["stream"] = r.read().decode()
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                streaming.set()
+            results["stream"] = "\n".join(lines)
 
+    streaming = threading.Event()
     threads = [threading.Thread(target=non_streamed), threading.Thread(target=streamed)]
     for t in threads:
         t.start()
-    time.sleep(1.5)  # both are generating
+    assert streaming.wait(60), "the stream never started"
+    port = before["port"]
+    deadline = time.monotonic() + 30
+    while engine_metric(port, "llamacpp:requests_processing") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # both requests are generating
     os.kill(before["pid"], 9)
     for t in threads:
         t.join(60)
@@ -100,7 +109,7 @@ def test_a_crashed_engine_is_restarted_and_its_requests_get_502(capy: CapyServer
     assert plain.status_code == 502 and plain.json()["error"]["code"] == "engine_restarted"
     assert plain.json()["error"]["model"] == "smollm2"
     assert results["stream_status"] == 200
-    last = [e for e in str(results["stream"]).split("\n\n") if e][-1]
+    last = [e for e in str(results["stream"]).split("\n") if e][-1]
     assert msgspec.json.decode(last[len("data: "):])["error"]["code"] == "engine_restarted"
     deadline = time.monotonic() + 30
     while (after := status(capy)["instances"][0])["state"] != "ready" and time.monotonic() < deadline:
