@@ -7,6 +7,18 @@ documented exit-code and status tables must match the code.
 Markers in the pages, on the line right before a code block:
     <!-- refused: TEXT -->  a YAML block that `deploy model` must refuse, TEXT in stderr
     <!-- error: CODE -->    a curl block whose answer must be an error with this code
+    <!-- needs: FAMILY -->  a deployment file for an engine family the tests do not install
+                            (vLLM, ...): not deployed, but decoded with CapyCTL's strict
+                            schema and checked against that family's owned options and
+                            environment variables
+    <!-- replay: ENGINE/VERSION -->  a deployment file attached to a replay engine at
+                            http://127.0.0.1:8100: the test starts a replay engine on that
+                            recording folder, points the file at it, deploys it with --wait
+                            and runs the page's curl examples against it (the port in the
+                            page is only an example, so nothing is deployed against an
+                            engine that is not running)
+    <!-- other: WHAT -->    a YAML block that is not a deployment file (a Prometheus
+                            configuration, ...): only checked to be a YAML mapping
 """
 
 from __future__ import annotations
@@ -16,33 +28,50 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
+import httpx
 import msgspec
 import pytest
 import typer
+from prometheus_client.parser import text_string_to_metric_families
 
 from capyctl.adapters.config_files import load_yaml
+from capyctl.adapters.engines.llamacpp import LlamaCppEngine
+from capyctl.adapters.engines.sglang import SglangEngine
+from capyctl.adapters.engines.tensorfold import TensorfoldEngine
+from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.http.errors import STATUS
+from capyctl.domain.deployments import check_env, check_extra_args
+from capyctl.domain.fields import FIELD_TABLE
 from capyctl.entrypoints.cli.app import app
 from capyctl.entrypoints.cli.output import EXIT_CODES
+from capyctl.services.fleet import decode_spec
 from tests.integration.harness import CapyServer, LlamaPaths
 
-DOCS = Path(__file__).parents[2] / "docs"
-PAGES = ["quickstart.md", "requests.md", "engines.md", "configuration.md", "cli.md", "errors.md", "development.md"]
+ROOT = Path(__file__).parents[2]
+DOCS = ROOT / "docs"
+SRC = ROOT / "src" / "capyctl"
+RECORDINGS = ROOT / "tests" / "contract" / "recordings"
+PAGES = ["quickstart.md", "requests.md", "engines.md", "configuration.md", "cli.md", "errors.md",
+         "observability.md", "replay.md", "development.md"]
 DOC_URL = "http://127.0.0.1:8443"
 DOC_STATE = "~/.local/state/capyctl"
 DOC_MODEL = "/path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
+DOC_REPLAY = "http://127.0.0.1:8100"  # where replay.md's demo runs its replay engine
 SED_KEY = "KEY=$(sed -n 's/^api_key: //p' ~/.local/state/capyctl/identity/credentials)"
-FENCE = re.compile(r"(?:<!-- (refused|error): (.+?) -->\n)?```(\w+)\n(.*?)^```", re.S | re.M)
+# a fence may be indented (a code block inside a list item): its closing ``` is then indented too
+FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other): (.+?) -->\n)?```(\w+)\n(.*?)^ *```", re.S | re.M)
+ADAPTERS = {str(a.family): a for a in (LlamaCppEngine, VllmEngine, SglangEngine, TensorfoldEngine)}
 
 
 class Block(NamedTuple):
     page: str
     lang: str
     text: str
-    mark: str | None  # "refused" or "error"
+    mark: str | None  # "refused", "error", "needs", "replay" or "other"
     expect: str | None  # the text the mark expects
 
 
@@ -51,7 +80,7 @@ def blocks(lang: str, *pages: str) -> list[Block]:
     for page in pages or PAGES:
         for mark, expect, block_lang, text in FENCE.findall((DOCS / page).read_text()):
             if block_lang == lang:
-                found.append(Block(page, lang, text, mark or None, expect or None))
+                found.append(Block(page, lang, textwrap.dedent(text), mark or None, expect or None))
     return found
 
 
@@ -69,6 +98,11 @@ def served(served: CapyServer, llama: LlamaPaths, tmp_path_factory: pytest.TempP
 def on_server(text: str, served: CapyServer) -> str:
     """A docs example pointed at the test server and its state directory."""
     return text.replace(DOC_URL, served.base_url).replace(DOC_STATE, str(served.state_dir))
+
+
+def section(page: str, heading: str) -> str:
+    """The text under a `## heading` of a page, up to the next `## ` heading (its ### parts included)."""
+    return (DOCS / page).read_text().split(f"\n## {heading}\n")[1].split("\n## ")[0]
 
 
 def bash(script: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -103,7 +137,7 @@ def test_json_examples_are_json() -> None:
 
 def test_yaml_examples_are_accepted_or_refused_as_marked(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
     capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
-    examples = blocks("yaml")
+    examples = [b for b in blocks("yaml") if b.mark in (None, "refused")]  # the others: tests below
     assert sum(b.mark is None for b in examples) >= 3 and sum(b.mark == "refused" for b in examples) >= 3
     for i, block in enumerate(examples):
         path = tmp_path / f"example-{i}.yaml"
@@ -131,20 +165,111 @@ def test_the_sed_one_liner_reads_the_key(served: CapyServer) -> None:
     assert done.stdout == served.api_key
 
 
+def run_curl_block(block: Block, server: CapyServer, replay_url: str = DOC_REPLAY) -> str:
+    """Run one curl example against `server` (and a replay engine); its standard output."""
+    lines = [line for line in block.text.splitlines() if line.strip() != SED_KEY]
+    assert all("sed " not in line for line in lines), block.text  # only the known one-liner is skipped
+    done = bash(on_server("\n".join(lines), server).replace(DOC_REPLAY, replay_url), KEY=server.api_key)
+    where = f"{block.page}:\n{block.text}\n--- output:\n{done.stdout}{done.stderr}"
+    assert done.returncode == 0, where
+    assert done.stdout.strip(), where
+    if block.mark == "error":
+        assert f'"code":"{block.expect}"' in done.stdout, where
+    else:
+        assert '"error":' not in done.stdout, where
+    return done.stdout
+
+
 def test_curl_examples_answer_as_documented(served: CapyServer) -> None:
-    examples = [b for b in blocks("sh", "quickstart.md", "requests.md", "errors.md") if "curl " in b.text]
-    assert len(examples) >= 10
+    pages = ("quickstart.md", "requests.md", "errors.md", "observability.md")
+    examples = [b for b in blocks("sh", *pages) if "curl " in b.text]
+    assert len(examples) >= 11
     for block in examples:
-        lines = [line for line in block.text.splitlines() if line.strip() != SED_KEY]
-        assert all("sed " not in line for line in lines), block.text  # only the known one-liner is skipped
-        done = bash(on_server("\n".join(lines), served), KEY=served.api_key)
-        where = f"{block.page}:\n{block.text}\n--- output:\n{done.stdout}{done.stderr}"
-        assert done.returncode == 0, where
-        assert done.stdout.strip(), where
-        if block.mark == "error":
-            assert f'"code":"{block.expect}"' in done.stdout, where
-        else:
-            assert '"error":' not in done.stdout, where
+        run_curl_block(block, served)
+
+
+def test_replay_demo_runs_as_documented(capy: CapyServer, tmp_path: Path) -> None:
+    """replay.md's demo: a replay engine attached as `demo`, and the page's curl examples against it."""
+    (demo,) = [b for b in blocks("yaml", "replay.md") if b.mark == "replay"]
+    assert f"endpoint: {DOC_REPLAY}\n" in demo.text
+    assert f"capyctl-replay --recordings tests/contract/recordings/{demo.expect} --port 8100" in (
+        DOCS / "replay.md").read_text()
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "capyctl.replay", "--recordings", str(RECORDINGS / str(demo.expect)), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        assert replay.stdout is not None
+        banner = replay.stdout.readline().decode()
+        found = re.search(r"listening on (http://\S+)", banner)
+        assert found, f"the replay engine did not start: {banner}"
+        path = tmp_path / "demo.yaml"
+        path.write_text(demo.text.replace(DOC_REPLAY, found.group(1)))
+        deployed = capy.cli_json("deploy", "model", "--file", str(path), "--wait")["deployment"]
+        assert (deployed["state"], deployed["engine_version"], deployed["fields"]["verified"]) == (
+            "ready", demo.expect.split("/")[1], True)
+        examples = [b for b in blocks("sh", "replay.md") if "curl " in b.text]
+        assert len(examples) >= 4 and any(b.mark == "error" for b in examples)
+        outputs = [run_curl_block(block, capy, found.group(1)) for block in examples]
+        # the non-streamed answer is all recorded bytes and engine figures: the page shows it exactly
+        (shown,) = [b for b in blocks("json", "replay.md") if '"chat.completion"' in b.text]
+        assert msgspec.json.decode(outputs[0]) == msgspec.json.decode(shown.text)
+    finally:
+        replay.terminate()
+        replay.wait(10)
+
+
+def test_other_yaml_blocks_are_what_they_say(tmp_path: Path) -> None:
+    """`needs:` deployment files pass CapyCTL's checks for their family; `other:` blocks are YAML mappings."""
+    needs = [b for b in blocks("yaml") if b.mark == "needs"]
+    others = [b for b in blocks("yaml") if b.mark == "other"]
+    assert needs and others
+    for block in needs:
+        spec = decode_spec(load_yaml(block.text, block.page))
+        adapter = ADAPTERS[str(block.expect)]
+        assert not spec.attached, block.text
+        check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
+        check_env(spec.engine_config.env, adapter.owned_env)
+    for block in others:
+        assert isinstance(load_yaml(block.text, block.page), dict), block.text
+
+
+def test_documented_field_table_matches_the_code() -> None:
+    rows = re.findall(r"^\| `([^`]+)` \| ([^|]+) \| ([^|]+) \|", section("engines.md", "Verified streams"), re.M)
+    documented = {label: (set(re.findall(r"`(\w+)`", keys)), provenance.strip()) for label, keys, provenance in rows}
+    assert len(rows) == len(documented)
+    assert documented == {row.label: (set(row.delta), str(row.provenance)) for row in FIELD_TABLE}
+
+
+def test_documented_environment_matches_the_adapters() -> None:
+    rows = re.findall(r"^\| `(\w+)` \| .*? \| .*? \| (.*?) \|$", section("engines.md", "Environment"), re.M)
+    documented = {family: set(re.findall(r"`(\w+)`", refused)) for family, refused in rows}
+    assert documented == {family: set(adapter.owned_env) for family, adapter in ADAPTERS.items()}
+
+
+def test_documented_prometheus_metrics_match_a_scrape(served: CapyServer) -> None:
+    scrape = httpx.get(served.base_url + "/metrics", headers=served.headers(), timeout=10).text
+    exposed = {f.name + ("_total" if f.type == "counter" else ""): f
+               for f in text_string_to_metric_families(scrape) if not f.name.endswith("_created")}
+    rows = re.findall(r"^\| `(capyctl_\w+)` \| (\w+) \| (.*?) \|", section("observability.md", "Prometheus metrics"),
+                      re.M)
+    assert {name for name, _, _ in rows} == set(exposed)
+    for name, kind, labels in rows:
+        assert exposed[name].type == kind, name
+        seen = {label for sample in exposed[name].samples for label in sample.labels if label != "le"}
+        assert not exposed[name].samples or seen == set(re.findall(r"`(\w+)`", labels)), name
+
+
+def test_documented_event_kinds_match_the_code() -> None:
+    services = {p.name: p.read_text() for p in (SRC / "services").glob("*.py")}
+    kinds = {"router_selection"}
+    assert '"router_selection"' in services["events.py"]
+    outcomes = set(re.findall(r'outcome = "(\w+)"', services["fleet.py"]))
+    for call in re.findall(r"\.emit\((.*)", "\n".join(services.values())):
+        kinds |= set(re.findall(r'(?<!f)"(\w+)"', call))
+        kinds |= {prefix + outcome for prefix in re.findall(r'f"(\w+)\{outcome\}"', call) for outcome in outcomes}
+    documented = set(re.findall(r"^\| `(\w+)` \|", section("observability.md", "Events"), re.M))
+    assert documented == kinds
 
 
 def test_python_example_runs(served: CapyServer) -> None:
@@ -184,6 +309,34 @@ def test_every_capyctl_command_line_exists_with_its_options() -> None:
         assert f"capyctl {' '.join(path)}".strip() in done.stdout, f"{page}: {line}"
         for option in options:
             assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", done.stdout), f"{page}: {line}: no {option}"
+
+
+TOOLS = {  # other programs the pages run, and how the test asks for their --help
+    "capyctl-replay": [sys.executable, "-m", "capyctl.replay"],
+    "python -m capyctl.replay": [sys.executable, "-m", "capyctl.replay"],
+    "python bench/relay.py": [sys.executable, "bench/relay.py"],
+    "python -m pytest": [sys.executable, "-m", "pytest"],
+}
+
+
+def test_other_command_lines_exist_with_their_options() -> None:
+    lines = [(b.page, line) for b in blocks("sh") for line in b.text.replace("\\\n", " ").splitlines()]
+    checked = 0
+    for page, line in lines:
+        for prefix, argv in TOOLS.items():
+            if not (line == prefix or line.startswith(prefix + " ")):
+                continue
+            rest = shlex.split(line[len(prefix):])
+            # pytest's options depend on the conftest files of the paths it is given
+            paths = [w for w in rest if "pytest" in prefix and not w.startswith("-") and (ROOT / w).exists()]
+            done = subprocess.run([*argv, *paths, "--help"], capture_output=True, text=True, cwd=ROOT,
+                                  env={**os.environ, "COLUMNS": "200"}, timeout=120)
+            assert done.returncode == 0, f"{page}: {line}\n{done.stderr}"
+            for option in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", " ".join(rest)):
+                found = re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", done.stdout)
+                assert found, f"{page}: {line}: no {option}"
+            checked += 1
+    assert checked >= 5
 
 
 def test_documented_exit_codes_match_the_cli() -> None:
