@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from capyctl.domain.errors import InvalidEngine
+
 from capyctl.domain.engines import version_key
 
 _SEPARATORS = re.compile(r"[-_.]+")
@@ -103,6 +105,22 @@ def find(venv: Path, *names: str) -> Distribution | None:
         if (dist := dists.get(normalise(name))) is not None:
             return dist
     return None
+
+
+def probe(venv: Path, names: tuple[str, ...], engine: str, program_name: str = "python") -> tuple[str, str]:
+    """(version, "<distribution> <version>") of the engine installed in ``venv``; ``InvalidEngine`` says what to fix."""
+    where = f"give the directory of the virtualenv {engine} is installed in"
+    if not venv.is_dir():
+        raise InvalidEngine(f"{venv} is not a directory: {where}")
+    dist = find(venv, *names)
+    if dist is None:
+        packages = " or ".join(names)
+        raise InvalidEngine(f"{venv} holds no {packages} package (looked in lib/python3.*/site-packages): {where}")
+    if not program(venv, program_name).exists():
+        raise InvalidEngine(
+            f"{venv} has no bin/{program_name}: give the virtualenv's own directory, or reinstall {engine} in it"
+        )
+    return public_version(dist.version), f"{normalise(dist.name)} {dist.version}"
 
 
 class ArgparseOptions(dict[str, str]):

@@ -24,7 +24,6 @@ from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import InvalidEngine
 from capyctl.domain.ports import EngineAdapter
 
 DISTRIBUTION = "sglang"
@@ -50,8 +49,8 @@ _OWNED = {
 
 class SglangEngine(EngineAdapter):
     family = EngineFamily.SGLANG
-    # also refuses abbreviations argparse would expand to one of these (--enable-cache-rep)
     owned_env: tuple[str, ...] = ()
+    # also refuses abbreviations argparse would expand to one of these (--enable-cache-rep)
     owned_options = _venv.ArgparseOptions(_OWNED)
 
     def __init__(self, client: httpx.AsyncClient) -> None:
@@ -61,19 +60,7 @@ class SglangEngine(EngineAdapter):
         return _venv.find(path, DISTRIBUTION) is not None
 
     def probe(self, path: Path) -> tuple[str, str]:
-        if not path.is_dir():
-            raise InvalidEngine(
-                f"{path} is not a directory: give the directory of the virtualenv SGLang is installed in"
-            )
-        dist = _venv.find(path, DISTRIBUTION)
-        if dist is None:
-            raise InvalidEngine(
-                f"{path} holds no sglang package (looked in lib/python3.*/site-packages): "
-                "give the directory of the virtualenv SGLang is installed in"
-            )
-        if not _venv.python(path).exists():
-            raise InvalidEngine(f"{path} has no bin/python: give the virtualenv's own directory")
-        return _venv.public_version(dist.version), f"{_venv.normalise(dist.name)} {dist.version}"
+        return _venv.probe(path, (DISTRIBUTION,), "SGLang")
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         argv = [str(_venv.python(Path(engine.path))), "-m", "sglang.launch_server"]

@@ -27,7 +27,6 @@ from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import InvalidEngine
 from capyctl.domain.ports import EngineAdapter
 
 DISTRIBUTION = "tensorfold"
@@ -55,21 +54,7 @@ class TensorfoldEngine(EngineAdapter):
         return _venv.find(path, DISTRIBUTION) is not None
 
     def probe(self, path: Path) -> tuple[str, str]:
-        if not path.is_dir():
-            raise InvalidEngine(
-                f"{path} is not a directory: give the directory of the virtualenv TensorFold is installed in"
-            )
-        dist = _venv.find(path, DISTRIBUTION)
-        if dist is None:
-            raise InvalidEngine(
-                f"{path} holds no tensorfold package (looked in lib/python3.*/site-packages): "
-                "give the directory of the virtualenv TensorFold is installed in"
-            )
-        if not _venv.program(path, PROGRAM).exists():
-            raise InvalidEngine(
-                f"{path} has no bin/{PROGRAM}: give the virtualenv's own directory, or reinstall TensorFold in it"
-            )
-        return _venv.public_version(dist.version), f"{_venv.normalise(dist.name)} {dist.version}"
+        return _venv.probe(path, (DISTRIBUTION,), "TensorFold", PROGRAM)
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         argv = [str(_venv.program(Path(engine.path), PROGRAM)), "serve", spec.model]

