@@ -6,7 +6,7 @@ import pytest
 from capyctl.adapters.config_files import load_yaml
 from capyctl.domain.auth import check_bearer
 from capyctl.domain.deployments import InstanceState as S
-from capyctl.domain.deployments import check_extra_args, check_transition, restart_delay
+from capyctl.domain.deployments import check_extra_args, check_transition, parse_duration, restart_delay
 from capyctl.domain.errors import InvalidApiKey, InvalidConfig, MissingApiKey
 from capyctl.services.fleet import decode_spec
 
@@ -71,3 +71,10 @@ def test_strict_config_struct_is_frozen() -> None:
     with pytest.raises(AttributeError):
         spec.name = "other"  # type: ignore[misc]
     assert msgspec.json.decode(msgspec.json.encode(spec))["name"] == "m1"
+
+
+def test_durations_are_parsed_and_bad_ones_refused() -> None:
+    assert [parse_duration(t, "x") for t in ("300s", "10m", "1.5h", "250ms", "42")] == [300, 600, 5400, 0.25, 42]
+    for bad in ("", "5x", "-1s", "0s", "m"):
+        with pytest.raises(InvalidConfig):
+            parse_duration(bad, "--request-deadline")

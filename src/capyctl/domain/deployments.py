@@ -90,6 +90,18 @@ class DeploymentSpec(Strict):
         return (self.model or self.name) if self.attached else self.name
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str, what: str) -> float:
+    """Seconds from '300s', '10m', '1.5h', '250ms' or a bare number of seconds."""
+    match = _DURATION.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise InvalidConfig(f"{what}: {text!r} is not a duration; write it like 300s, 10m or 1h")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
 def check_extra_args(extra_args: list[str], owned: dict[str, str]) -> None:
     """Refuse engine options CapyCTL sets itself (``owned`` maps flag -> what it controls)."""
     for arg in extra_args:

@@ -70,7 +70,10 @@ class Container(containers.DeclarativeContainer):
 
     supervisor_settings = providers.Singleton(SupervisorSettings)
     chat_settings = providers.Singleton(
-        ChatSettings, request_deadline=config.request_deadline, host_name=providers.Callable(socket.gethostname)
+        ChatSettings,
+        request_deadline=config.request_deadline,
+        stream_idle_timeout=config.stream_idle_timeout,
+        host_name=providers.Callable(socket.gethostname),
     )
 
     fleet = providers.Singleton(

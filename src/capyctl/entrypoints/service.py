@@ -44,18 +44,21 @@ def _uvicorn(app: object) -> _Server:
     return _Server(config)
 
 
-def build_container(state_dir: Path, request_deadline: float = 1800.0) -> Container:
+def build_container(state_dir: Path, request_deadline: float = 1800.0, stream_idle_timeout: float = 120.0) -> Container:
     container = Container()
     container.config.from_dict(
-        {"state_dir": state_dir, "request_deadline": request_deadline, "max_body": DEFAULT_MAX_BODY}
+        {"state_dir": state_dir, "request_deadline": request_deadline, "stream_idle_timeout": stream_idle_timeout,
+         "max_body": DEFAULT_MAX_BODY}
     )
     return container
 
 
-async def serve_standalone(state_dir: Path, listen: str, management: str) -> None:
+async def serve_standalone(
+    state_dir: Path, listen: str, management: str, request_deadline: float = 1800.0, stream_idle_timeout: float = 120.0
+) -> None:
     inference_addr = parse_listen(listen, "--listen")
     management_addr = parse_listen(management, "--management")
-    container = build_container(state_dir)
+    container = build_container(state_dir, request_deadline, stream_idle_timeout)
     container.init_resources()
     try:
         await _serve(container, inference_addr, management_addr)

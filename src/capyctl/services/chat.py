@@ -28,7 +28,7 @@ from capyctl.domain.engines import EngineFamily
 from capyctl.domain.fields import DeltaVerifier
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineSession
-from capyctl.domain.requests import Phase, RequestRecord
+from capyctl.domain.requests import CancelCause, Phase, RequestRecord
 from capyctl.domain.streams import (
     Assembler,
     Chunk,
@@ -47,6 +47,7 @@ SALTED_FAMILIES = frozenset({EngineFamily.VLLM, EngineFamily.SGLANG})  # engines
 
 class ChatSettings(msgspec.Struct, kw_only=True, frozen=True):
     request_deadline: float = 1800.0  # seconds to the engine's first answer, start included
+    stream_idle_timeout: float = 120.0  # seconds an answer may go silent once it has begun
     crash_notice: float = 1.0  # how long to wait for a broken connection to show as an engine exit
     host_name: str = "local"  # the machine serving standalone deployments, as logs name it
 
@@ -90,6 +91,29 @@ class ChatService:
         self._settings = settings
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self.live: dict[str, RequestRecord] = {}  # requests being served, read by the metrics endpoint
+        self._meters: dict[str, Meter] = {}  # the engine activity of requests being relayed
+
+    async def guard(self, record: RequestRecord, cut: anyio.CancelScope) -> None:
+        """Cut ``record`` (cancel ``cut``) if it has no answer within the request deadline,
+        or if its answer goes silent for the stream idle timeout (CAN-1).
+
+        Runs beside the request; it reads the clock a few times a second, never per chunk.
+        """
+        settings = self._settings
+        tick = min(1.0, max(0.05, min(settings.request_deadline, settings.stream_idle_timeout) / 10))
+        received = self._clock.monotonic()
+        while True:
+            await anyio.sleep(tick)
+            now = self._clock.monotonic()
+            meter = self._meters.get(record.id)
+            if not record.answered:
+                if now - received > settings.request_deadline:
+                    record.cancelled(CancelCause.DEADLINE)
+                    break
+            elif meter is not None and meter.last_at is not None and now - meter.last_at > settings.stream_idle_timeout:
+                record.cancelled(CancelCause.IDLE)
+                break
+        cut.cancel()
 
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)
@@ -132,6 +156,7 @@ class ChatService:
         row = self._metrics_rows.get((engine.family, engine.version))
         if row is None:
             row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
+        self._meters[record.id] = meter
         try:
             async with self._session.chat_stream(url, body) as events:
                 yield EngineCall(_relay(events, stages, record, meter), meter, row)
@@ -139,6 +164,8 @@ class ChatService:
             if await self._engine_gone(supervisor, launch):
                 raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
             raise
+        finally:
+            self._meters.pop(record.id, None)
 
     async def _engine_gone(self, supervisor: Runner, launch: int) -> bool:
         with anyio.move_on_after(self._settings.crash_notice):

@@ -32,7 +32,14 @@ from capyctl.adapters.http.asgi import (
 from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.auth import check_bearer
-from capyctl.domain.errors import CapyError, InvalidJson, InvalidRequest, MethodNotAllowed
+from capyctl.domain.errors import (
+    CapyError,
+    DeadlineExceeded,
+    InvalidJson,
+    InvalidRequest,
+    MethodNotAllowed,
+    StreamIdleTimeout,
+)
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
 from capyctl.services.chat import ChatService, read_target
@@ -59,6 +66,27 @@ def decode_body(body: bytes) -> dict[str, Any]:
     if "return_hidden_states" in obj:
         raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
     return obj
+
+
+class Outcome:
+    """How one request ended, for Prometheus and for errors sent after a cut."""
+
+    __slots__ = ("code", "ttft_ms", "started")
+
+    def __init__(self) -> None:
+        self.code = "client_gone"
+        self.ttft_ms: float | None = None
+        self.started = False  # a stream's 200 and headers were sent
+
+
+_TIMEOUTS = {
+    CancelCause.DEADLINE: lambda record: DeadlineExceeded(
+        f"no answer from the engine serving {record.deployment!r} within the request deadline; "
+        "the request was cut and the engine told to stop", model=record.deployment),
+    CancelCause.IDLE: lambda record: StreamIdleTimeout(
+        f"the answer from {record.deployment!r} went silent for longer than the stream idle timeout; "
+        "the request was cut and the engine told to stop", model=record.deployment),
+}
 
 
 class ChatHandler:
@@ -90,39 +118,51 @@ class ChatHandler:
             await send_json(send, status_of(error), error_body(error), headers)
             return
         record = RequestRecord(id=request_id, deployment=model, stream=stream)
-        outcome: list[str | float | None] = ["client_gone", None]  # code, ttft_ms
+        outcome = Outcome()
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_disconnect, receive, tg.cancel_scope)
+            tg.start_soon(self._service.guard, record, tg.cancel_scope)
             if stream:
                 await self._stream(record, obj, send, headers, outcome)
             else:
                 await self._complete(record, obj, send, headers, outcome)
             tg.cancel_scope.cancel()
         if tg.cancel_scope.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
-            record.cancelled(CancelCause.CLIENT_GONE)
-            log.info("request %s %s: client hung up, engine connection closed", request_id, model)
+            if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
+                error = _TIMEOUTS[record.cause](record)
+                outcome.code = error.code
+                await self._late_error(error, send, headers, outcome)
+            else:
+                record.cancelled(CancelCause.CLIENT_GONE)
+            log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
         if self._service.knows(model):  # unknown names must not become label values
-            self._stats.answered(model, str(outcome[0]), outcome[1])  # type: ignore[arg-type]
+            self._stats.answered(model, outcome.code, outcome.ttft_ms)
+
+    async def _late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None:
+        if outcome.started:
+            await send({"type": "http.response.body", "body": sse_error_event(error), "more_body": False})
+        else:
+            await send_json(send, status_of(error), error_body(error), headers)
 
     async def _complete(
-        self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: list
+        self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: Outcome
     ) -> None:
         try:
             answer = await self._service.complete(record, obj)
         except CapyError as error:
             record.phase = Phase.FAILED
-            outcome[0] = error.code
+            outcome.code = error.code
             await send_json(send, status_of(error), error_body(error), headers)
             return
         record.phase = Phase.DONE
-        outcome[:] = ["ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")]
+        outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
         await send_json(send, 200, _encode(answer), headers)
 
     async def _stream(
-        self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: list
+        self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: Outcome
     ) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]}
-        opened = started = False
+        opened = False
         try:
             async with self._service.open(record, obj) as call:
                 opened = True
@@ -133,30 +173,31 @@ class ChatHandler:
                             parts += (b"data: ", event.raw, b"\n\n")
                         elif isinstance(event, Done):
                             metrics = call.metrics()
-                            outcome[1] = metrics.get("ttft_ms", {}).get("value")
+                            outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
                             parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n", _DONE)
                         elif isinstance(event, Comment):
                             parts += (event.raw, b"\n\n")
-                    if not started:  # headers go out with the first chunk: one wake-up for the client
+                    if not outcome.started:  # headers go out with the first chunk: one wake-up for the client
                         began = time.perf_counter()
+                        outcome.started = True
                         await send(start)
                         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
                         self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-                        started = True
                     else:
                         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
             record.phase = Phase.DONE
-            outcome[0] = "ok"
+            outcome.code = "ok"
         except CapyError as error:
             record.phase = Phase.FAILED
-            outcome[0] = error.code
-            if not started and not opened and error.code not in _STREAMED_REFUSALS:
+            outcome.code = error.code
+            if not outcome.started and not opened and error.code not in _STREAMED_REFUSALS:
                 await send_json(send, status_of(error), error_body(error), headers)
                 return
-            if not started:  # the engine accepted the request: the client gets a stream with the error
+            if not outcome.started:  # the engine accepted the request: the client gets a stream with the error
+                outcome.started = True
                 await send(start)
-                started = True
             await send({"type": "http.response.body", "body": sse_error_event(error), "more_body": True})
-        if not started:
+        if not outcome.started:
+            outcome.started = True
             await send(start)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

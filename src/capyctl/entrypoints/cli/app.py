@@ -21,6 +21,7 @@ import typer
 from capyctl import __version__
 from capyctl.adapters.config_files import load_yaml_file
 from capyctl.adapters.storage.state_dir import resolve_state_dir
+from capyctl.domain.deployments import parse_duration
 from capyctl.domain.errors import CapyError
 from capyctl.entrypoints.cli.client import ManagementClient
 from capyctl.entrypoints.cli.output import duration, exit_code, print_error, print_json, stamp, table
@@ -114,15 +115,23 @@ def start_standalone(
         LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
     ] = LogFormat.TEXT,
     json: Annotated[bool, typer.Option("--json", help="Same as --log-format json.")] = False,
+    request_deadline: Annotated[
+        str, typer.Option(help="Longest wait for an answer to begin (starting the engine included), e.g. 300s, 30m.")
+    ] = "30m",
+    stream_idle_timeout: Annotated[
+        str, typer.Option(help="Longest silence inside an answer before CapyCTL cuts it, e.g. 120s.")
+    ] = "120s",
 ) -> None:
     """Run CapyCTL and its engines in the foreground until Ctrl-C or SIGTERM."""
     if json:
         log_format = LogFormat.JSON
+    deadline = parse_duration(request_deadline, "--request-deadline")
+    idle = parse_duration(stream_idle_timeout, "--stream-idle-timeout")
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
     configure_logging(log_format.value)
-    anyio.run(serve_standalone, resolve_state_dir(state_dir), listen, management)
+    anyio.run(serve_standalone, resolve_state_dir(state_dir), listen, management, deadline, idle)
 
 
 # --- engines ------------------------------------------------------------------
