@@ -131,7 +131,19 @@ def start_standalone(
     from capyctl.entrypoints.service import serve_standalone
 
     configure_logging(log_format.value)
-    anyio.run(serve_standalone, resolve_state_dir(state_dir), listen, management, deadline, idle)
+    anyio.run(
+        serve_standalone, resolve_state_dir(state_dir), listen, management, deadline, idle,
+        backend_options={"use_uvloop": _has_uvloop()},
+    )
+
+
+def _has_uvloop() -> bool:
+    """uvloop (installed with uvicorn[standard]) makes the relay's sockets markedly cheaper; asyncio otherwise."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # --- engines ------------------------------------------------------------------
