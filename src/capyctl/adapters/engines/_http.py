@@ -1,21 +1,17 @@
-"""HTTP session to OpenAI-compatible engines (shared by every engine adapter)."""
+"""Engine side routes over httpx (health, metrics, version) and the reading of engine error answers.
+
+Shared by every engine adapter. The streamed chat call itself is in ``_wire``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 import httpx
 import msgspec
 
-from capyctl.adapters.engines._sse import SseParser
-from capyctl.domain.errors import EngineError, EngineUnavailable
-from capyctl.domain.ports import EngineSession
-from capyctl.domain.streams import StreamEvent
+from capyctl.domain.errors import EngineError
 
-_MAX_ERROR_BODY = 64 * 1024
 _decode_any = msgspec.json.decode
 
 
@@ -66,49 +62,3 @@ def make_client() -> httpx.AsyncClient:
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         trust_env=False,
     )
-
-
-class HttpxEngineSession(EngineSession):
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
-
-    @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
-        request = self._client.build_request(
-            "POST",
-            base_url + "/v1/chat/completions",
-            content=body,
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
-        )
-        try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"could not reach the engine at {base_url}: {exc!r}") from exc
-        try:
-            if response.status_code != 200:
-                raw = b""
-                async for part in response.aiter_raw():
-                    raw += part
-                    if len(raw) > _MAX_ERROR_BODY:
-                        break
-                raise engine_error(response.status_code, raw)
-            yield _events(response)
-        finally:
-            # Shielded: under cancellation (client gone) an unshielded close can be cut
-            # short, leaving the socket open and the engine generating until GC.
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
-
-
-async def _events(response: httpx.Response) -> AsyncIterator[list[StreamEvent]]:
-    """The engine's events, one batch per network read (so the relay writes once per read)."""
-    parser = SseParser()
-    try:
-        async for data in response.aiter_raw():
-            batch = list(parser.feed(data))
-            if batch:
-                yield batch
-    except httpx.HTTPError as exc:
-        raise EngineUnavailable(f"the engine connection broke: {exc!r}") from exc
-    if last := list(parser.close()):
-        yield last
