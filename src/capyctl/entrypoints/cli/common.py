@@ -1,0 +1,89 @@
+"""What every ``capyctl`` command shares: the Typer apps, common options, error reporting."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from capyctl import __version__
+from capyctl.adapters.storage.state_dir import resolve_state_dir
+from capyctl.domain.errors import CapyError
+from capyctl.entrypoints.cli.client import ManagementClient
+from capyctl.entrypoints.cli.output import exit_code, print_error
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class LogFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+StateDirOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--state-dir",
+        envvar="CAPYCTL_STATE_DIR",
+        help="State directory (key, database, engine logs). "
+        "Default: $XDG_STATE_HOME/capyctl, else ~/.local/state/capyctl.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+
+app = typer.Typer(
+    help="CapyCTL: one authenticated OpenAI-compatible endpoint in front of your LLM engines.\n\n"
+    "Start the server with `capyctl start standalone`, register an engine with `capyctl engine add`, "
+    "then `capyctl deploy model --file model.yaml --activate --wait`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+start_app = typer.Typer(help="Start the server, or a deployment.", no_args_is_help=True)
+stop_app = typer.Typer(help="Stop a deployment (sticky: requests will not restart it).", no_args_is_help=True)
+delete_app = typer.Typer(help="Delete a deployment (stops its engine first).", no_args_is_help=True)
+status_app = typer.Typer(help="Show a deployment's state and instances.", no_args_is_help=True)
+list_app = typer.Typer(help="List deployments or engines.", no_args_is_help=True)
+engine_app = typer.Typer(help="Register, list and remove engine installations.", no_args_is_help=True)
+deploy_app = typer.Typer(help="Create or update deployments from files.", no_args_is_help=True)
+for name, sub in [
+    ("start", start_app), ("stop", stop_app), ("delete", delete_app), ("status", status_app),
+    ("list", list_app), ("engine", engine_app), ("deploy", deploy_app),
+]:
+    app.add_typer(sub, name=name)
+
+
+def reports_errors(fn: F) -> F:
+    """Turn CapyCTL errors into `error [code]: message` on stderr and a documented exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CapyError as error:
+            print_error(error.code, error.message)
+            raise typer.Exit(exit_code(error.code)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def client(state_dir: str | None) -> ManagementClient:
+    return ManagementClient(resolve_state_dir(state_dir))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"capyctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """CapyCTL command line."""

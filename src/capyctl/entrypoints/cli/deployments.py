@@ -1,0 +1,194 @@
+"""Deployments: deploy, list, status, start, stop, delete, and the event log."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import typer
+
+from capyctl.adapters.config_files import load_yaml_file
+from capyctl.domain.errors import CapyError
+from capyctl.entrypoints.cli.client import ManagementClient
+from capyctl.entrypoints.cli.common import (
+    JsonOpt,
+    StateDirOpt,
+    app,
+    client,
+    delete_app,
+    deploy_app,
+    list_app,
+    reports_errors,
+    start_app,
+    status_app,
+    stop_app,
+)
+from capyctl.entrypoints.cli.output import duration, print_json, stamp, table
+
+
+@deploy_app.command("model")
+@reports_errors
+def deploy_model(
+    file: Annotated[Path, typer.Option("--file", "-f", help="Deployment YAML: name, engine, model, ...")],
+    activate: Annotated[bool, typer.Option(help="Start the engine now instead of on the first request.")] = False,
+    wait: Annotated[bool, typer.Option(help="Start it and wait until it is ready (implies --activate).")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait waits before giving up.")] = 600.0,
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Create or update a deployment from a YAML file."""
+    document = load_yaml_file(file)
+    api = client(state_dir)
+    result = api.call("PUT", "/deployments", json={"document": document, "activate": activate or wait})
+    deployment = result["deployment"]
+    if not json:
+        typer.echo(f"deployment {deployment['name']} {result['outcome']}")
+    if wait:
+        deployment = _wait_ready(api, deployment["name"], timeout, quiet=json)
+    print_json({**result, "deployment": deployment}) if json else None
+
+
+def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -> dict[str, Any]:
+    """Poll the deployment until ready, printing each state change on stderr."""
+    started = time.monotonic()
+    last = None
+    while True:
+        deployment = api.call("GET", f"/deployments/{name}")
+        state = deployment["state"]
+        if state != last and not quiet:
+            sys.stderr.write(f"  {name}: {state}\n")
+            last = state
+        if state == "ready":
+            return deployment
+        instance = deployment["instances"][0]
+        waited = time.monotonic() - started
+        if state in ("failed", "stopped"):
+            raise DeploymentFailed(f"deployment {name} is {state}: {instance['last_error']}; engine log: {instance['log']}")
+        if state == "unavailable" and waited > ATTACHED_PATIENCE:
+            raise DeploymentFailed(f"deployment {name}: {instance['last_error']}")
+        if waited > timeout:
+            raise WaitTimeout(f"deployment {name} not ready after {timeout:.0f} s (state {state}); log: {instance['log']}")
+        time.sleep(0.25)
+
+
+ATTACHED_PATIENCE = 12.0  # an attached engine is checked for 10 s by the server
+
+
+class DeploymentFailed(CapyError):
+    code = "deployment_failed"
+
+
+class WaitTimeout(CapyError):
+    code = "timeout"
+
+
+def _deployment_rows(deployments: list[dict[str, Any]]) -> str:
+    rows = [
+        [d["name"], d["api"], d["state"] + (" (operator)" if d["operator_stopped"] else ""),
+         f"{d['engine']} {d['engine_version']}", d["model"]]
+        for d in deployments
+    ]
+    return table(["NAME", "API", "STATE", "ENGINE", "MODEL"], rows)
+
+
+@list_app.command("deployments")
+@reports_errors
+def list_deployments(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """List deployments and their states."""
+    deployments = client(state_dir).call("GET", "/deployments")
+    print_json(deployments) if json else typer.echo(_deployment_rows(deployments))
+
+
+def _status_text(d: dict[str, Any]) -> str:
+    head = [
+        f"deployment  {d['name']}",
+        f"state       {d['state']}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
+        f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
+        f"api         {d['api']}",
+        f"endpoint    {d['endpoint']} (attached: CapyCTL does not start or stop it)" if d["endpoint"]
+        else f"model       {d['model']}",
+        f"fields      {'verified' if d['fields']['verified'] else 'UNVERIFIED'}: {d['fields']['row']} "
+        f"({d['fields']['provenance']})",
+        "",
+    ]
+    rows = [
+        [i["index"], i["state"], i["pid"], i["port"], duration(i["uptime_s"]), i["restarts"], i["last_error"]]
+        for i in d["instances"]
+    ]
+    logs = [f"log         {i['log']}" for i in d["instances"] if i["log"]]
+    return "\n".join(head) + table(["INSTANCE", "STATE", "PID", "PORT", "UPTIME", "RESTARTS", "LAST ERROR"], rows) + (
+        "\n\n" + "\n".join(logs) if logs else ""
+    )
+
+
+@status_app.command("deployment")
+@reports_errors
+def status_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """Show a deployment: state, engine and version, and its instances."""
+    deployment = client(state_dir).call("GET", f"/deployments/{name}")
+    print_json(deployment) if json else typer.echo(_status_text(deployment))
+
+
+@start_app.command("deployment")
+@reports_errors
+def start_deployment(
+    name: str,
+    wait: Annotated[bool, typer.Option(help="Wait until it is ready.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait waits before giving up.")] = 600.0,
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Start a deployment's engine (and clear an operator's stop)."""
+    api = client(state_dir)
+    deployment = api.call("POST", f"/deployments/{name}/start")
+    if wait:
+        deployment = _wait_ready(api, name, timeout, quiet=json)
+    print_json(deployment) if json else typer.echo(f"deployment {name} {deployment['state']}")
+
+
+@stop_app.command("deployment")
+@reports_errors
+def stop_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """Stop a deployment's engine. Requests get 409 deployment_stopped until it is started again."""
+    deployment = client(state_dir).call("POST", f"/deployments/{name}/stop")
+    print_json(deployment) if json else typer.echo(f"deployment {name} {deployment['state']}")
+
+
+@delete_app.command("deployment")
+@reports_errors
+def delete_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """Stop and delete a deployment."""
+    result = client(state_dir).call("DELETE", f"/deployments/{name}")
+    print_json(result) if json else typer.echo(f"deployment {name} deleted")
+
+
+@app.command("events")
+@reports_errors
+def events(
+    deployment: Annotated[str | None, typer.Option(help="Only this deployment's events.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events until Ctrl-C.")] = False,
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Print stored events: state changes, engine starts, crashes and restarts."""
+    api = client(state_dir)
+    after = 0
+    while True:
+        params: dict[str, Any] = {"after": after, "limit": 1000}
+        if deployment:
+            params["deployment"] = deployment
+        batch = api.call("GET", "/events", params=params)
+        for event in batch:
+            after = event["id"]
+            if json:
+                sys.stdout.write(msgspec.json.encode(event).decode() + "\n")
+            else:
+                detail = " ".join(f"{k}={v}" for k, v in event["detail"].items())
+                typer.echo(f"{stamp(event['at'])}  {event['deployment'] or '-':<20} {event['kind']:<20} {detail}")
+        if not follow:
+            return
+        sys.stdout.flush()
+        time.sleep(0.5)
