@@ -94,6 +94,22 @@ async def hang_up_delay(host: str, port: int, body: bytes, key: str, stats_url: 
         return time.perf_counter() - gone
 
 
+async def paced_ttft(host: str, port: int, body: bytes, key: str | None) -> float:
+    """Seconds to the first data event of one stream from an engine at its recorded pace; then hang up."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    started = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(head + body)
+    while b"data: " not in await reader.read(65536):
+        pass
+    first = time.perf_counter() - started
+    writer.transport.abort()
+    await asyncio.sleep(0.02)  # let both sides finish with the cut stream before the next one
+    return first
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -112,6 +128,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per path and round")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of direct and relayed per N")
     parser.add_argument("--hangups", type=int, default=20, help="client hang-ups to time (0: none)")
+    parser.add_argument("--paced", type=int, default=60,
+                        help="streams per path to time to first token with the engine at its recorded pace (0: none)")
     args = parser.parse_args()
     recording = Path(args.recording)
     engine, version = recording.parent.name, recording.name
@@ -162,6 +180,15 @@ def main() -> None:
             print(f"{n:>4} {pct(direct['ttfts'], .5):>12.2f} / {pct(relay['ttfts'], .5):>9.2f} {added:>10.2f} "
                   f"{pct(direct['ttfts'], .99):>12.2f} / {pct(relay['ttfts'], .99):>9.2f} "
                   f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {cpu / relay['chunks'] * 1000:>16.3f}")
+        if args.paced:
+            paced_body = body[:-1] + b',"replay_pace":"recorded"}'
+            direct_t, relay_t = [], []
+            for _ in range(args.paced):
+                direct_t.append(asyncio.run(paced_ttft(rhost, rport, paced_body.replace(b'"bench"', b'"x"'), None)))
+                relay_t.append(asyncio.run(paced_ttft("127.0.0.1", capy.port, paced_body, capy.api_key)))
+            print(f"time to first token, engine at its recorded pace, one stream: direct p50 {pct(direct_t, .5):.2f} ms, "
+                  f"relayed p50 {pct(relay_t, .5):.2f} ms, added {pct(relay_t, .5) - pct(direct_t, .5):.2f} ms "
+                  f"over {args.paced} streams each")
         if args.hangups:
             paced = body[:-1] + b',"replay_pace":"recorded"}'
             stats_url = f"http://{rhost}:{rport}/replay/stats"

@@ -46,11 +46,14 @@ def start_standalone(
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
-    configure_logging(log_format.value)
-    anyio.run(
-        serve_standalone, resolve_state_dir(state_dir), listen, management, deadline, idle,
-        backend_options={"use_uvloop": _has_uvloop()},
-    )
+    listener = configure_logging(log_format.value)
+    try:
+        anyio.run(
+            serve_standalone, resolve_state_dir(state_dir), listen, management, deadline, idle,
+            backend_options={"use_uvloop": _has_uvloop()},
+        )
+    finally:
+        listener.stop()  # flushes the last lines
 
 
 def _has_uvloop() -> bool:
