@@ -32,14 +32,18 @@ from tests.integration.harness import CapyServer  # noqa: E402
 _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 
 
-async def one_stream(host: str, port: int, path: str, body: bytes, key: str | None) -> tuple[float, int]:
-    """(seconds to the first data chunk, data chunks received) for one streamed request."""
+def request(host: str, body: bytes, key: str | None) -> bytes:
+    """A streamed chat request, as raw bytes (a lean client, the same for both paths)."""
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+async def one_stream(host: str, port: int, body: bytes, key: str | None) -> tuple[float, int]:
+    """(seconds to the first data chunk, data chunks received) for one streamed request."""
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(head + body)
+    writer.write(request(host, body, key))
     first = 0.0
     chunks = 0
     tail = b""
@@ -63,7 +67,7 @@ async def load(host: str, port: int, body: bytes, key: str | None, n: int, secon
     async def worker() -> None:
         nonlocal chunks
         while time.perf_counter() < stop:
-            first, got = await one_stream(host, port, "/v1/chat/completions", body, key)
+            first, got = await one_stream(host, port, body, key)
             if got != expect:
                 raise SystemExit(f"a stream carried {got} data events instead of {expect}: the relay lost some")
             ttfts.append(first)
@@ -81,10 +85,8 @@ async def hang_up_delay(host: str, port: int, body: bytes, key: str, stats_url: 
 
     async with httpx.AsyncClient() as client:
         before = (await client.get(stats_url)).json()["disconnected"]
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(head + body)
+        writer.write(request(host, body, key))
         while b"data: " not in await reader.read(65536):
             pass
         writer.transport.abort()
@@ -96,12 +98,9 @@ async def hang_up_delay(host: str, port: int, body: bytes, key: str, stats_url: 
 
 async def paced_ttft(host: str, port: int, body: bytes, key: str | None) -> float:
     """Seconds to the first data event of one stream from an engine at its recorded pace; then hang up."""
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(head + body)
+    writer.write(request(host, body, key))
     while b"data: " not in await reader.read(65536):
         pass
     first = time.perf_counter() - started
