@@ -93,27 +93,29 @@ class ChatService:
         self.live: dict[str, RequestRecord] = {}  # requests being served, read by the metrics endpoint
         self._meters: dict[str, Meter] = {}  # the engine activity of requests being relayed
 
-    async def guard(self, record: RequestRecord, cut: anyio.CancelScope) -> None:
-        """Cut ``record`` (cancel ``cut``) if it has no answer within the request deadline,
-        or if its answer goes silent for the stream idle timeout (CAN-1).
-
-        Runs beside the request; it reads the clock a few times a second, never per chunk.
-        """
+    @property
+    def check_every(self) -> float:
+        """How often ``overdue`` should be asked: a tenth of the shortest limit, within 50 ms..1 s."""
         settings = self._settings
-        tick = min(1.0, max(0.05, min(settings.request_deadline, settings.stream_idle_timeout) / 10))
-        received = self._clock.monotonic()
-        while True:
-            await anyio.sleep(tick)
-            now = self._clock.monotonic()
-            meter = self._meters.get(record.id)
-            if not record.answered:
-                if now - received > settings.request_deadline:
-                    record.cancelled(CancelCause.DEADLINE)
-                    break
-            elif meter is not None and meter.last_at is not None and now - meter.last_at > settings.stream_idle_timeout:
-                record.cancelled(CancelCause.IDLE)
-                break
-        cut.cancel()
+        return min(1.0, max(0.05, min(settings.request_deadline, settings.stream_idle_timeout) / 10))
+
+    def overdue(self, record: RequestRecord, received_at: float) -> bool:
+        """CAN-1: True (and ``record`` marked cancelled) once it has had no answer within the request
+        deadline, or once its answer has been silent for the stream idle timeout. Cheap: no I/O."""
+        now = self._clock.monotonic()
+        if not record.answered:
+            if now - received_at > self._settings.request_deadline:
+                record.cancelled(CancelCause.DEADLINE)
+                return True
+            return False
+        meter = self._meters.get(record.id)
+        if meter is not None and meter.last_at is not None and now - meter.last_at > self._settings.stream_idle_timeout:
+            record.cancelled(CancelCause.IDLE)
+            return True
+        return False
+
+    def now(self) -> float:
+        return self._clock.monotonic()
 
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)

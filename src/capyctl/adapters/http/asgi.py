@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -62,10 +63,16 @@ async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": body})
 
 
-async def watch_disconnect(receive: Any, scope: anyio.CancelScope) -> None:
-    """Cancel ``scope`` when the client hangs up (the request body was read already)."""
+async def watch(receive: Any, scope: anyio.CancelScope, overdue: Callable[[], bool], every: float) -> None:
+    """Cancel ``scope`` when the client hangs up or ``overdue()`` says so (asked every ``every`` s).
+
+    One task per request does both: the request body was read already, so the
+    only message ``receive`` can still bring is the client's disconnect.
+    """
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
+        with anyio.move_on_after(every):
+            if (await receive())["type"] == "http.disconnect":
+                break
+        if overdue():
+            break
+    scope.cancel()

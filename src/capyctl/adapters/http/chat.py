@@ -11,6 +11,7 @@ stream ends. Nothing is logged per chunk.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from capyctl.adapters.http.asgi import (
     header_values,
     read_body,
     send_json,
-    watch_disconnect,
+    watch,
 )
 from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
@@ -120,8 +121,9 @@ class ChatHandler:
         record = RequestRecord(id=request_id, deployment=model, stream=stream)
         outcome = Outcome()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect, receive, tg.cancel_scope)
-            tg.start_soon(self._service.guard, record, tg.cancel_scope)
+            received_at = self._service.now()
+            overdue = functools.partial(self._service.overdue, record, received_at)
+            tg.start_soon(watch, receive, tg.cancel_scope, overdue, self._service.check_every)
             if stream:
                 await self._stream(record, obj, send, headers, outcome)
             else:
