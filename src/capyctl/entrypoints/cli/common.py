@@ -32,6 +32,7 @@ StateDirOpt = Annotated[
         show_default=False,
     ),
 ]
+TimeoutOpt = Annotated[float, typer.Option(help="Seconds --wait waits before giving up.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
 
 app = typer.Typer(

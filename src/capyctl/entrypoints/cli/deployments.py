@@ -16,6 +16,7 @@ from capyctl.entrypoints.cli.client import ManagementClient
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
     StateDirOpt,
+    TimeoutOpt,
     app,
     client,
     delete_app,
@@ -26,7 +27,7 @@ from capyctl.entrypoints.cli.common import (
     status_app,
     stop_app,
 )
-from capyctl.entrypoints.cli.output import duration, print_json, stamp, table
+from capyctl.entrypoints.cli.output import show, duration, print_json, stamp, table
 
 
 @deploy_app.command("model")
@@ -35,7 +36,7 @@ def deploy_model(
     file: Annotated[Path, typer.Option("--file", "-f", help="Deployment YAML: name, engine, model, ...")],
     activate: Annotated[bool, typer.Option(help="Start the engine now instead of on the first request.")] = False,
     wait: Annotated[bool, typer.Option(help="Start it and wait until it is ready (implies --activate).")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds --wait waits before giving up.")] = 600.0,
+    timeout: TimeoutOpt = 600.0,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -48,7 +49,8 @@ def deploy_model(
         typer.echo(f"deployment {deployment['name']} {result['outcome']}")
     if wait:
         deployment = _wait_ready(api, deployment["name"], timeout, quiet=json)
-    print_json({**result, "deployment": deployment}) if json else None
+    if json:
+        print_json({**result, "deployment": deployment})
 
 
 def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -> dict[str, Any]:
@@ -99,7 +101,7 @@ def _deployment_rows(deployments: list[dict[str, Any]]) -> str:
 def list_deployments(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """List deployments and their states."""
     deployments = client(state_dir).call("GET", "/deployments")
-    print_json(deployments) if json else typer.echo(_deployment_rows(deployments))
+    show(deployments, json, _deployment_rows(deployments))
 
 
 def _status_text(d: dict[str, Any]) -> str:
@@ -129,7 +131,7 @@ def _status_text(d: dict[str, Any]) -> str:
 def status_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """Show a deployment: state, engine and version, and its instances."""
     deployment = client(state_dir).call("GET", f"/deployments/{name}")
-    print_json(deployment) if json else typer.echo(_status_text(deployment))
+    show(deployment, json, _status_text(deployment))
 
 
 @start_app.command("deployment")
@@ -137,7 +139,7 @@ def status_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = 
 def start_deployment(
     name: str,
     wait: Annotated[bool, typer.Option(help="Wait until it is ready.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds --wait waits before giving up.")] = 600.0,
+    timeout: TimeoutOpt = 600.0,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -146,7 +148,7 @@ def start_deployment(
     deployment = api.call("POST", f"/deployments/{name}/start")
     if wait:
         deployment = _wait_ready(api, name, timeout, quiet=json)
-    print_json(deployment) if json else typer.echo(f"deployment {name} {deployment['state']}")
+    show(deployment, json, f"deployment {name} {deployment['state']}")
 
 
 @stop_app.command("deployment")
@@ -154,7 +156,7 @@ def start_deployment(
 def stop_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """Stop a deployment's engine. Requests get 409 deployment_stopped until it is started again."""
     deployment = client(state_dir).call("POST", f"/deployments/{name}/stop")
-    print_json(deployment) if json else typer.echo(f"deployment {name} {deployment['state']}")
+    show(deployment, json, f"deployment {name} {deployment['state']}")
 
 
 @delete_app.command("deployment")
@@ -162,7 +164,7 @@ def stop_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = Fa
 def delete_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """Stop and delete a deployment."""
     result = client(state_dir).call("DELETE", f"/deployments/{name}")
-    print_json(result) if json else typer.echo(f"deployment {name} deleted")
+    show(result, json, f"deployment {name} deleted")
 
 
 @app.command("events")

@@ -15,7 +15,7 @@ from capyctl.entrypoints.cli.common import (
     list_app,
     reports_errors,
 )
-from capyctl.entrypoints.cli.output import print_json, table
+from capyctl.entrypoints.cli.output import show, print_json, table
 
 
 def _engine_rows(engines: list[dict[str, Any]]) -> str:
@@ -46,7 +46,7 @@ def engine_add(
 def engine_list(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """List registered engines."""
     engines = client(state_dir).call("GET", "/engines")
-    print_json(engines) if json else typer.echo(_engine_rows(engines))
+    show(engines, json, _engine_rows(engines))
 
 
 @engine_app.command("remove")
@@ -54,7 +54,7 @@ def engine_list(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
 def engine_remove(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """Unregister an engine no deployment uses."""
     result = client(state_dir).call("DELETE", f"/engines/{name}")
-    print_json(result) if json else typer.echo(f"engine {name} removed")
+    show(result, json, f"engine {name} removed")
 
 
 @list_app.command("engines")

@@ -36,6 +36,14 @@ def print_json(value: Any) -> None:
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
 
 
+def show(value: Any, as_json: bool, text: str) -> None:
+    """A command's result: JSON with --json, else the text for people."""
+    if as_json:
+        print_json(value)
+    else:
+        sys.stdout.write(text + "\n")
+
+
 def print_error(code: str, message: str) -> None:
     sys.stderr.write(f"error [{code}]: {message}\n")
 
