@@ -4,7 +4,7 @@ import pytest
 
 from capyctl.domain.engines import EngineFamily as F
 from capyctl.domain.engines import version_key
-from capyctl.domain.errors import UnverifiedStream
+from capyctl.domain.errors import EdgeError, UnverifiedStream
 from capyctl.domain.fields import FIELD_TABLE, DeltaVerifier, Provenance, row_for
 from capyctl.domain.streams import Chunk
 
@@ -92,3 +92,47 @@ def test_vllm_citations_are_not_relayed() -> None:
     verify = DeltaVerifier(row_for(F.VLLM, "0.31.0").row.delta, "vllm 0.31.0")
     with pytest.raises(UnverifiedStream, match="citations"):
         verify(chunk({"citations": ["a"]}))
+
+
+TOOL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}
+
+
+@pytest.mark.parametrize(
+    ("obj", "says"),
+    [
+        ({"choices": "abc"}, "'choices' is a str"),
+        ({"choices": 7}, "'choices' is a int"),
+        ({"choices": [None]}, "a choice is null"),
+        ({"choices": ["x"]}, "a choice is a str"),
+        ({"choices": [{"index": "0", "delta": {}}]}, "a choice's 'index' is '0'"),
+        ({"choices": [{"index": -1, "delta": {}}]}, "a choice's 'index' is -1"),
+        ({"choices": [{"index": 0, "delta": "hi"}]}, "'delta' is a str"),
+        ({"choices": [{"index": 0, "delta": ["hi"]}]}, "'delta' is a list"),
+        ({"choices": [{"index": 0, "delta": {"tool_calls": {"index": 0}}}]}, "'tool_calls' is a dict"),
+        ({"choices": [{"index": 0, "delta": {"tool_calls": [7]}}]}, "a tool call is a int"),
+        ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": "0"}]}}]}, "tool call's 'index' is '0'"),
+        ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": -1}]}}]}, "tool call's 'index' is -1"),
+        ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": True}]}}]}, "tool call's 'index' is True"),
+        ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": 10_000_000}]}}]},
+         "past the limit of 256 tool calls"),
+    ],
+)
+def test_verifier_refuses_chunks_of_the_wrong_shape_as_edge_errors(obj: dict, says: str) -> None:
+    verify = DeltaVerifier(row_for(F.VLLM, "0.32.0").row.delta, "vllm 0.32.0")
+    with pytest.raises(EdgeError) as caught:
+        verify(Chunk(b"{}", obj))
+    assert says in caught.value.message and caught.value.code == "edge_error"
+    assert caught.value.extra["reason"] in caught.value.message
+
+
+def test_verifier_accepts_the_lenient_shapes_real_engines_send() -> None:
+    verify = DeltaVerifier(row_for(F.VLLM, "0.32.0").row.delta, "vllm 0.32.0", max_tool_calls=2)
+    for obj in (
+        {"choices": None, "usage": {"prompt_tokens": 1}},  # a usage chunk without choices
+        {"choices": [{"index": 0, "delta": None, "finish_reason": "stop"}]},
+        {"choices": [{"delta": {"tool_calls": [{**TOOL, "index": 1}]}}]},  # no choice index: the first
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"function": {"arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": None, "content": "x"}}]},
+    ):
+        chunk = Chunk(b"{}", obj)
+        assert verify(chunk) is chunk

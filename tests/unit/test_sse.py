@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from capyctl.adapters.engines._sse import SseParser
-from capyctl.domain.errors import BadEngineResponse
+from capyctl.domain.errors import EdgeError
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
 
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings" / "llamacpp" / "0.6.0"
@@ -54,6 +54,39 @@ def test_last_event_without_blank_line_is_flushed() -> None:
     assert len(events) == 1 and isinstance(events[0], EngineFailure)
 
 
-def test_not_json_is_a_bad_engine_response() -> None:
-    with pytest.raises(BadEngineResponse):
+def test_not_json_is_an_edge_error() -> None:
+    with pytest.raises(EdgeError):
         parse(b"data: {nope\n\n", 100)
+
+
+def test_events_split_at_every_seam_parse_the_same() -> None:
+    data = b'data: {"a":1}\n\n: keep\n\ndata: {"b":\ndata: 2}\n\ndata: [DONE]\n\n'
+    whole = parse(data, 10**9)
+    for size in range(1, len(data)):
+        assert parse(data, size) == whole, size
+    assert [type(e) for e in whole] == [Chunk, Comment, Chunk, Done]
+
+
+def test_an_event_past_the_limit_is_refused_whatever_the_reads() -> None:
+    head = b'data: {"choices":[{"index":0,"delta":{"content":"'
+    for piece in (64 * 1024, 1000, 1 << 20):
+        parser = SseParser(max_event=256 * 1024)
+        fed = 0
+        with pytest.raises(EdgeError, match="larger than the limit of 262144 bytes"):
+            list(parser.feed(head))
+            while fed < 4 * 1024 * 1024:  # an event that never ends: refused long before this
+                list(parser.feed(b"a" * piece))
+                fed += piece
+        assert fed <= 256 * 1024 + piece  # refused as soon as the limit was passed, not at the end
+
+
+def test_an_event_just_under_the_limit_is_relayed() -> None:
+    body = b'{"x":"' + b"a" * 1000 + b'"}'
+    parser = SseParser(max_event=len(b"data: " + body))
+    events = [e for piece in (b"data: " + body[:500], body[500:], b"\n\n") for e in parser.feed(piece)]
+    assert len(events) == 1 and isinstance(events[0], Chunk) and events[0].raw == body
+
+
+def test_deep_nesting_from_the_engine_is_an_edge_error() -> None:
+    with pytest.raises(EdgeError, match="nested too deeply"):
+        parse(b'data: {"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n\n", 10**9)

@@ -115,10 +115,41 @@ class EngineUnavailable(CapyError):
     code = "engine_unavailable"
 
 
-class BadEngineResponse(CapyError):
-    """The engine answered something that is not the protocol it speaks."""
+class EdgeError(CapyError):
+    """The engine answered something CapyCTL cannot relay faithfully (Citadel's ``edge_error``).
 
-    code = "bad_engine_response"
+    A malformed chunk, an event or tool call past its limit, a 200 that is not
+    an SSE stream, a stream that ends without ``[DONE]``: the client gets this
+    instead of a partial or made-up answer. ``reason`` says what was wrong.
+    """
+
+    code = "edge_error"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the engine's answer could not be relayed faithfully: {reason}", reason=reason)
+
+
+class InternalError(CapyError):
+    """Something went wrong inside CapyCTL itself; the log has the traceback under the request ID."""
+
+    code = "internal_error"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"internal error in CapyCTL; its log has the details under request ID {request_id}",
+            request_id=request_id,
+        )
+
+
+class TooManyConnections(CapyError):
+    code = "too_many_connections"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"CapyCTL already holds its limit of {limit} open client connections; retry shortly "
+            "or raise --max-connections",
+            limit=limit,
+        )
 
 
 class EngineRestarted(CapyError):
@@ -169,6 +200,15 @@ class DeadlineExceeded(CapyError):
 
 class StreamIdleTimeout(CapyError):
     code = "stream_idle_timeout"
+
+
+def engine_code(error: dict[str, Any]) -> str | None:
+    """An engine error's own code: its string ``code``, else its ``type`` (vLLM's code is the status number)."""
+    for key in ("code", "type"):
+        value = error.get(key)
+        if isinstance(value, str) and value:
+            return value[:100]
+    return None
 
 
 class EngineError(CapyError):

@@ -5,7 +5,7 @@ A version inside a row's range is verified by that row. A version outside
 every range is served with the nearest lower row of its engine (or the
 lowest one, if it is older than all) and reported as unverified. A ``delta``
 key outside the row ends the stream (``DeltaVerifier``): an untested field
-never reaches a client.
+never reaches a client. The same stage refuses chunks of the wrong shape.
 
 Fields beside ``delta`` (choice fields, ``usage``, engine objects such as
 ``metrics``, ``timings``, ``tensorfold``) are relayed as sent and are not
@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.engines import EngineFamily, version_key
-from capyctl.domain.errors import UnverifiedStream
-from capyctl.domain.streams import Chunk
+from capyctl.domain.errors import EdgeError, UnverifiedStream
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk
 
 
 class Provenance(enum.StrEnum):
@@ -112,19 +112,66 @@ def row_for(family: EngineFamily | str, version: str) -> RowChoice:
 
 
 class DeltaVerifier:
-    """Relay stage: ends the stream when a ``delta`` carries a key outside the row."""
+    """Relay stage: refuses a chunk CapyCTL cannot relay faithfully, before any of it is sent.
 
-    __slots__ = ("_allowed", "_where")
+    A ``delta`` key outside the row ends the stream as unverified. A chunk of
+    the wrong shape (``choices`` not a list, a choice or its ``delta`` not an
+    object, a choice or tool-call ``index`` that is not a non-negative integer,
+    a tool-call index at or past ``max_tool_calls``) is an ``edge_error``: the
+    engine broke the protocol, and guessing what it meant would relay a lie.
+    """
 
-    def __init__(self, allowed: frozenset[str], where: str) -> None:
+    __slots__ = ("_allowed", "_where", "_max_tool_calls")
+
+    def __init__(self, allowed: frozenset[str], where: str, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> None:
         self._allowed = allowed
         self._where = where
+        self._max_tool_calls = max_tool_calls
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        choices = chunk.obj.get("choices")
+        if choices is None:
+            return chunk
+        if type(choices) is not list:
+            raise EdgeError(f"'choices' is {_kind(choices)}, not a list")
         allowed = self._allowed
-        for choice in chunk.obj.get("choices") or ():
-            delta = choice.get("delta") if isinstance(choice, dict) else None
-            if delta and not delta.keys() <= allowed:
+        for choice in choices:
+            if type(choice) is not dict:
+                raise EdgeError(f"a choice is {_kind(choice)}, not an object")
+            index = choice.get("index")
+            if index is not None and not _small_index(index):
+                raise EdgeError(f"a choice's 'index' is {index!r}, not a non-negative integer")
+            delta = choice.get("delta")
+            if delta is None:
+                continue
+            if type(delta) is not dict:
+                raise EdgeError(f"a choice's 'delta' is {_kind(delta)}, not an object")
+            if not delta.keys() <= allowed:
                 key = sorted(k for k in delta if k not in allowed)[0]
                 raise UnverifiedStream(key, self._where)
+            tool_calls = delta.get("tool_calls")
+            if tool_calls is not None:
+                self._check_tool_calls(tool_calls)
         return chunk
+
+    def _check_tool_calls(self, tool_calls: Any) -> None:
+        if type(tool_calls) is not list:
+            raise EdgeError(f"'tool_calls' is {_kind(tool_calls)}, not a list")
+        for call in tool_calls:
+            if type(call) is not dict:
+                raise EdgeError(f"a tool call is {_kind(call)}, not an object")
+            index = call.get("index")
+            if index is None:
+                continue
+            if not _small_index(index):
+                raise EdgeError(f"a tool call's 'index' is {index!r}, not a non-negative integer")
+            if index >= self._max_tool_calls:
+                raise EdgeError(f"a tool call's 'index' is {index}, past the limit of {self._max_tool_calls} tool calls")
+
+
+def _small_index(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__} ({str(value)[:40]!r})"

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from capyctl.domain.errors import EdgeError
+
 _encode = msgspec.json.encode
 
 
@@ -43,6 +45,7 @@ StreamEvent = Chunk | Comment | EngineFailure | Done
 Stage = Callable[[Chunk], Chunk]
 
 GENERATED_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+DEFAULT_MAX_TOOL_CALLS = 256  # tool calls in one answer; an index past it is an edge_error
 
 
 class ModelRewrite:
@@ -88,9 +91,14 @@ def run_stages(stages: Sequence[Stage], chunk: Chunk) -> Chunk:
     return chunk
 
 
-def _merge_tool_calls(into: list[dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
+def _merge_tool_calls(into: list[dict[str, Any]], pieces: list[dict[str, Any]], limit: int) -> None:
+    """Join tool-call pieces by index (the verifier checked their shape and the index limit)."""
     for piece in pieces:
-        index = piece.get("index", len(into))
+        index = piece.get("index")
+        if index is None:
+            index = len(into)
+        if index >= limit:
+            raise EdgeError(f"the answer has more than the limit of {limit} tool calls")
         while len(into) <= index:
             into.append({})
         call = into[index]
@@ -109,10 +117,11 @@ def _merge_tool_calls(into: list[dict[str, Any]], pieces: list[dict[str, Any]]) 
 
 
 class _ChoiceBuilder:
-    __slots__ = ("index", "role", "texts", "tool_calls", "extra")
+    __slots__ = ("index", "role", "texts", "tool_calls", "extra", "max_tool_calls")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, max_tool_calls: int) -> None:
         self.index = index
+        self.max_tool_calls = max_tool_calls
         self.role = "assistant"
         self.texts: dict[str, list[str]] = {}
         self.tool_calls: list[dict[str, Any]] = []
@@ -123,7 +132,7 @@ class _ChoiceBuilder:
             if key == "role":
                 self.role = value or self.role
             elif key == "tool_calls":
-                _merge_tool_calls(self.tool_calls, value or [])
+                _merge_tool_calls(self.tool_calls, value or [], self.max_tool_calls)
             elif isinstance(value, str):
                 self.texts.setdefault(key, []).append(value)
             elif value is not None:
@@ -158,8 +167,9 @@ class Assembler:
     ``system_fingerprint``, ``usage`` ...) keep their last value.
     """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> None:
         self._model = model
+        self._max_tool_calls = max_tool_calls
         self._top: dict[str, Any] = {}
         self._choices: dict[int, _ChoiceBuilder] = {}
 
@@ -167,10 +177,10 @@ class Assembler:
         for key, value in obj.items():
             if key == "choices":
                 for choice in value or ():
-                    index = choice.get("index", 0)
+                    index = choice.get("index") or 0
                     builder = self._choices.get(index)
                     if builder is None:
-                        builder = self._choices[index] = _ChoiceBuilder(index)
+                        builder = self._choices[index] = _ChoiceBuilder(index, self._max_tool_calls)
                     builder.add(choice)
             elif key != "object":
                 self._top[key] = value

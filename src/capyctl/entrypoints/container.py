@@ -66,13 +66,14 @@ class Container(containers.DeclarativeContainer):
     sglang = providers.Singleton(SglangEngine, client=http_client)
     tensorfold = providers.Singleton(TensorfoldEngine, client=http_client)
     adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
-    engine_session = providers.Singleton(WireEngineSession)
+    engine_session = providers.Singleton(WireEngineSession, max_event=config.max_event)
 
     supervisor_settings = providers.Singleton(SupervisorSettings)
     chat_settings = providers.Singleton(
         ChatSettings,
         request_deadline=config.request_deadline,
         stream_idle_timeout=config.stream_idle_timeout,
+        max_tool_calls=config.max_tool_calls,
         host_name=providers.Callable(socket.gethostname),
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,12 +22,13 @@ import uvicorn
 from capyctl import __version__
 from capyctl.adapters.http.inference import create_inference_app
 from capyctl.adapters.http.management import create_management_app
+from capyctl.adapters.http.protocol import guarded_protocol
 from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
+from capyctl.domain.limits import Limits
 from capyctl.entrypoints.container import Container
 
 log = logging.getLogger("capyctl")
-DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
 
 class _Server(uvicorn.Server):
@@ -37,46 +39,68 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _uvicorn(app: object) -> _Server:
+def _uvicorn(app: object, protocol: type) -> _Server:
     config = uvicorn.Config(
-        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5, http=protocol
     )
     return _Server(config)
 
 
-def build_container(state_dir: Path, request_deadline: float = 1800.0, stream_idle_timeout: float = 120.0) -> Container:
+def build_container(
+    state_dir: Path, request_deadline: float = 1800.0, stream_idle_timeout: float = 120.0, limits: Limits = Limits()
+) -> Container:
     container = Container()
     container.config.from_dict(
         {"state_dir": state_dir, "request_deadline": request_deadline, "stream_idle_timeout": stream_idle_timeout,
-         "max_body": DEFAULT_MAX_BODY}
+         "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls}
     )
     return container
 
 
 async def serve_standalone(
-    state_dir: Path, listen: str, management: str, request_deadline: float = 1800.0, stream_idle_timeout: float = 120.0
+    state_dir: Path, listen: str, management: str, request_deadline: float = 1800.0,
+    stream_idle_timeout: float = 120.0, limits: Limits = Limits(),
 ) -> None:
     inference_addr = parse_listen(listen, "--listen")
     management_addr = parse_listen(management, "--management")
-    container = build_container(state_dir, request_deadline, stream_idle_timeout)
+    raise_open_files_limit(limits)
+    container = build_container(state_dir, request_deadline, stream_idle_timeout, limits)
     container.init_resources()
     try:
-        await _serve(container, inference_addr, management_addr)
+        await _serve(container, inference_addr, management_addr, limits)
     finally:
         await container.http_client().aclose()
         container.shutdown_resources()
 
 
-async def _serve(container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int]) -> None:
+def raise_open_files_limit(limits: Limits) -> None:
+    """Each relayed request holds two descriptors (client and engine): lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    if soft != resource.RLIM_INFINITY and soft < 2 * limits.max_connections + 256:
+        log.warning(
+            "open-files limit %d is below what --max-connections %d may need (%d); raise it with ulimit -n",
+            soft, limits.max_connections, 2 * limits.max_connections + 256,
+        )
+
+
+async def _serve(
+    container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int], limits: Limits
+) -> None:
     state: StateDir = container.state_dir()
     state.prepare()
     admin_token = state.admin_token()
     api_keys = container.api_keys()
     fleet = container.fleet()
+    stats = container.request_stats()
+    protocol = guarded_protocol(limits, stats.client_cut)
     inference = _uvicorn(
-        create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys, container.request_stats())
+        create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys, stats), protocol
     )
-    manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token))
+    manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token), protocol)
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])

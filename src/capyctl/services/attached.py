@@ -23,6 +23,7 @@ S = InstanceState
 
 class AttachedSupervisor:
     launch = 1
+    managed = False  # CapyCTL does not run this engine's process
     attach_wait = 10.0  # seconds a request waits for an attached engine that does not answer
 
     def __init__(

@@ -19,10 +19,12 @@ from capyctl.domain.errors import (
     ApiMismatch,
     CapyError,
     CacheSaltUnsupported,
+    EdgeError,
     EngineError,
     EngineRestarted,
     EngineUnavailable,
     InvalidRequest,
+    engine_code,
 )
 from capyctl.domain.engines import EngineFamily
 from capyctl.domain.fields import DeltaVerifier
@@ -30,6 +32,7 @@ from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineSession
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord
 from capyctl.domain.streams import (
+    DEFAULT_MAX_TOOL_CALLS,
     Assembler,
     Chunk,
     Done,
@@ -49,6 +52,7 @@ class ChatSettings(msgspec.Struct, kw_only=True, frozen=True):
     request_deadline: float = 1800.0  # seconds to the engine's first answer, start included
     stream_idle_timeout: float = 120.0  # seconds an answer may go silent once it has begun
     crash_notice: float = 1.0  # how long to wait for a broken connection to show as an engine exit
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS  # tool calls in one answer; past it, edge_error
     host_name: str = "local"  # the machine serving standalone deployments, as logs name it
 
 
@@ -73,11 +77,11 @@ def engine_body(obj: dict[str, Any], served_name: str, client_stream: bool) -> b
 
 
 def failure_error(error: dict[str, Any]) -> EngineError:
+    """An engine's mid-stream error event as an error answer: its own code kept (``type`` equals it)."""
     code = error.get("code")
     status = code if isinstance(code, int) and 400 <= code <= 599 else 500
-    name = error.get("type") if isinstance(error.get("type"), str) else None
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "code")}
-    return EngineError(status, str(error.get("message") or "the engine failed"), name, extra)
+    return EngineError(status, str(error.get("message") or "the engine failed"), engine_code(error), extra)
 
 
 class ChatService:
@@ -151,7 +155,7 @@ class ChatService:
         meter = Meter(self._clock.monotonic)
         # The verifier runs first: nothing of a chunk with an unverified key is sent.
         stages: list[Stage] = [
-            DeltaVerifier(supervisor.fields.row.delta, f"{engine.family} {engine.version}"),
+            DeltaVerifier(supervisor.fields.row.delta, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
             meter,
             ModelRewrite(record.deployment),
         ]
@@ -159,17 +163,25 @@ class ChatService:
         if row is None:
             row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
         self._meters[record.id] = meter
+        streaming = False
         try:
             async with self._session.chat_stream(url, body) as events:
+                streaming = True
                 yield EngineCall(_relay(events, stages, record, meter), meter, row)
         except EngineUnavailable as exc:
             if await self._engine_gone(supervisor, launch):
                 raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
+            if streaming:  # the engine is still there, but its answer broke off
+                raise EdgeError(f"the engine's connection broke before the end of its stream ({exc.message})") from exc
             raise
         finally:
             self._meters.pop(record.id, None)
 
     async def _engine_gone(self, supervisor: Runner, launch: int) -> bool:
+        if supervisor.engine_gone(launch):
+            return True
+        if not supervisor.managed:  # an attached engine's exit is not CapyCTL's to watch for
+            return False
         with anyio.move_on_after(self._settings.crash_notice):
             while not supervisor.engine_gone(launch):
                 await anyio.sleep(0.02)
@@ -178,7 +190,7 @@ class ChatService:
 
     async def complete(self, record: RequestRecord, obj: dict[str, Any]) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
-        assembler = Assembler(record.deployment)
+        assembler = Assembler(record.deployment, self._settings.max_tool_calls)
         async with self.open(record, obj) as call:
             async for batch in call.events:
                 for event in batch:
@@ -223,7 +235,10 @@ async def _relay(
 
     When a stage refuses a chunk, the chunks before it in the batch are still
     relayed, then the error ends the stream: nothing of the refused chunk is sent.
+    A stream that ends without ``[DONE]`` is an ``edge_error`` (it may be cut
+    short), unless it ended on the engine's own error event.
     """
+    failed = False
     async for batch in batches:
         for position, event in enumerate(batch):
             if isinstance(event, Chunk):
@@ -239,7 +254,10 @@ async def _relay(
                     record.engine_answered()
             elif isinstance(event, EngineFailure):
                 record.engine_answered()
+                failed = True
             elif isinstance(event, Done):
                 yield batch[: position + 1]
                 return
         yield batch
+    if not failed:
+        raise EdgeError("the engine's stream ended without [DONE]")

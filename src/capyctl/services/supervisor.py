@@ -50,6 +50,8 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
 
 
 class Supervisor:
+    managed = True  # CapyCTL runs this engine's process
+
     def __init__(
         self,
         deployment: Deployment,

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from capyctl.domain.errors import EngineError
+from capyctl.domain.errors import EngineError, engine_code
 
 _decode_any = msgspec.json.decode
 
@@ -26,11 +26,8 @@ def engine_error(status: int, body: bytes) -> EngineError:
         text = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
         return EngineError(status, f"engine answered {status}: {text}", None, {})
     message = str(error.get("message") or f"engine answered {status}")
-    code = error.get("code")
-    etype = error.get("type")
-    name = etype if isinstance(etype, str) and etype else (code if isinstance(code, str) else None)
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "code", "object")}
-    return EngineError(status, message, name, extra)
+    return EngineError(status, message, engine_code(error), extra)
 
 
 async def fetch_ok(client: httpx.AsyncClient, url: str) -> httpx.Response | None:

@@ -19,8 +19,8 @@ import anyio
 import httptools
 
 from capyctl.adapters.engines._http import engine_error
-from capyctl.adapters.engines._sse import SseParser
-from capyctl.domain.errors import EngineUnavailable
+from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
+from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, StreamEvent
 
@@ -43,6 +43,7 @@ class _Response(asyncio.Protocol):
     def reset(self) -> None:
         """Ready for the next request on this connection."""
         self.status = 0
+        self.content_type = b""
         self.headers_done = False
         self.keep_alive = False
         self.complete = False
@@ -72,6 +73,10 @@ class _Response(asyncio.Protocol):
         self._wake()
 
     # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 12 and name.lower() == b"content-type":
+            self.content_type = value.lower()
+
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()  # only valid while the message is parsed
@@ -114,8 +119,9 @@ class _Response(asyncio.Protocol):
 
 
 class WireEngineSession(EngineSession):
-    def __init__(self) -> None:
+    def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
+        self._max_event = max_event
 
     async def _connection(self, host: str, port: int) -> tuple[_Response, bool]:
         idle = self._idle.get((host, port))
@@ -138,9 +144,13 @@ class WireEngineSession(EngineSession):
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
             conn, reused = await self._connection(host, port)
             conn.reset()
-            conn.transport.write(head + body)  # type: ignore[union-attr]
-            while not conn.headers_done and conn.lost is None:
-                await conn.wait()
+            try:
+                conn.transport.write(head + body)  # type: ignore[union-attr]
+                while not conn.headers_done and conn.lost is None:
+                    await conn.wait()
+            except BaseException:
+                conn.close()  # cut before the engine answered: closing is how it learns to stop
+                raise
             if conn.headers_done:
                 return conn
             if not reused:
@@ -158,7 +168,9 @@ class WireEngineSession(EngineSession):
                 while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
                     await conn.wait()
                 raise engine_error(conn.status, conn.take())
-            yield _batches(conn)
+            if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
+                raise await _not_a_stream(conn)
+            yield _batches(conn, self._max_event)
         except BaseException:
             conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
             raise
@@ -192,8 +204,19 @@ def _close_unreleased(conn: _Response) -> None:
         conn.close()
 
 
-async def _batches(conn: _Response) -> AsyncIterator[list[StreamEvent]]:
-    parser = SseParser()
+async def _not_a_stream(conn: _Response) -> EdgeError:
+    """The engine answered 200 with something else than SSE (an HTML page, one JSON object ...)."""
+    with anyio.move_on_after(1.0):
+        while not conn.complete and conn.lost is None and conn.buffered < 512:
+            await conn.wait()
+    start = conn.take()[:200].decode("utf-8", "replace")
+    kind = conn.content_type.decode("latin-1")
+    hint = " (an engine that ignores stream: true answers one JSON object)" if kind.startswith("application/json") else ""
+    return EdgeError(f"the engine answered 200 with content type {kind!r} instead of an SSE stream{hint}: {start!r}")
+
+
+async def _batches(conn: _Response, max_event: int) -> AsyncIterator[list[StreamEvent]]:
+    parser = SseParser(max_event)
     while True:
         if conn.body:
             batch = list(parser.feed(conn.take()))

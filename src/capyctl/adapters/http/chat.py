@@ -23,6 +23,7 @@ from ulid import ULID
 
 from capyctl.adapters.http.asgi import (
     ClientGone,
+    Reply,
     Scope,
     header,
     header_values,
@@ -43,7 +44,7 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
-from capyctl.services.chat import ChatService, read_target
+from capyctl.services.chat import ChatService, failure_error, read_target
 from capyctl.services.context import caller_request_id
 
 log = logging.getLogger("capyctl.chat")
@@ -64,6 +65,8 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise InvalidRequest("the request body must be a JSON object") from exc
     except msgspec.DecodeError as exc:
         raise InvalidJson(str(exc)) from exc
+    except RecursionError as exc:
+        raise InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)") from exc
     if "return_hidden_states" in obj:
         raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
     return obj
@@ -102,6 +105,14 @@ class ChatHandler:
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         request_id = str(ULID())
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
+        reply = Reply(send)
+        try:
+            await self._handle(scope, receive, reply, request_id, headers)
+        except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
+            log.exception("request %s: internal error", request_id)
+            await reply.internal_error(request_id, headers)
+
+    async def _handle(self, scope: Scope, receive: Any, send: Any, request_id: str, headers: Headers) -> None:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} is not allowed on /v1/chat/completions; use POST")
@@ -165,18 +176,24 @@ class ChatHandler:
     ) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]}
         opened = False
+        failure: EngineFailure | None = None
         try:
             async with self._service.open(record, obj) as call:
                 opened = True
                 async for batch in call.events:
                     parts: list[bytes] = []
                     for event in batch:
-                        if isinstance(event, Chunk | EngineFailure):
+                        if isinstance(event, Chunk):
+                            parts += (b"data: ", event.raw, b"\n\n")
+                        elif isinstance(event, EngineFailure):
+                            failure = event
                             parts += (b"data: ", event.raw, b"\n\n")
                         elif isinstance(event, Done):
-                            metrics = call.metrics()
-                            outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
-                            parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n", _DONE)
+                            if failure is None:  # an answer that ended on the engine's error has no metrics
+                                metrics = call.metrics()
+                                outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
+                                parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n")
+                            parts.append(_DONE)
                         elif isinstance(event, Comment):
                             parts += (event.raw, b"\n\n")
                     if not outcome.started:  # headers go out with the first chunk: one wake-up for the client
@@ -187,8 +204,12 @@ class ChatHandler:
                         self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
                     else:
                         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-            record.phase = Phase.DONE
-            outcome.code = "ok"
+            if failure is None:
+                record.phase = Phase.DONE
+                outcome.code = "ok"
+            else:
+                record.phase = Phase.FAILED
+                outcome.code = failure_error(failure.error).code
         except CapyError as error:
             record.phase = Phase.FAILED
             outcome.code = error.code

@@ -26,15 +26,18 @@ STATUS: dict[str, int] = {
     "deployment_stopped": 409,
     "already_exists": 409,
     "engine_in_use": 409,
+    "request_timeout": 408,
     "too_large": 413,
     "engine_unavailable": 502,
     "engine_restarted": 502,
-    "bad_engine_response": 502,
+    "edge_error": 502,
     "unverified_stream": 502,
     "deadline_exceeded": 504,
     "stream_idle_timeout": 504,
     "internal_error": 500,
+    "too_many_connections": 503,
 }
+_OWN_TYPE = frozenset({"edge_error"})  # codes whose envelope type is the code itself (Citadel)
 
 
 def status_of(error: CapyError) -> int:
@@ -55,7 +58,7 @@ def error_type(status: int) -> str:
 
 def envelope(error: CapyError) -> dict[str, Any]:
     status = status_of(error)
-    kind = error.code if isinstance(error, EngineError) else error_type(status)
+    kind = error.code if isinstance(error, EngineError) or error.code in _OWN_TYPE else error_type(status)
     return {"error": {"message": error.message, "type": kind, "code": error.code, **error.extra}}
 
 

@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import Dependency
 
-from capyctl.adapters.http.asgi import Scope
+from capyctl.adapters.http.asgi import REQUEST_ID_KEY, Scope, with_request_ids
 from capyctl.adapters.http.chat import ChatHandler
 from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from capyctl.adapters.http.prometheus import RequestStats
@@ -23,7 +23,7 @@ from capyctl.adapters.http.views import ClockDep, FleetDep
 StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.auth import check_bearer
-from capyctl.domain.errors import CapyError, MethodNotAllowed, NotFound
+from capyctl.domain.errors import CapyError, InternalError, MethodNotAllowed, NotFound
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
 
@@ -46,8 +46,9 @@ def http_error_response(request: Request, error: HTTPException) -> Response[dict
 
 
 def unexpected_error_response(request: Request, error: Exception) -> Response[dict[str, Any]]:
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
-    return capy_error_response(request, CapyError("internal error; see the CapyCTL log"))
+    request_id = request.scope.get(REQUEST_ID_KEY, "-")  # type: ignore[call-overload]
+    log.error("request %s: internal error on %s %s", request_id, request.method, request.url.path, exc_info=error)
+    return capy_error_response(request, InternalError(request_id))
 
 
 def error_handlers() -> dict[Any, Any]:
@@ -111,10 +112,12 @@ def create_inference_app(
         state=State({"api_keys": api_keys}),
     )
 
+    others = with_request_ids(models)
+
     async def app(scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == CHAT_PATH:
-            await chat(scope, receive, send)
+            await chat(scope, receive, send)  # the hot path gives its own IDs and has its own last resort
         else:
-            await models(scope, receive, send)
+            await others(scope, receive, send)
 
     return app

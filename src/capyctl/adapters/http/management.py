@@ -7,6 +7,7 @@ standalone`` is one or a few calls here.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from litestar import Litestar, delete, get, post, put
@@ -15,6 +16,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.handlers.base import BaseRouteHandler
 
+from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
 from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, engine_view
 from capyctl.domain.errors import InvalidRequest, Unauthorized
@@ -98,8 +100,8 @@ def list_events(fleet: FleetDep, deployment: str | None = None, after: int = 0, 
     return fleet.events(deployment, after, min(max(limit, 1), 1000))
 
 
-def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Litestar:
-    return Litestar(
+def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Callable[..., Any]:
+    return with_request_ids(Litestar(
         route_handlers=[
             list_engines,
             add_engine,
@@ -121,4 +123,4 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Lites
         openapi_config=None,
         logging_config=None,
         state=State({"admin_token": admin_token}),
-    )
+    ))

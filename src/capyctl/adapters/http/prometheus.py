@@ -62,12 +62,18 @@ class RequestStats:
         self.relay = Histogram("capyctl_relay_latency_seconds",
                                "Time CapyCTL took to pass an engine's first chunk on to the client",
                                ["deployment"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.cuts = PromCounter("capyctl_client_connections_cut",
+                                "Client connections cut or refused before a request was read, by reason "
+                                "(slow_headers, slow_body, too_many_connections)", ["reason"], registry=self.registry)
         self.registry.register(_LiveCollector(fleet, chat))
 
     def answered(self, deployment: str, code: str, ttft_ms: float | None) -> None:
         self.requests.labels(deployment, code).inc()
         if ttft_ms is not None:
             self.ttft.labels(deployment).observe(ttft_ms / 1000)
+
+    def client_cut(self, reason: str) -> None:
+        self.cuts.labels(reason).inc()
 
     def relayed_first_chunk(self, deployment: str, seconds: float) -> None:
         self.relay.labels(deployment).observe(seconds)

@@ -1,0 +1,110 @@
+"""uvicorn's httptools protocol with the client-side limits CapyCTL needs on an open port.
+
+uvicorn holds a connection that sends part of its headers, or part of its
+body, for as long as the client likes, and has no cap on connections that
+answers in CapyCTL's error envelope. This subclass adds both:
+
+- a client has ``header_timeout`` seconds from connecting (or from the first
+  byte of its next request on a kept-alive connection) to finish its
+  headers, and ``body_timeout`` seconds from there to finish its body; past
+  either it gets 408 ``request_timeout`` and the connection is closed. A
+  request cut this way never reaches an engine: CapyCTL reads the whole body
+  before it asks one.
+- past ``max_connections`` open connections, a new one gets 503
+  ``too_many_connections`` with ``Retry-After`` and is closed at once.
+
+Each cut and refusal is counted through ``on_cut(kind)`` for Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ulid import ULID
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from capyctl.adapters.http.errors import error_body, status_of
+from capyctl.domain.errors import CapyError, TooManyConnections
+from capyctl.domain.limits import Limits
+
+
+class RequestTimeout(CapyError):
+    code = "request_timeout"
+
+
+def raw_error(error: CapyError, retry_after: int | None = None) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, for use below the ASGI layer."""
+    body = error_body(error)
+    status = status_of(error)
+    head = [
+        f"HTTP/1.1 {status} {'Request Timeout' if status == 408 else 'Service Unavailable'}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "cache-control: no-store",
+        f"x-capyctl-request-id: {ULID()}",
+        "connection: close",
+    ]
+    if retry_after is not None:
+        head.append(f"retry-after: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def guarded_protocol(limits: Limits, on_cut: Callable[[str], None]) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (``http=``), bound to these limits."""
+
+    class GuardedProtocol(HttpToolsProtocol):
+        _timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                on_cut("too_many_connections")
+                transport.write(raw_error(TooManyConnections(limits.max_connections), retry_after=1))
+                transport.close()
+                return
+            self._arm(limits.header_timeout, "headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._timer is None:  # the next request on a kept-alive connection
+                self._arm(limits.header_timeout, "headers")
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+            self._arm(limits.body_timeout, "body")
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def _arm(self, seconds: float, phase: str) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(seconds, self._too_slow, phase)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _too_slow(self, phase: str) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            on_cut(f"slow_{phase}")
+            if self.cycle is None or not self.cycle.response_started:
+                seconds = limits.header_timeout if phase == "headers" else limits.body_timeout
+                error = RequestTimeout(
+                    f"the request's {phase} did not arrive within {seconds:g} s; the connection was closed",
+                    phase=phase,
+                )
+                self.transport.write(raw_error(error))
+            self.transport.close()
+
+    return GuardedProtocol
