@@ -1,0 +1,156 @@
+"""Whatever goes wrong inside CapyCTL, the client gets an answer: the envelope, a request ID, the log has the rest."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from capyctl.adapters.http.asgi import with_request_ids
+from capyctl.adapters.http.chat import ChatHandler
+from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.requests import RequestRecord
+from capyctl.services.chat import ChatService, ChatSettings
+from tests.fakes.ports import FakeClock
+
+KEY = "k" * 32
+
+
+class BrokenService:
+    """A ChatService whose engine call breaks with a bug (not a CapyError) after ``after`` batches."""
+
+    check_every = 1.0
+
+    def __init__(self, after: int | None) -> None:
+        self._after = after
+
+    def now(self) -> float:
+        return 0.0
+
+    def overdue(self, record: RequestRecord, received_at: float) -> bool:
+        return False
+
+    def knows(self, name: str) -> bool:
+        return True
+
+    async def complete(self, record: RequestRecord, obj: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("a bug in the assembler")
+
+    @asynccontextmanager
+    async def open(self, record: RequestRecord, obj: dict[str, Any]):
+        async def events():
+            from capyctl.domain.streams import Chunk
+
+            yield [Chunk(b'{"choices":[]}', {"choices": []})]
+            raise RuntimeError("a bug in the relay")
+
+        yield SimpleNamespace(events=events(), metrics=lambda: {})
+
+
+class Stats:
+    def answered(self, *args: Any) -> None: ...
+    def relayed_first_chunk(self, *args: Any) -> None: ...
+
+
+async def call(app: Any, scope: dict[str, Any], body: bytes = b"") -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+    gone = anyio.Event()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await gone.wait()  # the client never hangs up
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with anyio.fail_after(5):
+        await app(scope, receive, send)
+    return sent
+
+
+def chat_scope() -> dict[str, Any]:
+    return {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+            "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+
+
+def header(start: dict[str, Any], name: bytes) -> str:
+    return dict(start["headers"])[name].decode()
+
+
+async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(caplog: pytest.LogCaptureFixture) -> None:
+    handler = ChatHandler(BrokenService(None), lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
+    with caplog.at_level(logging.ERROR, "capyctl.http"):
+        sent = await call(handler, chat_scope(), b'{"model": "m", "messages": []}')
+    start, body = sent[0], msgspec.json.decode(sent[1]["body"])
+    request_id = header(start, b"x-capyctl-request-id")
+    assert start["status"] == 500 and len(request_id) == 26
+    assert body["error"]["code"] == "internal_error" and body["error"]["request_id"] == request_id
+    assert request_id in body["error"]["message"]
+    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert logged and logged[0].exc_info
+    assert "a bug in the assembler" in logging.Formatter().formatException(logged[0].exc_info)  # the traceback
+
+
+async def test_a_bug_during_a_stream_ends_it_with_an_error_event() -> None:
+    handler = ChatHandler(BrokenService(1), lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
+    sent = await call(handler, chat_scope(), b'{"model": "m", "messages": [], "stream": true}')
+    assert sent[0]["status"] == 200
+    assert sent[1]["body"] == b'data: {"choices":[]}\n\n'  # what came before the bug was relayed
+    last = sent[-1]
+    assert last["more_body"] is False and last["body"].startswith(b"data: ")
+    assert msgspec.json.decode(last["body"][6:])["error"]["code"] == "internal_error"
+
+
+async def test_other_routes_get_an_id_and_a_last_resort() -> None:
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise KeyError("oops")
+
+    async def fine(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    scope = {"type": "http", "method": "GET", "path": "/engines", "headers": []}
+    sent = await call(with_request_ids(broken), dict(scope))
+    assert sent[0]["status"] == 500
+    error = msgspec.json.decode(sent[1]["body"])["error"]
+    assert error["code"] == "internal_error" and error["request_id"] == header(sent[0], b"x-capyctl-request-id")
+    sent = await call(with_request_ids(fine), dict(scope))
+    assert sent[0]["status"] == 200 and len(header(sent[0], b"x-capyctl-request-id")) == 26
+
+
+async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -> None:
+    """An attached engine is not CapyCTL's to watch: no wait for it to 'exit' (it used to cost crash_notice)."""
+    runner = SimpleNamespace(
+        managed=False, launch=1, engine_gone=lambda launch: False,
+        deployment=SimpleNamespace(spec=SimpleNamespace(api="chat", served_model="m")),
+        engine=SimpleNamespace(family="vllm", version="0.32.0"),
+        fields=SimpleNamespace(row=SimpleNamespace(delta=frozenset({"role", "content"}))),
+        status=SimpleNamespace(last_error=None),
+    )
+
+    async def wait_ready(timeout: float) -> str:
+        return "http://127.0.0.1:9"
+
+    runner.wait_ready = wait_ready
+
+    class Session:
+        @asynccontextmanager
+        async def chat_stream(self, base_url: str, body: bytes):
+            raise EngineUnavailable("could not reach the engine")
+            yield
+
+    fleet = SimpleNamespace(resolve=lambda name: runner)
+    events = SimpleNamespace(selection=lambda *args: None)
+    settings = ChatSettings(crash_notice=3600.0)  # were it waited for, the bound below would fail the test
+    service = ChatService(fleet, Session(), FakeClock(), events, settings)  # type: ignore[arg-type]
+    record = RequestRecord(id="r", deployment="m", stream=False)
+    with anyio.fail_after(5), pytest.raises(EngineUnavailable):
+        await service.complete(record, {"model": "m", "messages": []})
