@@ -16,7 +16,7 @@ import msgspec
 
 from capyctl.domain.errors import InvalidConfig
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole names only: fullmatch
 
 
 class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -58,7 +58,7 @@ class DeploymentSpec(Strict):
     engine_config: EngineConfig = EngineConfig()
 
     def __post_init__(self) -> None:
-        if not NAME_PATTERN.match(self.name):
+        if not NAME_PATTERN.fullmatch(self.name):
             raise InvalidConfig(
                 f"deployment name {self.name!r} is not valid: use 1-64 letters, digits, '.', '_' "
                 "or '-', starting with a letter or digit"

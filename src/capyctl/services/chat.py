@@ -23,6 +23,7 @@ from capyctl.domain.errors import (
     EngineError,
     EngineRestarted,
     EngineUnavailable,
+    InvalidJson,
     InvalidRequest,
     engine_code,
 )
@@ -73,7 +74,10 @@ def engine_body(obj: dict[str, Any], served_name: str, client_stream: bool) -> b
     body["stream"] = True
     if not client_stream:
         body["stream_options"] = {"include_usage": True}
-    return _encode(body)
+    try:
+        return _encode(body)
+    except RecursionError as exc:  # decoded just under the limit, deeper in the stack than this
+        raise InvalidJson("JSON nested too deeply (CapyCTL relays up to several hundred levels)") from exc
 
 
 def failure_error(error: dict[str, Any]) -> EngineError:
@@ -146,12 +150,12 @@ class ChatService:
     @asynccontextmanager
     async def _engine_call(self, supervisor: Runner, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[EngineCall]:
         engine = supervisor.engine
+        body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)  # before it starts anything
         record.phase = Phase.WAITING
         url = await supervisor.wait_ready(self._settings.request_deadline)
         launch = supervisor.launch
         record.sent(instance=0)
         self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
-        body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)
         meter = Meter(self._clock.monotonic)
         # The verifier runs first: nothing of a chunk with an unverified key is sent.
         stages: list[Stage] = [

@@ -25,6 +25,7 @@ from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
     AlreadyExists,
+    CapyError,
     DeploymentNotFound,
     DeploymentStopped,
     EngineInUse,
@@ -51,6 +52,22 @@ def decode_spec(document: Any) -> DeploymentSpec:
         return msgspec.convert(document, DeploymentSpec)
     except msgspec.ValidationError as exc:
         raise InvalidConfig(f"deployment file: {exc}") from exc
+
+
+def local_path(text: str, what: str, error: type[CapyError]) -> Path:
+    """``text`` as a path on this machine, ``~`` expanded; ``error`` for what no file system takes.
+
+    A NUL byte, a name too long, or ``~user`` of an unknown user are the
+    caller's mistake, refused with a message rather than an internal error.
+    """
+    try:
+        if "\x00" in text:
+            raise ValueError("embedded null byte")
+        path = Path(text).expanduser()
+        path.exists()  # raises for a name too long
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise error(f"{what} {text!r} is not a usable path on this machine: {exc}") from exc
+    return path
 
 
 class Fleet:
@@ -159,7 +176,7 @@ class Fleet:
         )
 
     async def add_engine(self, path: str, name: str | None, family: str | None = None) -> EngineInstall:
-        resolved = Path(path).expanduser().resolve()
+        resolved = local_path(path, "engine path", InvalidEngine).resolve()
         adapter = self._recognise(resolved, family)
         name = name or resolved.name
         if self._store.get_engine(name) is not None:
@@ -201,14 +218,14 @@ class Fleet:
         adapter = self._adapters[engine.family]
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)
-        if not Path(str(spec.model)).exists():
+        if not local_path(str(spec.model), "model", InvalidConfig).exists():
             raise InvalidConfig(f"model {spec.model!r} does not exist on this machine")
         return None
 
     async def apply(self, document: Any, activate: bool) -> tuple[str, Runner]:
         spec = decode_spec(document)
         if not spec.attached and spec.model:  # engines get the path the operator meant, not a literal "~"
-            spec = msgspec.structs.replace(spec, model=str(Path(spec.model).expanduser()))
+            spec = msgspec.structs.replace(spec, model=str(local_path(spec.model, "model", InvalidConfig)))
         probed = await self._check(spec)
         current = self._supervisors.get(spec.name)
         outcome = "created"

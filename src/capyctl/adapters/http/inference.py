@@ -23,7 +23,7 @@ from capyctl.adapters.http.views import ClockDep, FleetDep
 StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.auth import check_bearer
-from capyctl.domain.errors import CapyError, InternalError, MethodNotAllowed, NotFound
+from capyctl.domain.errors import CapyError, InternalError, InvalidJson, MethodNotAllowed, NotFound
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
 
@@ -51,10 +51,16 @@ def unexpected_error_response(request: Request, error: Exception) -> Response[di
     return capy_error_response(request, InternalError(request_id))
 
 
+def too_deep_response(request: Request, _: RecursionError) -> Response[dict[str, Any]]:
+    """A request body nested deeper than the JSON decoder goes is the client's error, not CapyCTL's."""
+    return capy_error_response(request, InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)"))
+
+
 def error_handlers() -> dict[Any, Any]:
     return {
         CapyError: capy_error_response,
         HTTPException: http_error_response,
+        RecursionError: too_deep_response,
         Exception: unexpected_error_response,
     }
 

@@ -97,6 +97,8 @@ async def delete_deployment(fleet: FleetDep, name: str) -> dict[str, Any]:
 
 @get("/events", sync_to_thread=False)
 def list_events(fleet: FleetDep, deployment: str | None = None, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+    if not 0 <= after < 2**63:
+        raise InvalidRequest("'after' must be an event ID: a whole number from 0", param="after")
     return fleet.events(deployment, after, min(max(limit, 1), 1000))
 
 
