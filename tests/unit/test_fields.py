@@ -136,3 +136,8 @@ def test_verifier_accepts_the_lenient_shapes_real_engines_send() -> None:
     ):
         chunk = Chunk(b"{}", obj)
         assert verify(chunk) is chunk
+
+
+def test_version_keys_read_only_ascii_digits() -> None:
+    assert version_key("0.5²") == (0, 5)  # a superscript is not a digit of a version
+    assert version_key("²") == (0,)

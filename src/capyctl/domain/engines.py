@@ -24,7 +24,7 @@ def version_key(version: str) -> tuple[int, ...]:
     for piece in text.split("."):
         digits = ""
         for char in piece:
-            if not char.isdigit():
+            if not "0" <= char <= "9":  # ASCII digits only: "²".isdigit() is True
                 break
             digits += char
         if not digits:
