@@ -31,8 +31,12 @@ def test_events_are_inserted_by_the_writer_thread_not_the_caller(tmp_path: Path,
                                                         real_insert(rows)))
     try:
         store.add_event(time.time(), "a", "state_changed", {})
+        assert inserted_on == []  # add_event only queued it
+        deadline = time.monotonic() + 10
+        while not inserted_on and time.monotonic() < deadline:  # no read: the writer inserts it by itself
+            time.sleep(0.01)
+        assert inserted_on == ["capyctl-events"]
         assert store.list_events(None, 0, 10)[0]["kind"] == "state_changed"
-        assert inserted_on and threading.current_thread().name not in inserted_on
     finally:
         store.close()
 

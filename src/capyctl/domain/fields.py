@@ -139,7 +139,7 @@ class DeltaVerifier:
             if type(choice) is not dict:
                 raise EdgeError(f"a choice is {_kind(choice)}, not an object")
             index = choice.get("index")
-            if index is not None and not _small_index(index):
+            if type(index) is not int and index is not None or type(index) is int and index < 0:
                 raise EdgeError(f"a choice's 'index' is {index!r}, not a non-negative integer")
             delta = choice.get("delta")
             if delta is None:
@@ -149,9 +149,8 @@ class DeltaVerifier:
             if not delta.keys() <= allowed:
                 key = sorted(k for k in delta if k not in allowed)[0]
                 raise UnverifiedStream(key, self._where)
-            tool_calls = delta.get("tool_calls")
-            if tool_calls is not None:
-                self._check_tool_calls(tool_calls)
+            if "tool_calls" in delta and delta["tool_calls"] is not None:
+                self._check_tool_calls(delta["tool_calls"])
         return chunk
 
     def _check_tool_calls(self, tool_calls: Any) -> None:

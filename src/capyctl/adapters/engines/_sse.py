@@ -104,9 +104,10 @@ class SseParser:
     def _split(self, buffer: bytes) -> Iterator[StreamEvent]:
         start = 0
         while (end := buffer.find(b"\n\n", start)) != -1:
+            if end - start > self._max:
+                self._check(end - start)
             block = buffer[start:end]
             start = end + 2
-            self._check(len(block))
             if block:
                 event = parse_event(block.lstrip(b"\n"))
                 if event is not None:

@@ -91,10 +91,10 @@ class Reply:
     client gets a JSON error answer; during a stream, an SSE error event.
     """
 
-    __slots__ = ("_send", "started", "ended")
+    __slots__ = ("raw", "started", "ended")
 
     def __init__(self, send: Any) -> None:
-        self._send = send
+        self.raw = send  # for the body chunks of a stream, once its start went through here
         self.started = False
         self.ended = False
 
@@ -103,7 +103,7 @@ class Reply:
             self.started = True
         elif not message.get("more_body", False):
             self.ended = True
-        await self._send(message)
+        await self.raw(message)
 
     async def internal_error(self, request_id: str, headers: Headers) -> None:
         error = InternalError(request_id)

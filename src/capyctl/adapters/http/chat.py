@@ -175,6 +175,7 @@ class ChatHandler:
         self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: Outcome
     ) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]}
+        relay = send.raw if isinstance(send, Reply) else send
         opened = False
         failure: EngineFailure | None = None
         try:
@@ -202,8 +203,8 @@ class ChatHandler:
                         await send(start)
                         await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
                         self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-                    else:
-                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                    else:  # the hot path: straight to the server, past the Reply's bookkeeping
+                        await relay({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
             if failure is None:
                 record.phase = Phase.DONE
                 outcome.code = "ok"
