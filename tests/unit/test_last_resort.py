@@ -25,6 +25,7 @@ class BrokenService:
     """A ChatService whose engine call breaks with a bug (not a CapyError) after ``after`` batches."""
 
     check_every = 1.0
+    default_model = None
 
     def __init__(self, after: int | None) -> None:
         self._after = after

@@ -1,18 +1,32 @@
-"""YAML files CapyCTL reads (deployment files), loaded strictly.
+"""YAML files CapyCTL reads (deployment files, the server configuration), loaded strictly.
 
-PyYAML silently keeps the last of two equal keys; a deployment file with a
-duplicated key is a mistake the operator must hear about, so the loader
-refuses it, naming the key and its line.
+PyYAML silently keeps the last of two equal keys; a file with a duplicated
+key is a mistake the operator must hear about, so the loader refuses it,
+naming the key and its line. ``decode_file`` also keeps where each key was
+written, so that a key the struct refuses (unknown, or of the wrong type) is
+reported with its line too.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import yaml
 
+from capyctl.domain.config import DURATION_PATTERN, SIZE_PATTERN
 from capyctl.domain.errors import InvalidConfig
+
+T = TypeVar("T")
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"unknown field `(?P<key>[^`]+)`")
+_FORMATS = {
+    DURATION_PATTERN: "a duration such as 90s, 10m or 1h (or a number of seconds)",
+    SIZE_PATTERN: "a size such as 64KiB, 4MiB or 6GiB (or a number of bytes)",
+}
+_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -47,3 +61,68 @@ def load_yaml_file(path: Path) -> Any:
     except OSError as exc:
         raise InvalidConfig(f"cannot read {path}: {exc.strerror}") from exc
     return load_yaml(text, str(path))
+
+
+def key_lines(text: str) -> dict[tuple[Any, ...], int]:
+    """Where each key (by its path of keys and list indexes) is written: its line number, from 1."""
+    lines: dict[tuple[Any, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                here = (*path, key_node.value)
+                lines[here] = key_node.start_mark.line + 1
+                walk(value_node, here)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                lines[(*path, index)] = item.start_mark.line + 1
+                walk(item, (*path, index))
+
+    try:
+        root = yaml.compose(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _where(error: msgspec.ValidationError, lines: dict[tuple[Any, ...], int]) -> str:
+    """msgspec's message with the line of the key it is about, when the file has it."""
+    match = _AT.match(str(error))
+    what, at = (match.group("what"), match.group("path")) if match else (str(error), None)
+    path: tuple[Any, ...] = ()
+    for name, index in _PART.findall(at or ""):
+        path += (name,) if name else (int(index),)
+    for pattern, meaning in _FORMATS.items():
+        what = what.replace(f"`str` matching regex {pattern!r}", meaning)
+    unknown = _UNKNOWN.search(what)
+    if unknown:
+        path += (unknown.group("key"),)
+    key = ".".join(str(p) for p in path)
+    line = lines.get(path)
+    place = f"line {line}: " if line else ""
+    return f"{place}{what}" + (f" (at {key})" if key and not unknown else "")
+
+
+def decode_file(path: Path, kind: type[T]) -> T:
+    """Read ``path`` and convert it strictly to ``kind``; every error names the file, and the line when known."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidConfig(f"cannot read {path}: {exc.strerror}") from exc
+    return decode_text(text, str(path), kind)
+
+
+def decode_text(text: str, source: str, kind: type[T]) -> T:
+    document = load_yaml(text, source)
+    if document is None:
+        document = {}
+    if not isinstance(document, dict):
+        raise InvalidConfig(f"{source}: the file must be a mapping of keys to values")
+    try:
+        return msgspec.convert(document, kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidConfig(f"{source}: {_where(exc, key_lines(text))}") from exc
+    except InvalidConfig as exc:
+        raise InvalidConfig(f"{source}: {exc.message}") from exc

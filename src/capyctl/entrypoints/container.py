@@ -74,6 +74,7 @@ class Container(containers.DeclarativeContainer):
         request_deadline=config.request_deadline,
         stream_idle_timeout=config.stream_idle_timeout,
         max_tool_calls=config.max_tool_calls,
+        default_model=config.default_model,
         host_name=providers.Callable(socket.gethostname),
     )
 

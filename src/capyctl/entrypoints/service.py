@@ -25,10 +25,12 @@ from capyctl.adapters.http.management import create_management_app
 from capyctl.adapters.http.protocol import guarded_protocol
 from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
+from capyctl.domain.config import ServerConfig, Settings, resolve
 from capyctl.domain.limits import Limits
 from capyctl.entrypoints.container import Container
 
 log = logging.getLogger("capyctl")
+DEFAULTS = resolve(ServerConfig(), {})
 
 
 class _Server(uvicorn.Server):
@@ -46,28 +48,25 @@ def _uvicorn(app: object, protocol: type) -> _Server:
     return _Server(config)
 
 
-def build_container(
-    state_dir: Path, request_deadline: float = 1800.0, stream_idle_timeout: float = 120.0, limits: Limits = Limits()
-) -> Container:
+def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container:
     container = Container()
+    limits = settings.limits
     container.config.from_dict(
-        {"state_dir": state_dir, "request_deadline": request_deadline, "stream_idle_timeout": stream_idle_timeout,
+        {"state_dir": state_dir, "request_deadline": settings.request_deadline,
+         "stream_idle_timeout": settings.stream_idle_timeout, "default_model": settings.default_model,
          "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls}
     )
     return container
 
 
-async def serve_standalone(
-    state_dir: Path, listen: str, management: str, request_deadline: float = 1800.0,
-    stream_idle_timeout: float = 120.0, limits: Limits = Limits(),
-) -> None:
+async def serve_standalone(state_dir: Path, listen: str, management: str, settings: Settings = DEFAULTS) -> None:
     inference_addr = parse_listen(listen, "--listen")
     management_addr = parse_listen(management, "--management")
-    raise_open_files_limit(limits)
-    container = build_container(state_dir, request_deadline, stream_idle_timeout, limits)
+    raise_open_files_limit(settings.limits)
+    container = build_container(state_dir, settings)
     container.init_resources()
     try:
-        await _serve(container, inference_addr, management_addr, limits)
+        await _serve(container, inference_addr, management_addr, settings.limits)
     finally:
         await container.http_client().aclose()
         container.shutdown_resources()

@@ -54,14 +54,22 @@ class ChatSettings(msgspec.Struct, kw_only=True, frozen=True):
     stream_idle_timeout: float = 120.0  # seconds an answer may go silent once it has begun
     crash_notice: float = 1.0  # how long to wait for a broken connection to show as an engine exit
     max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS  # tool calls in one answer; past it, edge_error
+    default_model: str | None = None  # MOD-3: where a request without `model` goes
     host_name: str = "local"  # the machine serving standalone deployments, as logs name it
 
 
-def read_target(obj: dict[str, Any]) -> tuple[str, bool]:
-    """The model name and whether the client wants a stream; refuses what CapyCTL cannot serve."""
+def read_target(obj: dict[str, Any], default_model: str | None = None) -> tuple[str, bool]:
+    """The model name and whether the client wants a stream; refuses what CapyCTL cannot serve.
+
+    A request without ``model`` goes to the server's ``default_model`` when it has one (MOD-3).
+    """
     model = obj.get("model")
+    if model is None and default_model is not None:
+        model = default_model
     if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required: the name of a deployment (see GET /v1/models)", param="model")
+        hint = "" if default_model else "; this server has no default_model"
+        raise InvalidRequest(f"'model' is required: the name of a deployment (see GET /v1/models){hint}",
+                             param="model")
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false", param="stream")
@@ -124,6 +132,10 @@ class ChatService:
 
     def now(self) -> float:
         return self._clock.monotonic()
+
+    @property
+    def default_model(self) -> str | None:
+        return self._settings.default_model
 
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)

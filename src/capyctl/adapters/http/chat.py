@@ -123,7 +123,7 @@ class ChatHandler:
                 headers.append((b"x-request-id", str(caller).encode()))
                 caller_request_id.set(caller)
             obj = decode_body(await read_body(receive, scope, self._max_body))
-            model, stream = read_target(obj)
+            model, stream = read_target(obj, self._service.default_model)
         except ClientGone:
             return
         except CapyError as error:

@@ -13,7 +13,7 @@ from capyctl import __version__
 from capyctl.adapters.storage.state_dir import resolve_state_dir
 from capyctl.domain.errors import CapyError
 from capyctl.entrypoints.cli.client import ManagementClient
-from capyctl.entrypoints.cli.output import exit_code, print_error
+from capyctl.entrypoints.cli.output import exit_code, print_error, print_json
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,9 +50,10 @@ status_app = typer.Typer(help="Show a deployment's state and instances.", no_arg
 list_app = typer.Typer(help="List deployments or engines.", no_args_is_help=True)
 engine_app = typer.Typer(help="Register, list and remove engine installations.", no_args_is_help=True)
 deploy_app = typer.Typer(help="Create or update deployments from files.", no_args_is_help=True)
+config_app = typer.Typer(help="The server configuration file: its schema, and checking a file.", no_args_is_help=True)
 for name, sub in [
     ("start", start_app), ("stop", stop_app), ("delete", delete_app), ("status", status_app),
-    ("list", list_app), ("engine", engine_app), ("deploy", deploy_app),
+    ("list", list_app), ("engine", engine_app), ("deploy", deploy_app), ("config", config_app),
 ]:
     app.add_typer(sub, name=name)
 
@@ -65,6 +66,8 @@ def reports_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except CapyError as error:
+            if kwargs.get("json") is True:  # --json: the failure is JSON too, on stdout, same exit code
+                print_json({"error": {"code": error.code, "message": error.message, **error.extra}})
             print_error(error.code, error.message)
             raise typer.Exit(exit_code(error.code)) from None
 

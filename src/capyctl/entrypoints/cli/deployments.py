@@ -10,7 +10,8 @@ from typing import Annotated, Any
 import msgspec
 import typer
 
-from capyctl.adapters.config_files import load_yaml_file
+from capyctl.adapters.config_files import decode_file, load_yaml_file
+from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.errors import CapyError
 from capyctl.entrypoints.cli.client import ManagementClient
 from capyctl.entrypoints.cli.common import (
@@ -42,6 +43,7 @@ def deploy_model(
 ) -> None:
     """Create or update a deployment from a YAML file."""
     document = load_yaml_file(file)
+    decode_file(file, DeploymentSpec)  # refused here with the line of the bad key; the server checks the rest
     api = client(state_dir)
     result = api.call("PUT", "/deployments", json={"document": document, "activate": activate or wait})
     deployment = result["deployment"]

@@ -1,21 +1,28 @@
-"""``capyctl start standalone``: the server in the foreground."""
+"""``capyctl start standalone`` (the server in the foreground) and ``capyctl config`` (its file)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
 
 import anyio
 import typer
 
+from capyctl.adapters.config_files import decode_file
 from capyctl.adapters.storage.state_dir import resolve_state_dir
+from capyctl.domain.config import ServerConfig, resolve, schema
 from capyctl.domain.deployments import parse_duration
-from capyctl.domain.limits import Limits, parse_count, parse_size
+from capyctl.domain.limits import parse_count, parse_size
 from capyctl.entrypoints.cli.common import (
+    JsonOpt,
     LogFormat,
     StateDirOpt,
+    config_app,
     reports_errors,
     start_app,
 )
+from capyctl.entrypoints.cli.output import print_json, show
 
 
 @start_app.command("standalone")
@@ -28,61 +35,112 @@ def start_standalone(
         str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")
     ] = "127.0.0.1:7443",
     state_dir: StateDirOpt = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="Server configuration file (see `capyctl config schema`). "
+                     "Default: <state-dir>/config.yaml when it exists. Flags given here win over it.",
+                     show_default=False),
+    ] = None,
     log_format: Annotated[
         LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
     ] = LogFormat.TEXT,
     json: Annotated[bool, typer.Option("--json", help="Same as --log-format json.")] = False,
+    default_model: Annotated[
+        str | None, typer.Option(help="Deployment a chat request without `model` goes to [file: default_model].",
+                                 show_default=False)] = None,
     request_deadline: Annotated[
-        str, typer.Option(help="Longest wait for an answer to begin (starting the engine included), e.g. 300s, 30m.")
-    ] = "30m",
+        str | None, typer.Option(help="Longest wait for an answer to begin (starting the engine included), "
+                                 "e.g. 300s [file: queue.request_deadline; default 30m].", show_default=False)
+    ] = None,
     stream_idle_timeout: Annotated[
-        str, typer.Option(help="Longest silence inside an answer before CapyCTL cuts it, e.g. 120s.")
-    ] = "120s",
-    max_body: Annotated[str, typer.Option(help="Largest request body (413 too_large past it), e.g. 32MiB.")] = "32MiB",
-    client_header_timeout: Annotated[
-        str, typer.Option(help="Time a client has to send its request headers (408 request_timeout), e.g. 10s.")
-    ] = "10s",
-    client_body_timeout: Annotated[
-        str, typer.Option(help="Time a client has to send its body once its headers are in (408), e.g. 60s.")
-    ] = "60s",
-    max_connections: Annotated[
-        str, typer.Option(help="Open client connections per API; past it, 503 too_many_connections.")
-    ] = "4096",
-    max_event_size: Annotated[
-        str, typer.Option(help="Largest engine SSE event; past it the answer is cut as edge_error, e.g. 4MiB.")
-    ] = "4MiB",
-    max_tool_calls: Annotated[
-        str, typer.Option(help="Most tool calls in one answer; an engine index past it is edge_error.")
-    ] = "256",
+        str | None, typer.Option(help="Longest silence inside an answer before CapyCTL cuts it "
+                                 "[file: queue.stream_idle_timeout; default 120s].", show_default=False)
+    ] = None,
+    max_body: Annotated[str | None, typer.Option(
+        help="Largest request body, 413 too_large past it [file: limits.max_body; default 32MiB].",
+        show_default=False)] = None,
+    client_header_timeout: Annotated[str | None, typer.Option(
+        help="Time a client has to send its request headers, 408 past it "
+        "[file: limits.client_header_timeout; default 10s].", show_default=False)] = None,
+    client_body_timeout: Annotated[str | None, typer.Option(
+        help="Time a client has to send its body once its headers are in, 408 past it "
+        "[file: limits.client_body_timeout; default 60s].", show_default=False)] = None,
+    max_connections: Annotated[str | None, typer.Option(
+        help="Open client connections per API, 503 too_many_connections past it "
+        "[file: limits.max_connections; default 4096].", show_default=False)] = None,
+    max_event_size: Annotated[str | None, typer.Option(
+        help="Largest engine SSE event, edge_error past it [file: limits.max_event_size; default 4MiB].",
+        show_default=False)] = None,
+    max_tool_calls: Annotated[str | None, typer.Option(
+        help="Most tool calls in one answer, edge_error past it [file: limits.max_tool_calls; default 256].",
+        show_default=False)] = None,
 ) -> None:
     """Run CapyCTL and its engines in the foreground until Ctrl-C or SIGTERM.
 
-    The limits (body size, client timeouts, connections, engine event size,
-    tool calls) are listed with their defaults in docs/errors.md, "Limits".
+    Settings come from the configuration file, then from the flags given here,
+    which win. The limits are listed in docs/errors.md, "Limits".
     """
     if json:
         log_format = LogFormat.JSON
-    deadline = parse_duration(request_deadline, "--request-deadline")
-    idle = parse_duration(stream_idle_timeout, "--stream-idle-timeout")
-    limits = Limits(
-        max_body=parse_size(max_body, "--max-body"),
-        header_timeout=parse_duration(client_header_timeout, "--client-header-timeout"),
-        body_timeout=parse_duration(client_body_timeout, "--client-body-timeout"),
-        max_connections=parse_count(max_connections, "--max-connections"),
-        max_event=parse_size(max_event_size, "--max-event-size"),
-        max_tool_calls=parse_count(max_tool_calls, "--max-tool-calls"),
-    )
+    root = resolve_state_dir(state_dir)
+    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
+    server_config = decode_file(file, ServerConfig) if file is not None else ServerConfig()
+    overrides = {
+        "default_model": default_model,
+        "queue.request_deadline": _flag(request_deadline, "--request-deadline", parse_duration),
+        "queue.stream_idle_timeout": _flag(stream_idle_timeout, "--stream-idle-timeout", parse_duration),
+        "limits.max_body": _flag(max_body, "--max-body", parse_size),
+        "limits.client_header_timeout": _flag(client_header_timeout, "--client-header-timeout", parse_duration),
+        "limits.client_body_timeout": _flag(client_body_timeout, "--client-body-timeout", parse_duration),
+        "limits.max_connections": _flag(max_connections, "--max-connections", parse_count),
+        "limits.max_event_size": _flag(max_event_size, "--max-event-size", parse_size),
+        "limits.max_tool_calls": _flag(max_tool_calls, "--max-tool-calls", parse_count),
+    }
+    settings = resolve(server_config, overrides)
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
     listener = configure_logging(log_format.value)
     try:
         anyio.run(
-            serve_standalone, resolve_state_dir(state_dir), listen, management, deadline, idle, limits,
+            serve_standalone, root, listen, management, settings,
             backend_options={"use_uvloop": _has_uvloop()},
         )
     finally:
         listener.stop()  # flushes the last lines
+
+
+def _flag(value: str | None, what: str, parse: Callable[[str, str], Any]) -> Any:
+    return None if value is None else parse(value, what)
+
+
+@config_app.command("schema")
+@reports_errors
+def config_schema() -> None:
+    """Print the JSON Schema of the server configuration file (for editors' YAML support)."""
+    print_json(schema())
+
+
+@config_app.command("check")
+@reports_errors
+def config_check(
+    file: Annotated[Path, typer.Argument(help="The configuration file to check.")],
+    json: JsonOpt = False,
+) -> None:
+    """Check a server configuration file and show the settings it gives; changes nothing."""
+    settings = resolve(decode_file(file, ServerConfig), {})
+    limits = settings.limits
+    view = {
+        "default_model": settings.default_model,
+        "queue": {"request_deadline_s": settings.request_deadline, "stream_idle_timeout_s": settings.stream_idle_timeout},
+        "limits": {"max_body_bytes": limits.max_body, "client_header_timeout_s": limits.header_timeout,
+                   "client_body_timeout_s": limits.body_timeout, "max_connections": limits.max_connections,
+                   "max_event_size_bytes": limits.max_event, "max_tool_calls": limits.max_tool_calls},
+    }
+    lines = [f"{file}: valid", f"  default_model  {settings.default_model or '-'}"]
+    for section in ("queue", "limits"):
+        lines += [f"  {section}.{key}  {value}" for key, value in view[section].items()]  # type: ignore[attr-defined]
+    show(view, json, "\n".join(lines))
 
 
 def _has_uvloop() -> bool:

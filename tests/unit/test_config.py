@@ -1,0 +1,70 @@
+"""The server configuration file: strict decoding with line numbers, defaults, flags on top, the schema."""
+
+from __future__ import annotations
+
+import pytest
+
+from capyctl.adapters.config_files import decode_text
+from capyctl.domain.config import ServerConfig, resolve, schema
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.limits import Limits
+
+
+def test_an_empty_file_is_the_defaults() -> None:
+    settings = resolve(decode_text("", "c.yaml", ServerConfig), {})
+    assert settings.default_model is None
+    assert (settings.request_deadline, settings.stream_idle_timeout) == (1800.0, 120.0)
+    assert settings.limits == Limits()
+
+
+def test_durations_sizes_and_bare_numbers_are_read() -> None:
+    text = "default_model: smollm2\nqueue:\n  request_deadline: 90s\n  stream_idle_timeout: 2.5\n" \
+           "limits:\n  max_body: 1MiB\n  max_event_size: 65536\n  client_header_timeout: 250ms\n"
+    settings = resolve(decode_text(text, "c.yaml", ServerConfig), {})
+    assert settings.default_model == "smollm2"
+    assert (settings.request_deadline, settings.stream_idle_timeout) == (90.0, 2.5)
+    assert (settings.limits.max_body, settings.limits.max_event, settings.limits.header_timeout) == (1 << 20, 65536, 0.25)
+
+
+def test_flags_given_win_over_the_file_and_absent_ones_do_not() -> None:
+    config = decode_text("queue:\n  request_deadline: 1h\n  stream_idle_timeout: 5s\n", "c.yaml", ServerConfig)
+    settings = resolve(config, {"queue.request_deadline": 2.0, "queue.stream_idle_timeout": None})
+    assert (settings.request_deadline, settings.stream_idle_timeout) == (2.0, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("queue:\n  request_deadline: 90s\n  stream_idle_timout: 1s\n", "line 3: Object contains unknown field `stream_idle_timout`"),
+        ("default_model: a\nqueue:\n  request_deadline: soon\n", "line 3: Expected a duration such as 90s"),
+        ("limits:\n  max_body: lots\n", "line 2: Expected a size such as 64KiB"),
+        ("limits:\n  max_connections: 0\n", "line 2: Expected `int` >= 1"),
+        ("queue:\n  request_deadline: 1s\nqueue:\n  request_deadline: 2s\n", "duplicate key 'queue' on line 3"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("queue: [\n", "is not valid YAML"),
+    ],
+)
+def test_bad_files_are_refused_with_the_key_and_its_line(text: str, says: str) -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        decode_text(text, "c.yaml", ServerConfig)
+    assert caught.value.message.startswith("c.yaml") and says in caught.value.message
+
+
+def test_deployment_files_name_the_line_of_a_bad_key() -> None:
+    text = "name: a\nengine: llama-server\nmodel: /m.gguf\nengine_config:\n  contxt_length: 5\n"
+    with pytest.raises(InvalidConfig, match=r"d.yaml: line 5: Object contains unknown field `contxt_length`"):
+        decode_text(text, "d.yaml", DeploymentSpec)
+    text = "name: a\nengine: llama-server\nmodel: /m.gguf\nengine_config:\n  extra_args:\n    - --ok\n    - 7\n"
+    with pytest.raises(InvalidConfig, match=r"line 7: Expected `str`, got `int` \(at engine_config.extra_args.1\)"):
+        decode_text(text, "d.yaml", DeploymentSpec)
+
+
+def test_the_schema_has_every_key_and_refuses_unknown_ones() -> None:
+    out = schema()
+    defs = out["$defs"]
+    assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits"}
+    assert set(defs["QueueConfig"]["properties"]) == {"request_deadline", "stream_idle_timeout"}
+    assert set(defs["LimitsConfig"]["properties"]) == {"max_body", "client_header_timeout", "client_body_timeout",
+                                                       "max_connections", "max_event_size", "max_tool_calls"}
+    assert all(d.get("additionalProperties") is False for d in defs.values())
