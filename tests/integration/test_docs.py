@@ -63,7 +63,7 @@ DOC_MODEL = "/path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
 DOC_REPLAY = "http://127.0.0.1:8100"  # where replay.md's demo runs its replay engine
 SED_KEY = "KEY=$(sed -n 's/^api_key: //p' ~/.local/state/capyctl/identity/credentials)"
 # a fence may be indented (a code block inside a list item): its closing ``` is then indented too
-FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other): (.+?) -->\n)?```(\w+)\n(.*?)^ *```", re.S | re.M)
+FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other|config): (.+?) -->\n)?```(\w+)\n(.*?)^ *```", re.S | re.M)
 ADAPTERS = {str(a.family): a for a in (LlamaCppEngine, VllmEngine, SglangEngine, TensorfoldEngine)}
 
 
@@ -217,6 +217,22 @@ def test_replay_demo_runs_as_documented(capy: CapyServer, tmp_path: Path) -> Non
     finally:
         replay.terminate()
         replay.wait(10)
+
+
+def test_server_configuration_examples_check_as_marked(tmp_path: Path) -> None:
+    """`config:` blocks are server configuration files; `capyctl config check` accepts or refuses them as marked."""
+    examples = [b for b in blocks("yaml") if b.mark == "config"]
+    assert any(b.expect == "valid" for b in examples) and any(b.expect != "valid" for b in examples)
+    for i, block in enumerate(examples):
+        path = tmp_path / f"config-{i}.yaml"
+        path.write_text(block.text)
+        done = subprocess.run([sys.executable, "-m", "capyctl", "config", "check", str(path)], capture_output=True,
+                              text=True, timeout=60)
+        where = f"{block.page}:\n{block.text}\n{done.stdout}{done.stderr}"
+        if block.expect == "valid":
+            assert done.returncode == 0 and done.stdout.startswith(f"{path}: valid"), where
+        else:
+            assert done.returncode == 6 and f"{path}: {block.expect}" in done.stderr, where
 
 
 def test_other_yaml_blocks_are_what_they_say(tmp_path: Path) -> None:
