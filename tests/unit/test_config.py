@@ -64,7 +64,9 @@ def test_the_schema_has_every_key_and_refuses_unknown_ones() -> None:
     out = schema()
     defs = out["$defs"]
     assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits"}
-    assert set(defs["QueueConfig"]["properties"]) == {"request_deadline", "stream_idle_timeout"}
+    assert set(defs["QueueConfig"]["properties"]) == {"request_deadline", "stream_idle_timeout", "max_open",
+                                                      "max_in_flight_per_instance", "max_pending_per_deployment",
+                                                      "max_pending_total"}
     assert set(defs["LimitsConfig"]["properties"]) == {"max_body", "client_header_timeout", "client_body_timeout",
                                                        "max_connections", "max_event_size", "max_tool_calls"}
     assert all(d.get("additionalProperties") is False for d in defs.values())

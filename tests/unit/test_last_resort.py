@@ -13,6 +13,7 @@ import pytest
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.chat import ChatHandler
+from capyctl.domain.deployments import InstanceState
 from capyctl.domain.errors import EngineUnavailable
 from capyctl.domain.requests import RequestRecord
 from capyctl.services.chat import ChatService, ChatSettings
@@ -39,11 +40,11 @@ class BrokenService:
     def knows(self, name: str) -> bool:
         return True
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None) -> dict[str, Any]:
         raise RuntimeError("a bug in the assembler")
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any]):
+    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None):
         async def events():
             from capyctl.domain.streams import Chunk
 
@@ -134,7 +135,7 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
         deployment=SimpleNamespace(spec=SimpleNamespace(api="chat", served_model="m")),
         engine=SimpleNamespace(family="vllm", version="0.32.0"),
         fields=SimpleNamespace(row=SimpleNamespace(delta=frozenset({"role", "content"}))),
-        status=SimpleNamespace(last_error=None),
+        status=SimpleNamespace(last_error=None, state=InstanceState.READY, started_at=None, cold_starts=[]),
     )
 
     async def wait_ready(timeout: float) -> str:

@@ -16,6 +16,7 @@ import msgspec
 
 from capyctl.domain.deployments import Strict, parse_duration
 from capyctl.domain.limits import Limits, parse_size
+from capyctl.domain.scheduling import QueueLimits
 
 DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"
 SIZE_PATTERN = r"^\s*\d+\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$"
@@ -26,6 +27,7 @@ Size = Annotated[str, msgspec.Meta(pattern=SIZE_PATTERN, description="a size: 64
     int, msgspec.Meta(gt=0, description="bytes")
 ]
 Count = Annotated[int, msgspec.Meta(gt=0)]
+Limit = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class QueueConfig(Strict):
@@ -33,6 +35,10 @@ class QueueConfig(Strict):
 
     request_deadline: Duration = "30m"
     stream_idle_timeout: Duration = "120s"
+    max_in_flight_per_instance: Count = 32  # requests at an engine instance at once; more wait in order
+    max_pending_per_deployment: Limit = 64  # waiting per deployment; past it 429 queue_full; 0: never wait
+    max_pending_total: Limit = 256  # waiting over all deployments
+    max_open: Limit = 0  # open engine calls over all deployments (503 device_busy); 0: no limit
 
 
 class LimitsConfig(Strict):
@@ -61,6 +67,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     request_deadline: float
     stream_idle_timeout: float
     limits: Limits
+    queue: QueueLimits
 
 
 def seconds(value: str | float, what: str) -> float:
@@ -92,6 +99,12 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
             max_connections=int(pick("limits.max_connections", lim.max_connections)),
             max_event=size(pick("limits.max_event_size", lim.max_event_size), "limits.max_event_size"),
             max_tool_calls=int(pick("limits.max_tool_calls", lim.max_tool_calls)),
+        ),
+        queue=QueueLimits(
+            max_in_flight_per_instance=q.max_in_flight_per_instance,
+            max_pending_per_deployment=q.max_pending_per_deployment,
+            max_pending_total=q.max_pending_total,
+            max_open=q.max_open,
         ),
     )
 

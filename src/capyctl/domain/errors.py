@@ -236,3 +236,49 @@ class NotFound(CapyError):
 
 class MethodNotAllowed(CapyError):
     code = "method_not_allowed"
+
+
+class QueueFull(CapyError):
+    """LIFE-5: too many requests wait already; retry after ``retry_after`` seconds."""
+
+    code = "queue_full"
+
+    def __init__(self, model: str, reason: str, retry_after: int) -> None:
+        super().__init__(f"too many requests are waiting for {model!r} ({reason}); retry in {retry_after} s",
+                         model=model, reason=reason, retry_after_s=retry_after)
+        self.retry_after = retry_after
+
+
+class ModelLoading(CapyError):
+    """LIFE-4: the model is starting and this request would not wait (X-LLM-Wait); it starts anyway."""
+
+    code = "model_loading"
+
+    def __init__(self, model: str, state: str, retry_after: int) -> None:
+        super().__init__(f"model {model!r} is loading ({state}); retry in {retry_after} s, "
+                         "or send a larger X-LLM-Wait to wait for it", model=model, state=state,
+                         retry_after_s=retry_after)
+        self.retry_after = retry_after
+
+
+class Queued(CapyError):
+    """LIFE-4: the model is ready but busy, and this request would not wait (X-LLM-Wait)."""
+
+    code = "queued"
+
+    def __init__(self, model: str, position: int, reason: str, retry_after: int) -> None:
+        super().__init__(f"model {model!r} is busy: this request would be number {position} in its queue "
+                         f"({reason}); retry in {retry_after} s, or send a larger X-LLM-Wait",
+                         model=model, position=position, reason=reason, retry_after_s=retry_after)
+        self.retry_after = retry_after
+
+
+class DeviceBusy(CapyError):
+    """LIFE-5 (Citadel): CapyCTL holds its limit of open engine calls (queue.max_open)."""
+
+    code = "device_busy"
+
+    def __init__(self, limit: int, retry_after: int) -> None:
+        super().__init__(f"{limit} engine calls are open, the limit (queue.max_open); retry in {retry_after} s",
+                         limit=limit, retry_after_s=retry_after)
+        self.retry_after = retry_after

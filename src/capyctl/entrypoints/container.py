@@ -26,6 +26,7 @@ from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.adapters.process.ports import free_port
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.adapters.storage.state_dir import StateDir
+from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
@@ -89,8 +90,12 @@ class Container(containers.DeclarativeContainer):
         log_root=providers.Callable(log_root, state_dir),
         settings=supervisor_settings,
     )
+    admission = providers.Singleton(
+        AdmissionService, limits=config.queue_limits, clock=clock, ready_timeout=config.request_deadline
+    )
     chat_service = providers.Singleton(
-        ChatService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings
+        ChatService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
+        admission=admission,
     )
     api_keys = providers.Singleton(key_list, state_dir)
     request_stats = providers.Singleton(RequestStats, fleet=fleet, chat=chat_service)

@@ -54,7 +54,8 @@ def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container
     container.config.from_dict(
         {"state_dir": state_dir, "request_deadline": settings.request_deadline,
          "stream_idle_timeout": settings.stream_idle_timeout, "default_model": settings.default_model,
-         "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls}
+         "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls,
+         "queue_limits": settings.queue}
     )
     return container
 

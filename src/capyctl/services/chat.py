@@ -42,6 +42,8 @@ from capyctl.domain.streams import (
     Stage,
     StreamEvent,
 )
+from capyctl.domain.scheduling import QueueLimits
+from capyctl.services.admission import AdmissionService
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet, Runner
 
@@ -98,9 +100,11 @@ def failure_error(error: dict[str, Any]) -> EngineError:
 
 class ChatService:
     def __init__(
-        self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings
+        self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
+        admission: AdmissionService | None = None,
     ) -> None:
         self._fleet = fleet
+        self._admission = admission or AdmissionService(QueueLimits(), clock, settings.request_deadline)
         self._events = events
         self._session = session
         self._clock = clock
@@ -141,7 +145,7 @@ class ChatService:
         return self._fleet.has(name)
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[EngineCall]:
+    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> AsyncIterator[EngineCall]:
         """Yield the engine call answering ``obj``: its relayed events, and its metrics at the end.
 
         Raises domain errors before anything is yielded (unknown model, engine
@@ -154,17 +158,17 @@ class ChatService:
         check_cache_salt(obj, engine.family)
         self.live[record.id] = record
         try:
-            async with self._engine_call(supervisor, record, obj) as call:
+            body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)  # before it starts anything
+            record.phase = Phase.WAITING
+            async with self._admission.admit(supervisor, record, wait), self._engine_call(supervisor, record, body) as call:
                 yield call
         finally:
             del self.live[record.id]
 
     @asynccontextmanager
-    async def _engine_call(self, supervisor: Runner, record: RequestRecord, obj: dict[str, Any]) -> AsyncIterator[EngineCall]:
+    async def _engine_call(self, supervisor: Runner, record: RequestRecord, body: bytes) -> AsyncIterator[EngineCall]:
         engine = supervisor.engine
-        body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)  # before it starts anything
-        record.phase = Phase.WAITING
-        url = await supervisor.wait_ready(self._settings.request_deadline)
+        url = await supervisor.wait_ready(self._settings.request_deadline)  # granted: ready, unless it just fell
         launch = supervisor.launch
         record.sent(instance=0)
         self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
@@ -204,10 +208,10 @@ class ChatService:
             return True
         return False
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
         assembler = Assembler(record.deployment, self._settings.max_tool_calls)
-        async with self.open(record, obj) as call:
+        async with self.open(record, obj, wait) as call:
             async for batch in call.events:
                 for event in batch:
                     if isinstance(event, Chunk):

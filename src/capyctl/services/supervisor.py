@@ -47,6 +47,7 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
     restarts: int = 0
     last_error: str | None = None
     log_path: str | None = None
+    cold_starts: list[float] = msgspec.field(default_factory=list)  # seconds from spawn to ready, last 20
 
 
 class Supervisor:
@@ -97,6 +98,8 @@ class Supervisor:
             self.status.last_error = error
         if state is S.READY:
             self.status.ready_at = self._clock.wall()
+            if self.status.started_at is not None:
+                self.status.cold_starts = [*self.status.cold_starts[-19:], self.status.ready_at - self.status.started_at]
         self._events.emit(self.name, "state_changed", instance=0, previous=str(previous), state=str(state))
         self._changed.set()
         self._changed = anyio.Event()

@@ -31,7 +31,7 @@ from capyctl.adapters.http.asgi import (
     send_json,
     watch,
 )
-from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
+from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.auth import check_bearer
 from capyctl.domain.errors import (
@@ -56,6 +56,15 @@ _DONE = b"data: [DONE]\n\n"
 # Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
 _STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
 Headers = list[tuple[bytes, bytes]]
+
+
+def llm_wait(values: list[str]) -> float | None:
+    """X-LLM-Wait (LIFE-4): whole seconds from 0 to 900 this request may wait for a model; None without it."""
+    if not values:
+        return None
+    if len(values) > 1 or not values[0].strip().isdigit() or int(values[0]) > 900:
+        raise InvalidRequest("X-LLM-Wait must be given once, as whole seconds from 0 to 900", param="X-LLM-Wait")
+    return float(int(values[0]))
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
@@ -122,12 +131,13 @@ class ChatHandler:
                 caller = check_caller_id(caller_values)
                 headers.append((b"x-request-id", str(caller).encode()))
                 caller_request_id.set(caller)
+            wait = llm_wait(header_values(scope, b"x-llm-wait"))
             obj = decode_body(await read_body(receive, scope, self._max_body))
             model, stream = read_target(obj, self._service.default_model)
         except ClientGone:
             return
         except CapyError as error:
-            await send_json(send, status_of(error), error_body(error), headers)
+            await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
             return
         record = RequestRecord(id=request_id, deployment=model, stream=stream)
         outcome = Outcome()
@@ -136,9 +146,9 @@ class ChatHandler:
             overdue = functools.partial(self._service.overdue, record, received_at)
             tg.start_soon(watch, receive, tg.cancel_scope, overdue, self._service.check_every)
             if stream:
-                await self._stream(record, obj, send, headers, outcome)
+                await self._stream(record, obj, wait, send, headers, outcome)
             else:
-                await self._complete(record, obj, send, headers, outcome)
+                await self._complete(record, obj, wait, send, headers, outcome)
             tg.cancel_scope.cancel()
         if tg.cancel_scope.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
             if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
@@ -158,28 +168,30 @@ class ChatHandler:
             await send_json(send, status_of(error), error_body(error), headers)
 
     async def _complete(
-        self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: Outcome
+        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any, headers: Headers,
+        outcome: Outcome,
     ) -> None:
         try:
-            answer = await self._service.complete(record, obj)
+            answer = await self._service.complete(record, obj, wait)
         except CapyError as error:
             record.phase = Phase.FAILED
             outcome.code = error.code
-            await send_json(send, status_of(error), error_body(error), headers)
+            await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
             return
         record.phase = Phase.DONE
         outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
         await send_json(send, 200, _encode(answer), headers)
 
     async def _stream(
-        self, record: RequestRecord, obj: dict[str, Any], send: Any, headers: Headers, outcome: Outcome
+        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any, headers: Headers,
+        outcome: Outcome,
     ) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]}
         relay = send.raw if isinstance(send, Reply) else send
         opened = False
         failure: EngineFailure | None = None
         try:
-            async with self._service.open(record, obj) as call:
+            async with self._service.open(record, obj, wait) as call:
                 opened = True
                 async for batch in call.events:
                     parts: list[bytes] = []
@@ -215,7 +227,7 @@ class ChatHandler:
             record.phase = Phase.FAILED
             outcome.code = error.code
             if not outcome.started and not opened and error.code not in _STREAMED_REFUSALS:
-                await send_json(send, status_of(error), error_body(error), headers)
+                await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
                 return
             if not outcome.started:  # the engine accepted the request: the client gets a stream with the error
                 outcome.started = True

@@ -28,6 +28,7 @@ STATUS: dict[str, int] = {
     "engine_in_use": 409,
     "request_timeout": 408,
     "too_large": 413,
+    "queue_full": 429,
     "engine_unavailable": 502,
     "engine_restarted": 502,
     "edge_error": 502,
@@ -36,6 +37,9 @@ STATUS: dict[str, int] = {
     "stream_idle_timeout": 504,
     "internal_error": 500,
     "too_many_connections": 503,
+    "model_loading": 503,
+    "queued": 503,
+    "device_busy": 503,
 }
 _OWN_TYPE = frozenset({"edge_error"})  # codes whose envelope type is the code itself (Citadel)
 
@@ -68,3 +72,9 @@ def error_body(error: CapyError) -> bytes:
 
 def sse_error_event(error: CapyError) -> bytes:
     return b"data: " + error_body(error) + b"\n\n"
+
+
+def retry_after(error: CapyError) -> list[tuple[bytes, bytes]]:
+    """The ``Retry-After`` header of an error that says when to come back, else nothing."""
+    seconds = getattr(error, "retry_after", None)
+    return [] if seconds is None else [(b"retry-after", str(int(seconds)).encode())]

@@ -1,0 +1,123 @@
+"""The scheduler seam: the chat path asks ``admit`` and gets a lease, a wait or a refusal.
+
+``Admission`` (domain) decides; this service owns it and acts: it wakes a
+waiter when the domain grants it, starts a model a request waits for, and
+turns refusals into errors carrying ``Retry-After``. A lease is held for the
+whole engine call and returned when the ``admit`` context ends, however it
+ends; returning it grants the next waiter at once.
+
+``wait`` is the request's ``X-LLM-Wait``: None waits as long as the request
+deadline allows (the request's watchdog cuts it then), 0 never waits (the
+answer is at once ``model_loading`` or ``queued``, and a model that is not
+running is started anyway), N waits at most N seconds, then answers the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+import anyio
+
+from capyctl.domain.deployments import InstanceState
+from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
+from capyctl.domain.ports import Clock
+from capyctl.domain.requests import RequestRecord
+from capyctl.domain.scheduling import GRANTED, Admission, QueueLimits, Refused, loading_retry_after
+
+READY = InstanceState.READY
+
+
+class Status(Protocol):
+    state: InstanceState
+    started_at: float | None
+    cold_starts: list[float]
+
+
+class Schedulable(Protocol):
+    """What admission asks of a deployment's runner."""
+
+    status: Status
+
+    def start(self) -> None: ...
+    async def wait_ready(self, timeout: float) -> str: ...
+
+
+class AdmissionService:
+    def __init__(self, limits: QueueLimits, clock: Clock, ready_timeout: float = 1800.0) -> None:
+        self.state = Admission(limits)
+        self._clock = clock
+        self._ready_timeout = ready_timeout  # the request deadline: a waiter is cut by then anyway
+        self._wakers: dict[str, anyio.Event] = {}
+
+    @asynccontextmanager
+    async def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
+        name = record.deployment
+        decision = self.state.arrive(name, record.id, runner.status.state is READY)
+        if decision != GRANTED:
+            if isinstance(decision, Refused):
+                raise self._refusal(decision, name)
+            await self._wait(runner, record, wait)
+        began = self._clock.monotonic()
+        try:
+            yield
+        finally:
+            self.state.release(name, self._clock.monotonic() - began)
+            self._wake(name, runner)
+
+    async def _wait(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> None:
+        """Wait in line until granted; leaves the line (and re-raises) on any way out but a grant."""
+        name, me = record.deployment, record.id
+        waker = self._wakers[me] = anyio.Event()
+        try:
+            if wait == 0:
+                if runner.status.state is not READY:
+                    runner.start()
+                raise self._not_waiting(runner, name, me)
+            with anyio.move_on_after(wait):  # None: no bound here
+                while self.state.position(name, me) is not None:
+                    if runner.status.state is not READY:
+                        await runner.wait_ready(self._ready_timeout)  # starts it when it is not running
+                        self._wake(name, runner)
+                    else:
+                        with anyio.move_on_after(1.0):  # also look again: the engine may have gone and come back
+                            await waker.wait()
+                        if waker.is_set():
+                            waker = self._wakers[me] = anyio.Event()
+                        self._wake(name, runner)
+                return
+            raise self._not_waiting(runner, name, me)
+        except BaseException:
+            if not self.state.leave(name, me):  # granted just before this way out: give the slot back
+                self.state.release(name, None)
+                self._wake(name, runner)
+            raise
+        finally:
+            del self._wakers[me]
+
+    def _wake(self, name: str, runner: Schedulable) -> None:
+        for granted in self.state.grants(name, runner.status.state is READY):
+            waker = self._wakers.get(granted)
+            if waker is not None:
+                waker.set()
+
+    def _not_waiting(self, runner: Schedulable, name: str, me: str) -> Exception:
+        """The answer for a request that will not wait (longer): model_loading or queued, with Retry-After."""
+        status = runner.status
+        if status.state is not READY:
+            starting_for = None if status.started_at is None else self._clock.wall() - status.started_at
+            return ModelLoading(name, str(status.state), loading_retry_after(status.cold_starts, starting_for))
+        position = self.state.position(name, me) or 1
+        reason = f"{self.state.in_flight(name)} requests at the engine, its limit"
+        return Queued(name, position, reason, self.state.retry_after(name, position))
+
+    def _refusal(self, refused: Refused, name: str) -> Exception:
+        limits = self.state.limits
+        if refused.code == "device_busy":
+            return DeviceBusy(limits.max_open, self.state.retry_after(name, 1))
+        if self.state.waiting(name) >= limits.max_pending_per_deployment:
+            reason = f"{self.state.waiting(name)} waiting, the limit queue.max_pending_per_deployment"
+        else:
+            reason = f"{self.state.pending} waiting over all models, the limit queue.max_pending_total"
+        return QueueFull(name, reason, self.state.retry_after(name))

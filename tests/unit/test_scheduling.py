@@ -1,0 +1,205 @@
+"""Admission rules (domain, pure) and the admission service on fakes: arrival order, limits, refusals, waits."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from capyctl.domain.deployments import InstanceState
+from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
+from capyctl.domain.requests import RequestRecord
+from capyctl.domain.scheduling import GRANTED, QUEUED, Admission, QueueLimits, Refused, loading_retry_after
+from capyctl.services.admission import AdmissionService
+from tests.fakes.ports import FakeClock
+
+DEFAULT = QueueLimits()
+
+
+def test_the_33rd_request_waits_and_is_granted_when_a_slot_frees_in_arrival_order() -> None:
+    admission = Admission(DEFAULT)
+    assert [admission.arrive("m", f"r{i}", ready=True) for i in range(32)] == [GRANTED] * 32
+    assert [admission.arrive("m", f"w{i}", ready=True) for i in range(3)] == [QUEUED] * 3
+    assert [admission.position("m", f"w{i}") for i in range(3)] == [1, 2, 3]
+    admission.release("m", 1.0)
+    assert admission.grants("m", ready=True) == ["w0"]  # the oldest waiter first
+    assert admission.grants("m", ready=True) == []  # full again
+    assert (admission.in_flight("m"), admission.waiting("m")) == (32, 2)
+
+
+def test_a_later_request_does_not_overtake_waiters() -> None:
+    admission = Admission(QueueLimits(max_in_flight_per_instance=1))
+    assert admission.arrive("m", "a", ready=False) == QUEUED  # not ready: waits
+    assert admission.arrive("m", "b", ready=True) == QUEUED  # a free slot, but someone waits first
+    assert admission.grants("m", ready=True) == ["a"]
+
+
+def test_pending_limits_per_deployment_and_in_all() -> None:
+    admission = Admission(DEFAULT)
+    for i in range(32):
+        admission.arrive("m", f"r{i}", ready=True)
+    assert [admission.arrive("m", f"w{i}", ready=True) for i in range(64)] == [QUEUED] * 64
+    assert admission.arrive("m", "w64", ready=True) == Refused("queue_full")
+    total = Admission(DEFAULT)
+    for n in range(4):  # four models, none ready: 4 x 64 = 256 waiting in all
+        assert {total.arrive(f"m{n}", f"{n}-{i}", ready=False) for i in range(64)} == {QUEUED}
+    assert total.pending == 256
+    assert total.arrive("m4", "x", ready=False) == Refused("queue_full")  # its own queue is empty
+
+
+def test_zero_pending_means_never_wait() -> None:
+    admission = Admission(QueueLimits(max_in_flight_per_instance=1, max_pending_per_deployment=0))
+    assert admission.arrive("m", "a", ready=True) == GRANTED
+    assert admission.arrive("m", "b", ready=True) == Refused("queue_full")
+    assert admission.arrive("n", "c", ready=False) == Refused("queue_full")
+
+
+def test_max_open_caps_engine_calls_over_all_models() -> None:
+    admission = Admission(QueueLimits(max_open=2))
+    assert admission.arrive("a", "1", ready=True) == GRANTED
+    assert admission.arrive("b", "2", ready=True) == GRANTED
+    assert admission.arrive("c", "3", ready=True) == Refused("device_busy")
+    admission.release("a", None)
+    assert admission.arrive("c", "4", ready=True) == GRANTED
+
+
+def test_a_waiter_that_leaves_frees_only_its_place() -> None:
+    admission = Admission(QueueLimits(max_in_flight_per_instance=1))
+    admission.arrive("m", "held", ready=True)
+    for name in ("a", "b", "c"):
+        admission.arrive("m", name, ready=True)
+    assert admission.leave("m", "b") is True
+    assert admission.leave("m", "b") is False  # gone already: nothing else is freed
+    assert (admission.in_flight("m"), admission.waiting("m"), admission.position("m", "c")) == (1, 2, 2)
+
+
+def test_retry_after_comes_from_measured_service_and_start_times() -> None:
+    admission = Admission(QueueLimits(max_in_flight_per_instance=2))
+    assert admission.retry_after("m") == 1  # nothing measured yet
+    for seconds in (4.0, 6.0, 5.0):
+        admission.arrive("m", "x", ready=True)
+        admission.release("m", seconds)
+    assert admission.retry_after("m", position=1) == 5  # one round of the median service time
+    assert admission.retry_after("m", position=5) == 15  # three rounds at two a round
+    assert loading_retry_after([30.0, 40.0, 50.0], starting_for=12.0) == 28
+    assert loading_retry_after([], starting_for=7.2) == 8
+    assert loading_retry_after([10.0], starting_for=60.0) == 1
+
+
+class Runner:
+    """A deployment's runner as admission sees it: a state, a start, and a wait for readiness."""
+
+    def __init__(self, state: InstanceState = InstanceState.READY) -> None:
+        self.status = SimpleNamespace(state=state, started_at=None, cold_starts=[20.0])
+        self.started = 0
+        self.ready = anyio.Event()
+
+    def start(self) -> None:
+        self.started += 1
+        if self.status.state is not InstanceState.READY:
+            self.status.state = InstanceState.STARTING
+
+    async def wait_ready(self, timeout: float) -> str:
+        self.start()
+        await self.ready.wait()
+        self.status.state = InstanceState.READY
+        return "http://engine"
+
+
+def record(n: int | str) -> RequestRecord:
+    return RequestRecord(id=str(n), deployment="m", stream=False)
+
+
+async def test_with_x_llm_wait_0_a_loading_model_answers_at_once_and_starts_anyway() -> None:
+    service = AdmissionService(DEFAULT, FakeClock())
+    runner = Runner(InstanceState.STOPPED)
+    with pytest.raises(ModelLoading) as caught:
+        async with service.admit(runner, record(1), wait=0):
+            pass
+    assert runner.started == 1 and runner.status.state is InstanceState.STARTING
+    assert caught.value.extra["state"] == "starting" and caught.value.retry_after == 20
+    assert service.state.waiting("m") == 0  # it left the line
+
+
+async def test_with_x_llm_wait_0_a_busy_model_answers_queued_with_the_position() -> None:
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), FakeClock())
+    runner = Runner()
+    async with service.admit(runner, record("held"), wait=None):
+        with pytest.raises(Queued) as caught:
+            async with service.admit(runner, record("late"), wait=0):
+                pass
+    assert caught.value.extra["position"] == 1 and caught.value.retry_after >= 1
+    assert (service.state.in_flight("m"), service.state.waiting("m")) == (0, 0)
+
+
+async def test_waiters_are_served_in_arrival_order_as_slots_free() -> None:
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), FakeClock())
+    runner = Runner()
+    order: list[str] = []
+    gate = anyio.Event()
+
+    async def ask(name: str) -> None:
+        async with service.admit(runner, record(name), wait=None):
+            order.append(name)
+            if name == "first":
+                await gate.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask, "first")
+        await wait_until(lambda: order == ["first"])
+        for name in ("a", "b", "c"):
+            tg.start_soon(ask, name)
+            await wait_until(lambda name=name: service.state.position("m", name) is not None)
+        gate.set()
+    assert order == ["first", "a", "b", "c"]
+    assert (service.state.in_flight("m"), service.state.waiting("m")) == (0, 0)
+
+
+async def test_requests_for_a_stopped_model_wait_for_its_start_then_go() -> None:
+    service = AdmissionService(DEFAULT, FakeClock())
+    runner = Runner(InstanceState.STOPPED)
+    served: list[int] = []
+
+    async def ask(n: int) -> None:
+        async with service.admit(runner, record(n), wait=None):
+            served.append(n)
+
+    async with anyio.create_task_group() as tg:
+        for n in range(3):
+            tg.start_soon(ask, n)
+        await wait_until(lambda: service.state.waiting("m") == 3)
+        assert runner.status.state is InstanceState.STARTING and served == []
+        runner.ready.set()
+    assert sorted(served) == [0, 1, 2]
+
+
+async def test_a_bounded_wait_that_runs_out_answers_queued_and_frees_its_place() -> None:
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), FakeClock())
+    runner = Runner()
+    async with service.admit(runner, record("held"), wait=None):
+        with pytest.raises(Queued):
+            async with service.admit(runner, record("patient"), wait=0.05):
+                pass
+        assert service.state.waiting("m") == 0
+
+
+async def test_refusals_carry_their_codes() -> None:
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1, max_pending_per_deployment=0), FakeClock())
+    runner = Runner()
+    async with service.admit(runner, record("held"), wait=None):
+        with pytest.raises(QueueFull) as caught:
+            async with service.admit(runner, record("x"), wait=None):
+                pass
+        assert "max_pending_per_deployment" in caught.value.message and caught.value.retry_after >= 1
+    busy = AdmissionService(QueueLimits(max_open=1), FakeClock())
+    async with busy.admit(runner, record("held"), wait=None):
+        with pytest.raises(DeviceBusy):
+            async with busy.admit(Runner(), RequestRecord(id="y", deployment="other", stream=False), wait=None):
+                pass
+
+
+async def wait_until(condition, limit: float = 5.0) -> None:
+    with anyio.fail_after(limit):
+        while not condition():
+            await anyio.sleep(0.001)
