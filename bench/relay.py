@@ -127,9 +127,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per path and round")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of direct and relayed per N")
     parser.add_argument("--hangups", type=int, default=20, help="client hang-ups to time (0: none)")
+    parser.add_argument("--handoff", type=int, default=256,
+                        help="streams waiting on one slot, to time a freed slot's hand-over to the next (0: none)")
     parser.add_argument("--paced", type=int, default=60,
                         help="streams per path to time to first token with the engine at its recorded pace (0: none)")
     args = parser.parse_args()
+    if not 0 <= args.handoff <= 1000:
+        parser.error("--handoff must be within 0..1000 (the replay engine keeps its last 1,000 idle gaps)")
     recording = Path(args.recording)
     engine, version = recording.parent.name, recording.name
 
@@ -195,10 +199,52 @@ def main() -> None:
                       for _ in range(args.hangups)]
             print(f"client hang-up -> engine connection closed: p50 {pct(delays, .5):.2f} ms, "
                   f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
+        if args.handoff:
+            gaps = handoff(tmp, f"http://{rhost}:{rport}", engine, version, body, expect, args.handoff)
+            print(f"slot freed -> next waiter sent to the engine (one slot, {args.handoff} waiting): "
+                  f"p50 {statistics.median(gaps):.2f} ms, p99 {pct_ms(gaps, .99):.2f} ms over {len(gaps)} hand-overs")
     finally:
         capy.stop()
         replay.terminate()
         replay.wait(10)
+
+
+def pct_ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def handoff(tmp: Path, engine_url: str, engine: str, version: str, body: bytes, expect: int, n: int) -> list[float]:
+    """Milliseconds from the engine finishing one answer to the next waiting request reaching it.
+
+    A second CapyCTL with one slot per instance and room for ``n`` waiters; ``n`` streams at once
+    through it, so the engine is only ever busy with one. The replay engine notes each idle gap
+    (its last answer sent, to the next request's arrival): with a queue behind the slot, that gap
+    is CapyCTL's hand-over: the lease returned, the next waiter woken, its request sent.
+    """
+    import httpx
+
+    config = tmp / "one-slot.yaml"
+    config.write_text(f"queue:\n  max_in_flight_per_instance: 1\n  max_pending_per_deployment: {n}\n"
+                      f"  max_pending_total: {n}\n")
+    one = CapyServer(tmp / "one-slot-state", "--config", str(config))
+    try:
+        one.start()
+        deployment = tmp / "one.yaml"
+        deployment.write_text(f"name: bench\nengine: {engine}\nendpoint: {engine_url}\nengine_version: {version}\n")
+        one.cli("deploy", "model", "--file", str(deployment))
+        asyncio.run(load("127.0.0.1", one.port, body, one.api_key, 1, 0.2, expect))  # warm: ready, one connection
+
+        async def all_waiting() -> None:
+            results = await asyncio.gather(*(one_stream("127.0.0.1", one.port, body, one.api_key) for _ in range(n)))
+            if any(got != expect for _, got in results):
+                raise SystemExit("a stream through the one-slot CapyCTL was not whole")
+
+        asyncio.run(all_waiting())
+        gaps = httpx.get(engine_url + "/replay/stats", timeout=10).json()["idle_gaps_ms"]
+        return gaps[-(n - 1):]  # the engine served only these since: its last n-1 idle gaps are theirs
+    finally:
+        one.stop()
 
 
 if __name__ == "__main__":

@@ -185,8 +185,9 @@ def test_metrics_count_a_running_stream_live() -> None:
         finally:
             reader.join(10)
         assert gauge(url, "llamacpp:requests_processing") == 0
-        counts = {k: v for k, v in stats(url).items() if k != "last_request"}
+        counts = {k: v for k, v in stats(url).items() if k not in ("last_request", "idle_gaps_ms")}
         assert counts == {"running": 0, "completed": 1, "disconnected": 0, "requests": 1}
+        assert stats(url)["idle_gaps_ms"] == []  # the first request found no earlier answer to measure from
         assert "replay_case" in stats(url)["last_request"]["body"]  # what the engine was sent, for tests
 
 
@@ -331,3 +332,15 @@ def test_replay_package_stands_alone() -> None:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for name in names:
                 assert not name.startswith("capyctl") or name.startswith("capyctl.replay"), (module, name)
+
+
+def test_idle_gaps_measure_the_time_from_an_answer_to_the_next_request() -> None:
+    with replay(RECORDINGS / "vllm" / "0.32.0") as url:
+        chat(url, "chat_stream_usage")
+        assert stats(url)["idle_gaps_ms"] == []
+        before = time.perf_counter()
+        chat(url, "chat_stream_usage")
+        chat(url, "chat_stream_usage")
+        elapsed_ms = (time.perf_counter() - before) * 1000
+        gaps = stats(url)["idle_gaps_ms"]
+        assert len(gaps) == 2 and all(0 < gap < elapsed_ms for gap in gaps)

@@ -13,6 +13,8 @@ requests wait (counted as waiting) until it is woken.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -47,6 +49,10 @@ class ReplayApp:
             raise ValueError(f"default case {self.default_case!r} is not in {recording.path}")
         self.running = self.waiting = self.completed = self.disconnected = self.requests = 0
         self.last_request: dict[str, Any] = {}  # headers and body of the last chat request, for tests
+        # milliseconds from the engine going idle (its last answer sent) to the next chat request's arrival,
+        # the last 1,000: with one slot and a queue, CapyCTL's hand-over time to the next waiter
+        self.idle_gaps_ms: deque[float] = deque(maxlen=1000)
+        self._idle_since: float | None = None
         self._asleep = False
         self._sleepers: set[asyncio.Future[None]] = set()
         stream_type = self.dialect.stream_content_type
@@ -69,7 +75,7 @@ class ReplayApp:
 
     def stats(self) -> dict[str, Any]:
         return {"running": self.running, "completed": self.completed, "disconnected": self.disconnected,
-                "requests": self.requests, "last_request": self.last_request}
+                "requests": self.requests, "last_request": self.last_request, "idle_gaps_ms": list(self.idle_gaps_ms)}
 
     # -- ASGI -------------------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -96,6 +102,10 @@ class ReplayApp:
 
     async def _chat(self, receive: Any, send: Any) -> None:
         self.requests += 1
+        arrived = time.perf_counter()
+        if self.running == 0 and self._idle_since is not None:  # the engine was idle: how long since its last answer
+            self.idle_gaps_ms.append((arrived - self._idle_since) * 1000)
+            self._idle_since = None
         body = bytearray()
         while True:
             message = await receive()
@@ -134,6 +144,8 @@ class ReplayApp:
                         gone = await self._whole(send, case, waits, client)
                 finally:
                     self.running -= 1
+                    if self.running == 0:
+                        self._idle_since = time.perf_counter()
             else:
                 gone = True
         finally:
