@@ -34,6 +34,11 @@ def queued(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Itera
         server.stop()
 
 
+def listed(server: CapyServer) -> dict[str, dict]:
+    data = httpx.get(server.base_url + "/v1/models", headers=server.headers(), timeout=10).json()["data"]
+    return {m["id"]: m for m in data}
+
+
 def engine_port(server: CapyServer) -> int:
     return server.cli_json("status", "deployment", "smollm2")["instances"][0]["port"]
 
@@ -95,11 +100,16 @@ def test_forty_at_once_get_eighteen_answers_and_twenty_two_queue_full(queued: Ca
 def test_x_llm_wait_0_on_a_stopped_model_answers_model_loading_and_starts_it(
     queued: CapyServer, llama: LlamaPaths, tmp_path: Path
 ) -> None:
-    queued.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "cold", "llama-server", llama.model)))
+    notes = "SmolLM2-135M on CPU: two slots"
+    queued.cli("deploy", "model", "--file",
+               str(deployment_file(tmp_path, "cold", "llama-server", llama.model, notes=notes)))
     assert queued.cli_json("status", "deployment", "cold")["state"] == "stopped"  # deployed, never started
-    listed = httpx.get(queued.base_url + "/v1/models", headers=queued.headers(), timeout=10).json()
-    assert {m["id"] for m in listed["data"]} >= {"cold", "smollm2"}
+    before = listed(queued)["cold"]
     assert queued.cli_json("status", "deployment", "cold")["state"] == "stopped"  # listing starts nothing
+    assert (before["state"], before["loaded"], before["cold_start_s"]) == ("stopped", False, None)
+    assert (before["engine"], before["context_length"], before["notes"]) == ("llamacpp", 4096, notes)
+    assert before["capyctl"]["state"] == "stopped" and before["capyctl"]["max_concurrent"] == 2
+    assert before["capyctl"]["queue"] == {"in_flight": 0, "waiting": 0}
     r = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30,
                    headers={**queued.headers(), "X-LLM-Wait": "0"}, json={"model": "cold", **LONG})
     assert r.status_code == 503, r.text
@@ -110,6 +120,10 @@ def test_x_llm_wait_0_on_a_stopped_model_answers_model_loading_and_starts_it(
     while (state := queued.cli_json("status", "deployment", "cold")["state"]) != "ready" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert state == "ready"
+    after = listed(queued)["cold"]
+    assert (after["state"], after["loaded"], after["capyctl"]["state"]) == ("loaded", True, "ready")
+    assert isinstance(after["cold_start_s"], float) and after["cold_start_s"] > 0  # measured now
+    assert after["created"] == before["created"] <= time.time()  # the server's start, not "now"
     r = httpx.post(queued.base_url + "/v1/chat/completions", timeout=60,
                    headers={**queued.headers(), "X-LLM-Wait": "0"}, json={"model": "cold", **LONG})
     assert r.status_code == 200 and r.json()["model"] == "cold"

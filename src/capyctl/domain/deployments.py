@@ -56,6 +56,7 @@ class DeploymentSpec(Strict):
     endpoint: str | None = None
     engine_version: str | None = None
     engine_config: EngineConfig = EngineConfig()
+    notes: str | None = None  # an operator's free text, shown in GET /v1/models (MOD-2)
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.fullmatch(self.name):
@@ -158,3 +159,26 @@ class Deployment(msgspec.Struct, kw_only=True):
 def restart_delay(consecutive_failures: int, base: float = 0.5, ceiling: float = 30.0) -> float:
     """Backoff before restarting a crashed engine: 0.5 s, 1 s, 2 s ... at most 30 s."""
     return min(ceiling, base * (2 ** max(0, consecutive_failures - 1)))
+
+
+# Citadel's model states (GET /v1/models), from CapyCTL's own.
+LISTED_STATE = {
+    "ready": "loaded",
+    "starting": "starting",
+    "stopping": "stopped",
+    "stopped": "stopped",
+    "failed": "unavailable",
+    "unavailable": "unavailable",
+}
+_SLOT_FLAGS = {"llamacpp": ("--parallel", "-np"), "vllm": ("--max-num-seqs",), "sglang": ("--max-running-requests",)}
+
+
+def engine_slots(family: str, extra_args: list[str]) -> int | None:
+    """The engine's request slots when the deployment sets them (llama.cpp --parallel ...), else None."""
+    flags = _SLOT_FLAGS.get(family, ())
+    for i, arg in enumerate(extra_args):
+        name, _, value = arg.partition("=")
+        if name in flags:
+            value = value or (extra_args[i + 1] if i + 1 < len(extra_args) else "")
+            return int(value) if value.isdigit() else None
+    return None

@@ -98,7 +98,8 @@ async def _serve(
     stats = container.request_stats()
     protocol = guarded_protocol(limits, stats.client_cut)
     inference = _uvicorn(
-        create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys, stats), protocol
+        create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys, stats,
+                             container.admission()), protocol
     )
     manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token), protocol)
     inference_sock = listen_socket(*inference_addr, "--listen")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -18,15 +19,19 @@ from capyctl.adapters.http.asgi import REQUEST_ID_KEY, Scope, with_request_ids
 from capyctl.adapters.http.chat import ChatHandler
 from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from capyctl.adapters.http.prometheus import RequestStats
-from capyctl.adapters.http.views import ClockDep, FleetDep
+from capyctl.adapters.http.views import FleetDep
 
-StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.auth import check_bearer
 from capyctl.domain.errors import CapyError, InternalError, InvalidJson, MethodNotAllowed, NotFound
 from capyctl.domain.ports import Clock
-from capyctl.services.fleet import Fleet
+from capyctl.domain.deployments import LISTED_STATE, engine_slots
+from capyctl.services.admission import AdmissionService
+from capyctl.services.fleet import Fleet, Runner
 
+StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
+StartedDep = Annotated[float, Dependency(skip_validation=True)]
+AdmissionDep = Annotated[AdmissionService, Dependency(skip_validation=True)]
 CHAT_PATH = "/v1/chat/completions"
 log = logging.getLogger("capyctl.http")
 
@@ -70,25 +75,40 @@ def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 
 
 @get("/v1/models", guards=[require_key], sync_to_thread=False)
-def list_models(fleet: FleetDep, clock: ClockDep) -> Response[dict[str, Any]]:
-    """Lists deployments; never starts, wakes or loads anything."""
-    created = int(clock.wall())
-    data = [
-        {
-            "id": s.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "capyctl",
-            "capyctl": {
-                "api": s.deployment.spec.api,
-                "engine": str(s.engine.family),
-                "engine_version": s.engine.version,
-                "state": str(s.status.state),
-            },
-        }
-        for s in fleet.supervisors()
-    ]
+def list_models(fleet: FleetDep, started: StartedDep, admission: AdmissionDep) -> Response[dict[str, Any]]:
+    """Lists deployments with their state, queue and measured start time; never starts, wakes or loads anything."""
+    data = [model_entry(s, started, admission) for s in fleet.supervisors()]
     return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
+
+
+def model_entry(runner: Runner, started: float, admission: AdmissionService) -> dict[str, Any]:
+    """One model as GET /v1/models lists it: Citadel's top-level fields, CapyCTL's own under ``capyctl``."""
+    spec, status = runner.deployment.spec, runner.status
+    state = str(status.state)
+    family = str(runner.engine.family)
+    cold = status.cold_starts
+    return {
+        "id": runner.name,
+        "object": "model",
+        "created": int(started),
+        "owned_by": "capyctl",
+        "engine": family,
+        "state": LISTED_STATE.get(state, "unavailable"),
+        "loaded": state == "ready",
+        "context_length": spec.engine_config.context_length,
+        "cold_start_s": round(statistics.median(cold), 1) if cold else None,
+        "notes": spec.notes,
+        "capyctl": {
+            "api": spec.api,
+            "engine": family,
+            "engine_version": runner.engine.version,
+            "state": state,
+            "instances": 1,
+            "max_concurrent": engine_slots(family, spec.engine_config.extra_args),
+            "queue": {"in_flight": admission.state.in_flight(runner.name),
+                      "waiting": admission.state.waiting(runner.name)},
+        },
+    }
 
 
 @get("/metrics", guards=[require_key], sync_to_thread=False)
@@ -103,14 +123,18 @@ def health() -> dict[str, str]:
 
 
 def create_inference_app(
-    fleet: Fleet, clock: Clock, chat: ChatHandler, api_keys: Callable[[], list[str]], stats: RequestStats
+    fleet: Fleet, clock: Clock, chat: ChatHandler, api_keys: Callable[[], list[str]], stats: RequestStats,
+    admission: AdmissionService,
 ) -> Callable[..., Any]:
+    started = clock.wall()  # "created" of every model: when this server started
     models = Litestar(
         route_handlers=[list_models, prometheus_metrics, health],
         dependencies={
             "fleet": Provide(lambda: fleet, sync_to_thread=False),
             "clock": Provide(lambda: clock, sync_to_thread=False),
             "stats": Provide(lambda: stats, sync_to_thread=False),
+            "started": Provide(lambda: started, sync_to_thread=False),
+            "admission": Provide(lambda: admission, sync_to_thread=False),
         },
         exception_handlers=error_handlers(),
         openapi_config=None,
