@@ -29,14 +29,15 @@ def test_caller_request_id_is_handed_back_and_logged_but_never_stored(served: Ca
     ours = plain.headers["x-capyctl-request-id"]
     line = next(line for line in served.log().splitlines() if f"request {ours}" in line)
     assert f"request {ours} (caller {CALLER}) smollm2 -> " in line and line.endswith("instance 0")
+    # reading the events first makes CapyCTL store what it had queued (its writer batches them)
+    events = served.cli("events", "--deployment", "smollm2", "--json").stdout
+    assert ours in events and CALLER not in events
     database = served.state_dir / "capyctl.db"
     for path in database.parent.glob("capyctl.db*"):  # the file and its WAL
         assert CALLER.encode() not in path.read_bytes()
     with sqlite3.connect(database) as db:
         details = [row[0] for row in db.execute("SELECT detail FROM events WHERE kind = 'router_selection'")]
     assert any(ours.encode() in bytes(d) for d in details)
-    events = served.cli("events", "--deployment", "smollm2", "--json").stdout
-    assert ours in events and CALLER not in events
 
 
 def test_bad_caller_request_ids_are_refused_before_anything_wakes(served: CapyServer) -> None:

@@ -135,3 +135,42 @@ def test_a_bad_x_llm_wait_is_refused_before_anything_starts(queued: CapyServer, 
                    headers={**queued.headers(), "X-LLM-Wait": value}, json={"model": "smollm2", **LONG})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_request" and r.json()["error"]["param"] == "X-LLM-Wait"
+
+
+def scrape(server: CapyServer) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_waits_and_refusals_are_counted(queued: CapyServer) -> None:
+    before = scrape(queued)
+    bad_key = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30,
+                         headers={"authorization": "Bearer nope"}, json={"model": "smollm2", **LONG})
+    assert bad_key.status_code == 401
+    unknown = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30, headers=queued.headers(),
+                         json={"model": "nope", **LONG})
+    assert unknown.status_code == 404
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=queued.base_url, headers=queued.headers(), timeout=300,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json={"model": "smollm2", **LONG})
+                                             for _ in range(24)))
+            return [r.status_code for r in answers]
+
+    statuses = asyncio.run(burst())
+    after = scrape(queued)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("capyctl_refusals_total", code="invalid_api_key") == 1
+    assert grew("capyctl_refusals_total", code="model_not_found") == 1
+    assert grew("capyctl_refusals_total", code="queue_full") == statuses.count(429) == 24 - 18
+    assert grew("capyctl_queue_wait_seconds_count", deployment="smollm2") == 16  # those that waited in line
+    assert after[("capyctl_requests_waiting", (("deployment", "smollm2"),))] == 0
+    assert after[("capyctl_requests_in_flight", (("deployment", "smollm2"),))] == 0

@@ -98,7 +98,7 @@ class Container(containers.DeclarativeContainer):
         admission=admission,
     )
     api_keys = providers.Singleton(key_list, state_dir)
-    request_stats = providers.Singleton(RequestStats, fleet=fleet, chat=chat_service)
+    request_stats = providers.Singleton(RequestStats, fleet=fleet, admission=admission)
     chat_handler = providers.Singleton(
         ChatHandler,
         service=chat_service,

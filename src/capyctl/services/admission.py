@@ -14,7 +14,7 @@ running is started anyway), N waits at most N seconds, then answers the same.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -50,6 +50,7 @@ class AdmissionService:
         self._clock = clock
         self._ready_timeout = ready_timeout  # the request deadline: a waiter is cut by then anyway
         self._wakers: dict[str, anyio.Event] = {}
+        self.on_wait: Callable[[str, float], None] = lambda deployment, seconds: None  # for metrics
 
     @asynccontextmanager
     async def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
@@ -58,7 +59,9 @@ class AdmissionService:
         if decision != GRANTED:
             if isinstance(decision, Refused):
                 raise self._refusal(decision, name)
+            arrived = self._clock.monotonic()
             await self._wait(runner, record, wait)
+            self.on_wait(name, self._clock.monotonic() - arrived)
         began = self._clock.monotonic()
         try:
             yield

@@ -55,6 +55,9 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), _NO_STORE, (b"x-accel-b
 _DONE = b"data: [DONE]\n\n"
 # Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
 _STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
+# Answers that refused a request before any engine saw it, counted in capyctl_refusals_total.
+_REFUSALS = frozenset({"model_not_found", "deployment_stopped", "api_mismatch", "cache_salt_unsupported",
+                       "invalid_request", "invalid_json", "queue_full", "model_loading", "queued", "device_busy"})
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -137,6 +140,7 @@ class ChatHandler:
         except ClientGone:
             return
         except CapyError as error:
+            self._stats.refused(error.code)
             await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
             return
         record = RequestRecord(id=request_id, deployment=model, stream=stream)
@@ -160,6 +164,8 @@ class ChatHandler:
             log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
         if self._service.knows(model):  # unknown names must not become label values
             self._stats.answered(model, outcome.code, outcome.ttft_ms)
+        if outcome.code in _REFUSALS:
+            self._stats.refused(outcome.code)
 
     async def _late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:

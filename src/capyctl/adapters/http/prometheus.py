@@ -7,7 +7,6 @@ read from the live objects when Prometheus scrapes.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter as PromCounter, Histogram, generate_latest
@@ -15,26 +14,26 @@ from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from capyctl.domain.deployments import InstanceState
-from capyctl.domain.requests import Phase
-from capyctl.services.chat import ChatService
+from capyctl.services.admission import AdmissionService
 from capyctl.services.fleet import Fleet
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class _LiveCollector(Collector):
-    def __init__(self, fleet: Fleet, chat: ChatService) -> None:
+    def __init__(self, fleet: Fleet, admission: AdmissionService) -> None:
         self._fleet = fleet
-        self._chat = chat
+        self._admission = admission
 
     def collect(self) -> Iterator[Metric]:
-        waiting, in_flight = Counter[str](), Counter[str]()
-        for record in list(self._chat.live.values()):
-            (waiting if record.phase is Phase.WAITING else in_flight)[record.deployment] += 1
-        flight = GaugeMetricFamily("capyctl_requests_in_flight", "Requests an engine is working on", labels=["deployment"])
-        queue = GaugeMetricFamily("capyctl_requests_waiting", "Requests waiting for their deployment to be ready",
+        admission = self._admission.state
+        flight = GaugeMetricFamily("capyctl_requests_in_flight", "Requests granted a slot at their deployment's engine",
+                                   labels=["deployment"])
+        queue = GaugeMetricFamily("capyctl_requests_waiting",
+                                  "Requests waiting in line for their deployment (to start, or for a slot)",
                                   labels=["deployment"])
         states = GaugeMetricFamily("capyctl_deployment_state", "1 for the state each deployment is in",
                                    labels=["deployment", "state"])
@@ -42,8 +41,8 @@ class _LiveCollector(Collector):
                                        labels=["deployment"])
         for supervisor in self._fleet.supervisors():
             name = supervisor.name
-            flight.add_metric([name], in_flight[name])
-            queue.add_metric([name], waiting[name])
+            flight.add_metric([name], admission.in_flight(name))
+            queue.add_metric([name], admission.waiting(name))
             restarts.add_metric([name], supervisor.status.restarts)
             for state in InstanceState:
                 states.add_metric([name, str(state)], 1.0 if supervisor.status.state is state else 0.0)
@@ -53,7 +52,7 @@ class _LiveCollector(Collector):
 class RequestStats:
     """Per-request figures for Prometheus, and the text exposition of everything."""
 
-    def __init__(self, fleet: Fleet, chat: ChatService) -> None:
+    def __init__(self, fleet: Fleet, admission: AdmissionService) -> None:
         self.registry = CollectorRegistry()
         self.requests = PromCounter("capyctl_requests", "Chat requests answered, by deployment and code",
                                     ["deployment", "code"], registry=self.registry)
@@ -65,12 +64,25 @@ class RequestStats:
         self.cuts = PromCounter("capyctl_client_connections_cut",
                                 "Client connections cut or refused before a request was read, by reason "
                                 "(slow_headers, slow_body, too_many_connections)", ["reason"], registry=self.registry)
-        self.registry.register(_LiveCollector(fleet, chat))
+        self.waits = Histogram("capyctl_queue_wait_seconds",
+                               "Time a request waited in line for its deployment before it was sent to the engine",
+                               ["deployment"], buckets=_WAIT_BUCKETS, registry=self.registry)
+        self.refusals = PromCounter("capyctl_refusals", "Chat requests refused, by code: before a request record "
+                                    "exists (401, 400, 404, 413) and by the scheduler (429, 503)", ["code"],
+                                    registry=self.registry)
+        self.registry.register(_LiveCollector(fleet, admission))
+        admission.on_wait = self.waited
 
     def answered(self, deployment: str, code: str, ttft_ms: float | None) -> None:
         self.requests.labels(deployment, code).inc()
         if ttft_ms is not None:
             self.ttft.labels(deployment).observe(ttft_ms / 1000)
+
+    def waited(self, deployment: str, seconds: float) -> None:
+        self.waits.labels(deployment).observe(seconds)
+
+    def refused(self, code: str) -> None:
+        self.refusals.labels(code).inc()
 
     def client_cut(self, reason: str) -> None:
         self.cuts.labels(reason).inc()
