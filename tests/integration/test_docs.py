@@ -358,7 +358,7 @@ def test_other_command_lines_exist_with_their_options() -> None:
 def test_documented_exit_codes_match_the_cli() -> None:
     documented: dict[str, int] = {}
     for status, codes in re.findall(r"^\| (\d) \| (.*?) \|", (DOCS / "cli.md").read_text(), re.M):
-        for code in re.findall(r"`(\w+)`", codes):
+        for code in re.findall(r"`([\w-]+)`", codes):
             documented[code] = int(status)
     assert documented == EXIT_CODES
     assert re.search(r"^\| 1 \| \| any other", (DOCS / "cli.md").read_text(), re.M)
@@ -368,8 +368,8 @@ def test_documented_statuses_match_the_http_table() -> None:
     text = (DOCS / "errors.md").read_text()
     codes_section = text.split("\n## Codes\n")[1].split("\n## ")[0]
     rows = [line for line in codes_section.splitlines() if line.startswith("| `")]
-    found = [re.match(r"^\| `(\w+)` \| (\d{3}) \| .+ \|$", row) for row in rows]
+    found = [re.match(r"^\| `([\w-]+)` \| (\d{3}) \| .+ \|$", row) for row in rows]
     assert all(found), [row for row, match in zip(rows, found) if not match]
     assert {m.group(1): int(m.group(2)) for m in found if m} == STATUS
     extra_section = text.split("\n## Extra fields\n")[1].split("\n## ")[0]
-    assert set(re.findall(r"^\| `(\w+)` \|", extra_section, re.M)) <= set(STATUS)
+    assert set(re.findall(r"^\| `([\w-]+)` \|", extra_section, re.M)) <= set(STATUS)

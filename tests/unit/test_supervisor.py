@@ -8,7 +8,7 @@ import pytest
 
 from capyctl.domain.deployments import Deployment, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.errors import DeploymentStopped, LlmUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
@@ -97,9 +97,70 @@ async def test_shutdown_by_outer_cancellation_stops_the_engine() -> None:
 
 async def test_an_engine_that_never_starts_fails_with_its_error(world: World) -> None:
     world.processes.exit_at_once = True
-    with pytest.raises(EngineUnavailable, match="exited with status 1 while starting"):
+    with pytest.raises(LlmUnavailable, match="exited with status 1 while starting") as caught:
         await world.supervisor.wait_ready(10)
+    assert caught.value.code == "llm-unavailable" and "capyctl start deployment m" in caught.value.message
     assert world.supervisor.status.state is InstanceState.FAILED
+    assert len(world.processes.spawned) == SETTINGS.max_start_failures
+    with pytest.raises(LlmUnavailable):  # a FAILED deployment stays failed for requests: no new start
+        await world.supervisor.wait_ready(10)
+    assert len(world.processes.spawned) == SETTINGS.max_start_failures
+
+
+async def test_an_engine_that_crashes_after_each_start_backs_off_then_fails(world: World) -> None:
+    async def ready_then_crash(base_url: str) -> bool:
+        world.processes.spawned[-1].crash(-11)  # it answers its health check, then dies at once
+        return True
+
+    world.adapter.ready = ready_then_crash  # type: ignore[method-assign]
+    world.supervisor.start()
+    with anyio.fail_after(10):
+        while world.supervisor.status.state is not InstanceState.FAILED:
+            await anyio.sleep(0.01)
+    assert len(world.processes.spawned) == SETTINGS.max_start_failures
+    delays = [e["detail"]["after_s"] for e in world.store.events if e["kind"] == "engine_restarting"]
+    assert delays == [0.5, 1.0]  # growing
+    with pytest.raises(LlmUnavailable, match="exited with status -11 while serving"):
+        await world.supervisor.wait_ready(1)
+    world.adapter.ready = FakeEngineAdapter().ready  # type: ignore[method-assign]  # fixed; an operator starts it
+    world.supervisor.start()
+    assert await world.supervisor.wait_ready(5) == "http://127.0.0.1:5555"
+
+
+async def test_an_operators_stop_is_sticky_while_stopping_and_for_waiting_requests(world: World) -> None:
+    world.adapter.healthy = False  # it stays STARTING: a request waits for it
+    waiting = anyio.Event()
+    outcome: list[BaseException] = []
+
+    async def request() -> None:
+        waiting.set()
+        try:
+            await world.supervisor.wait_ready(10)
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion below
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+        await waiting.wait()
+        world.supervisor.deployment.operator_stopped = True  # what Fleet.stop sets before stopping
+        await world.supervisor.stop()
+    assert [type(e) for e in outcome] == [DeploymentStopped]
+    spawned = len(world.processes.spawned)
+    world.supervisor.start()  # a request's start while the operator's stop holds: nothing
+    with pytest.raises(DeploymentStopped):
+        await world.supervisor.wait_ready(1)
+    assert len(world.processes.spawned) == spawned and world.supervisor.status.state is InstanceState.STOPPED
+
+
+async def test_an_operators_stop_of_a_failed_deployment_keeps_it_down(world: World) -> None:
+    world.processes.exit_at_once = True
+    with pytest.raises(LlmUnavailable):
+        await world.supervisor.wait_ready(10)
+    world.supervisor.deployment.operator_stopped = True
+    world.processes.exit_at_once = False
+    world.supervisor.start()
+    with pytest.raises(DeploymentStopped):
+        await world.supervisor.wait_ready(1)
     assert len(world.processes.spawned) == SETTINGS.max_start_failures
 
 

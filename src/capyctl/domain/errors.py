@@ -282,3 +282,33 @@ class DeviceBusy(CapyError):
         super().__init__(f"{limit} engine calls are open, the limit (queue.max_open); retry in {retry_after} s",
                          limit=limit, retry_after_s=retry_after)
         self.retry_after = retry_after
+
+
+class LlmUnavailable(CapyError):
+    """Citadel's ``llm-unavailable``: the engine failed to start (or crashed at each start) past its budget.
+
+    Requests do not start it again; ``capyctl start deployment NAME`` does.
+    """
+
+    code = "llm-unavailable"
+
+    def __init__(self, model: str, reason: str, log: str | None) -> None:
+        where = f"; engine log: {log}" if log else ""
+        super().__init__(
+            f"the engine of {model!r} failed: {reason}{where}; after fixing it, start it with: "
+            f"capyctl start deployment {model}",
+            model=model, reason=reason,
+        )
+
+
+class DeploymentStoppedWhileServing(CapyError):
+    """An operator stopped the deployment while this request was at its engine."""
+
+    code = "deployment_stopped"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"deployment {name!r} was stopped by an operator while it answered this request; "
+            f"start it with: capyctl start deployment {name}",
+            model=name,
+        )

@@ -293,6 +293,6 @@ class Fleet:
         supervisor = self._supervisors.get(model)
         if supervisor is None:
             raise ModelNotFound(model, self.names())
-        if supervisor.deployment.operator_stopped and supervisor.status.state is InstanceState.STOPPED:
+        if supervisor.deployment.operator_stopped:  # sticky in every window: stopping, stopped, failed
             raise DeploymentStopped(model)
         return supervisor

@@ -21,7 +21,7 @@ import msgspec
 
 from capyctl.domain.deployments import Deployment, InstanceState, check_transition, restart_delay
 from capyctl.domain.engines import EngineInstall
-from capyctl.domain.errors import DeadlineExceeded, EngineUnavailable
+from capyctl.domain.errors import DeadlineExceeded, DeploymentStopped, LlmUnavailable
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
 from capyctl.services.events import Events
@@ -34,7 +34,8 @@ class SupervisorSettings(msgspec.Struct, kw_only=True, frozen=True):
     startup_timeout: float = 600.0
     stop_grace: float = 10.0
     poll_interval: float = 0.05
-    max_start_failures: int = 5
+    max_start_failures: int = 5  # launches in a row that failed to start, or crashed soon after, before FAILED
+    stable_after: float = 60.0  # seconds ready after which a crash no longer counts as a failed start
 
 
 class InstanceStatus(msgspec.Struct, kw_only=True):
@@ -108,8 +109,11 @@ class Supervisor:
         self._task_group = task_group
 
     def start(self) -> None:
-        """Begin starting the engine unless it runs or is starting already. Returns at once."""
-        if self.status.state in (S.STARTING, S.READY, S.STOPPING):
+        """Begin starting the engine unless it runs or is starting already. Returns at once.
+
+        Not while an operator's stop holds; a FAILED instance starts again (an operator's start).
+        """
+        if self.status.state in (S.STARTING, S.READY, S.STOPPING) or self.deployment.operator_stopped:
             return
         assert self._task_group is not None, "supervisor not bound to a task group"
         self._set(S.STARTING)
@@ -119,21 +123,23 @@ class Supervisor:
     async def wait_ready(self, timeout: float) -> str:
         """Start if needed and wait until ready; the engine's base URL.
 
-        A FAILED or STOPPED instance gets one new start for this request;
-        if that fails too, ``EngineUnavailable`` says why.
+        A STOPPED instance is started for the request. A FAILED one is not:
+        it failed its whole start budget, and requests get ``llm-unavailable``
+        until an operator starts it. An operator's stop is sticky in every
+        window: a request waiting when it comes gets ``deployment_stopped``.
         """
         if self.status.state is S.READY:  # the common case: no scope, no waiting
             return self.base_url
-        started = False
         with anyio.move_on_after(timeout):
             while True:
                 state = self.status.state
+                if self.deployment.operator_stopped:
+                    raise DeploymentStopped(self.name)
                 if state is S.READY:
                     return self.base_url
-                if state in (S.STOPPED, S.FAILED):
-                    if started:
-                        raise self._unavailable()
-                    started = True
+                if state is S.FAILED:
+                    raise self._unavailable()
+                if state is S.STOPPED:
                     self.start()
                     continue
                 await self._changed.wait()
@@ -143,13 +149,8 @@ class Supervisor:
             model=self.name,
         )
 
-    def _unavailable(self) -> EngineUnavailable:
-        return EngineUnavailable(
-            f"the engine of deployment {self.name!r} could not be started: {self.status.last_error}; "
-            f"engine log: {self.status.log_path}",
-            model=self.name,
-            reason=self.status.last_error,
-        )
+    def _unavailable(self) -> LlmUnavailable:
+        return LlmUnavailable(self.name, str(self.status.last_error), self.status.log_path)
 
     async def stop(self) -> None:
         """Stop the engine and wait until it is gone."""
@@ -171,8 +172,8 @@ class Supervisor:
         try:
             with scope:
                 while True:
-                    became_ready = await self._launch_once()
-                    failures = 0 if became_ready else failures + 1
+                    stable = await self._launch_once()
+                    failures = 0 if stable else failures + 1
                     if failures >= self._settings.max_start_failures:
                         self._set(S.FAILED)
                         return
@@ -192,7 +193,11 @@ class Supervisor:
                 self._set(S.STOPPED)
 
     async def _launch_once(self) -> bool:
-        """Run one engine process to its end; True if it became ready first."""
+        """Run one engine process to its end; True if it was ready for ``stable_after`` before it ended.
+
+        A launch that never became ready, or crashed soon after, counts as a failed start, so an
+        engine that crashes after each start backs off and ends FAILED.
+        """
         self.launch += 1
         port = self._pick_port()
         argv = self.adapter.command(self.engine, self.deployment.spec, port)
@@ -209,12 +214,13 @@ class Supervisor:
             if not await self._until_ready(process):
                 return False
             self._set(S.READY)
+            ready_at = self._clock.monotonic()
             while (code := process.returncode()) is None:
                 await anyio.sleep(self._settings.poll_interval)
             self.status.last_error = f"engine exited with status {code} while serving"
             self._events.emit(self.name, "engine_crashed", instance=0, status=code, log=str(log_path))
             self._set(S.STARTING)  # at once: no request may be routed to the dead engine
-            return True
+            return self._clock.monotonic() - ready_at >= self._settings.stable_after
         finally:
             with anyio.CancelScope(shield=True):
                 if process.returncode() is None:  # only a cancellation leaves it running here

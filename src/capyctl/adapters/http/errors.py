@@ -31,6 +31,7 @@ STATUS: dict[str, int] = {
     "queue_full": 429,
     "engine_unavailable": 502,
     "engine_restarted": 502,
+    "llm-unavailable": 502,
     "edge_error": 502,
     "unverified_stream": 502,
     "deadline_exceeded": 504,

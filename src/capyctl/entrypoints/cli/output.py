@@ -23,6 +23,7 @@ EXIT_CODES: dict[str, int] = {
     "invalid_request": 6,
     "invalid_engine": 6,
     "engine_unavailable": 7,
+    "llm-unavailable": 7,
     "deployment_failed": 7,
     "timeout": 8,
 }
