@@ -16,6 +16,7 @@ from capyctl.domain.errors import EngineUnavailable
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter
 from capyctl.services.events import Events
+from capyctl.services.settling import Settlement
 from capyctl.services.supervisor import InstanceStatus
 
 S = InstanceState
@@ -43,6 +44,7 @@ class AttachedSupervisor:
         self._events = events
         self.status = InstanceStatus(state=S.UNAVAILABLE)
         self._task_group: anyio.abc.TaskGroup | None = None
+        self.settlement = Settlement(self.name, adapter, clock, events, lambda: self.base_url)
 
     @property
     def name(self) -> str:
@@ -54,6 +56,7 @@ class AttachedSupervisor:
 
     def bind(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
+        self.settlement.bind(task_group)
 
     def _set(self, state: InstanceState, error: str | None = None) -> None:
         if state is self.status.state:

@@ -142,6 +142,11 @@ class ChatService:
     def default_model(self) -> str | None:
         return self._settings.default_model
 
+    def cut(self, record: RequestRecord) -> None:
+        """CAN-2: a request cut after it was sent stays counted against its instance until settled."""
+        if record.instance is not None and self._fleet.has(record.deployment):
+            self._fleet.get(record.deployment).settlement.cut(record)
+
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)
 

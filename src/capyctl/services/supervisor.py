@@ -25,6 +25,7 @@ from capyctl.domain.errors import DeadlineExceeded, DeploymentStopped, LlmUnavai
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
 from capyctl.services.events import Events
+from capyctl.services.settling import Settlement
 
 log = logging.getLogger("capyctl.supervisor")
 S = InstanceState
@@ -83,6 +84,7 @@ class Supervisor:
         self._changed = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._scope: anyio.CancelScope | None = None
+        self.settlement = Settlement(self.name, adapter, clock, events, lambda: self.base_url)
 
     @property
     def name(self) -> str:
@@ -107,6 +109,7 @@ class Supervisor:
 
     def bind(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
+        self.settlement.bind(task_group)
 
     def start(self) -> None:
         """Begin starting the engine unless it runs or is starting already. Returns at once.
@@ -227,6 +230,7 @@ class Supervisor:
                     self._set(S.STOPPING)
                 await process.terminate(self._settings.stop_grace)
                 self.status.pid = None
+                self.settlement.engine_ended()  # the process is gone: what it counted is settled
 
     async def _until_ready(self, process: ProcessHandle) -> bool:
         deadline = self._clock.monotonic() + self._settings.startup_timeout

@@ -161,6 +161,7 @@ class ChatHandler:
                 await self._late_error(error, send, headers, outcome)
             else:
                 record.cancelled(CancelCause.CLIENT_GONE)
+            self._service.cut(record)
             log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
         if self._service.knows(model):  # unknown names must not become label values
             self._stats.answered(model, outcome.code, outcome.ttft_ms)

@@ -54,6 +54,7 @@ def deployment_view(supervisor: Runner, now: float) -> dict[str, Any]:
                 "restarts": status.restarts,
                 "last_error": status.last_error,
                 "log": status.log_path,
+                "unsettled": supervisor.settlement.ledger.counts(),
             }
         ],
     }

@@ -124,8 +124,23 @@ def _status_text(d: dict[str, Any]) -> str:
     ]
     logs = [f"log         {i['log']}" for i in d["instances"] if i["log"]]
     return "\n".join(head) + table(["INSTANCE", "STATE", "PID", "PORT", "UPTIME", "RESTARTS", "LAST ERROR"], rows) + (
-        "\n\n" + "\n".join(logs) if logs else ""
-    )
+        _unsettled_text(d["instances"])
+    ) + ("\n\n" + "\n".join(logs) if logs else "")
+
+
+_SETTLES = {
+    "engine_idle": "settles at the engine's next report of 0 running and 0 waiting",
+    "engine_stop": "settles at the engine's next stop or restart (it had not answered)",
+}
+
+
+def _unsettled_text(instances: list[dict[str, Any]]) -> str:
+    """Under the instance table: the cut requests each instance still counts, and how each settles (CAN-4)."""
+    rows = [[i["index"], u["count"], u["rule"], _SETTLES.get(u["rule"], "")]
+            for i in instances for u in i.get("unsettled", [])]
+    if not rows:
+        return "\n\ncut requests still counted: none"
+    return "\n\ncut requests still counted:\n" + table(["INSTANCE", "COUNT", "RULE", "HOW IT SETTLES"], rows)
 
 
 @status_app.command("deployment")
