@@ -63,6 +63,8 @@ def test_a_request_cut_before_any_output_stays_counted_until_the_engine_stops(se
     until(lambda: engine_metric(port, "llamacpp:requests_processing") >= 1, 30)  # the engine has it
     sock.close()  # before any output: the engine may still be on its prompt
     until(lambda: unsettled(served) == [{"rule": "engine_stop", "count": 1}])
+    scrape = httpx.get(served.base_url + "/metrics", headers=served.headers(), timeout=10).text
+    assert 'capyctl_requests_unsettled{deployment="smollm2",rule="engine_stop"} 1.0' in scrape
     until(lambda: engine_metric(port, "llamacpp:requests_processing") == 0, 60)  # the engine is idle again...
     assert unsettled(served) == [{"rule": "engine_stop", "count": 1}]  # ...and that does not settle it
     text = served.cli("status", "deployment", "smollm2").stdout

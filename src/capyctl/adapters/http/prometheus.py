@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from capyctl.domain.deployments import InstanceState
+from capyctl.domain.settlement import ENGINE_IDLE, ENGINE_STOP
 from capyctl.services.admission import AdmissionService
 from capyctl.services.fleet import Fleet
 
@@ -39,14 +40,20 @@ class _LiveCollector(Collector):
                                    labels=["deployment", "state"])
         restarts = CounterMetricFamily("capyctl_engine_restarts", "Engine relaunches after a crash or failed start",
                                        labels=["deployment"])
+        unsettled = GaugeMetricFamily("capyctl_requests_unsettled",
+                                      "Cut requests still counted against their deployment, by how they settle",
+                                      labels=["deployment", "rule"])
         for supervisor in self._fleet.supervisors():
             name = supervisor.name
+            counts = {entry["rule"]: entry["count"] for entry in supervisor.settlement.ledger.counts()}
+            for rule in (ENGINE_IDLE, ENGINE_STOP):
+                unsettled.add_metric([name, rule], counts.get(rule, 0))
             flight.add_metric([name], admission.in_flight(name))
             queue.add_metric([name], admission.waiting(name))
             restarts.add_metric([name], supervisor.status.restarts)
             for state in InstanceState:
                 states.add_metric([name, str(state)], 1.0 if supervisor.status.state is state else 0.0)
-        yield from (flight, queue, states, restarts)
+        yield from (flight, queue, states, restarts, unsettled)
 
 
 class RequestStats:
