@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes.broken_engine import BrokenEngine
 from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, llama_paths
 
 
@@ -44,3 +45,13 @@ def served(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Itera
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[BrokenEngine]:
+    """The broken-engine stand-in (``tests/fakes/broken_engine.py``), healthy unless a request asks otherwise."""
+    engine = BrokenEngine().start()
+    try:
+        yield engine
+    finally:
+        engine.stop()

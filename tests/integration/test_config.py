@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,15 +14,6 @@ from tests.fakes.broken_engine import BrokenEngine
 from tests.integration.harness import CapyServer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[BrokenEngine]:
-    engine = BrokenEngine().start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
 
 
 def attach(server: CapyServer, tmp: Path, engine: BrokenEngine, name: str) -> None:

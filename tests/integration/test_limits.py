@@ -25,15 +25,6 @@ pytestmark = pytest.mark.integration
 ULID = re.compile(rb"x-capyctl-request-id: [0-9A-HJKMNP-TV-Z]{26}\r\n")
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[BrokenEngine]:
-    engine = BrokenEngine().start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
-
-
 def serve(tmp: Path, engine: BrokenEngine, *args: str) -> CapyServer:
     server = CapyServer(tmp / "state", *args).start()
     try:

@@ -69,9 +69,10 @@ class ModelNotFound(CapyError):
 class DeploymentStopped(CapyError):
     code = "deployment_stopped"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, while_serving: bool = False) -> None:
+        when = " while it answered this request" if while_serving else ""
         super().__init__(
-            f"deployment {name!r} was stopped by an operator; "
+            f"deployment {name!r} was stopped by an operator{when}; "
             f"start it with: capyctl start deployment {name}",
             model=name,
         )
@@ -298,17 +299,4 @@ class LlmUnavailable(CapyError):
             f"the engine of {model!r} failed: {reason}{where}; after fixing it, start it with: "
             f"capyctl start deployment {model}",
             model=model, reason=reason,
-        )
-
-
-class DeploymentStoppedWhileServing(CapyError):
-    """An operator stopped the deployment while this request was at its engine."""
-
-    code = "deployment_stopped"
-
-    def __init__(self, name: str) -> None:
-        super().__init__(
-            f"deployment {name!r} was stopped by an operator while it answered this request; "
-            f"start it with: capyctl start deployment {name}",
-            model=name,
         )

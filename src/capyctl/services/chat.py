@@ -19,7 +19,7 @@ from capyctl.domain.errors import (
     ApiMismatch,
     CapyError,
     CacheSaltUnsupported,
-    DeploymentStoppedWhileServing,
+    DeploymentStopped,
     EdgeError,
     EngineError,
     EngineRestarted,
@@ -197,7 +197,7 @@ class ChatService:
         except EngineUnavailable as exc:
             if await self._engine_gone(supervisor, launch):
                 if supervisor.deployment.operator_stopped:  # not a crash: an operator stopped it
-                    raise DeploymentStoppedWhileServing(record.deployment) from exc
+                    raise DeploymentStopped(record.deployment, while_serving=True) from exc
                 raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
             if streaming:  # the engine is still there, but its answer broke off
                 raise EdgeError(f"the engine's connection broke before the end of its stream ({exc.message})") from exc
