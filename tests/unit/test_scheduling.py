@@ -203,3 +203,13 @@ async def wait_until(condition, limit: float = 5.0) -> None:
     with anyio.fail_after(limit):
         while not condition():
             await anyio.sleep(0.001)
+
+
+async def test_never_wait_still_starts_a_stopped_model_and_says_it_is_loading() -> None:
+    service = AdmissionService(QueueLimits(max_pending_per_deployment=0), FakeClock())
+    runner = Runner(InstanceState.STOPPED)
+    with pytest.raises(ModelLoading) as caught:
+        async with service.admit(runner, record(1), wait=None):
+            pass
+    assert runner.started == 1 and caught.value.extra["state"] == "starting"
+    assert (service.state.in_flight("m"), service.state.waiting("m")) == (0, 0)

@@ -58,6 +58,10 @@ class AdmissionService:
         decision = self.state.arrive(name, record.id, runner.status.state is READY)
         if decision != GRANTED:
             if isinstance(decision, Refused):
+                if runner.status.state is not READY and decision.code == "queue_full":
+                    runner.start()  # nobody may wait, but the model is still started for the next try
+                    if self.state.limits.max_pending_per_deployment == 0:
+                        raise self._not_waiting(runner, name, record.id)
                 raise self._refusal(decision, name)
             arrived = self._clock.monotonic()
             await self._wait(runner, record, wait)
