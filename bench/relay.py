@@ -143,7 +143,11 @@ def main() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     tmp = Path(tempfile.mkdtemp(prefix="capyctl-bench-"))
-    capy = CapyServer(tmp / "state")
+    most = max(int(x) for x in args.concurrency.split(","))
+    relay_config = tmp / "relay.yaml"  # every client at the engine at once: this measures the relay, not the queue
+    relay_config.write_text(f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
+                            f"  max_pending_total: {most}\n")
+    capy = CapyServer(tmp / "state", "--config", str(relay_config))
     try:
         line = replay.stdout.readline().decode()  # type: ignore[union-attr]
         match = _LISTENING.search(line)

@@ -66,6 +66,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -835,21 +836,44 @@ def main() -> int:
     if args.requests < 1 or args.concurrency < 1 or not 0 <= args.kill_share <= 1:
         parser.error("--requests and --concurrency must be >= 1, --kill-share within 0..1")
     raise_fd_limit()
+    return run_bench("soak", args, soak, print_summary, after=lambda summary, stack: add_log(summary, stack.capy.log()))
+
+
+def run_bench(name: str, args: argparse.Namespace, body: Callable[[Stack, argparse.Namespace], Any],
+              show: Callable[[dict[str, Any]], None],
+              after: Callable[[dict[str, Any], Stack], None] = lambda summary, stack: None,
+              config: str | None = None) -> int:
+    """Start the stack (CapyCTL with ``config`` as its configuration file), run ``body`` on it,
+    always stop it, print the summary; 0 when it says ok."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
-    stack = Stack(args.recording.resolve(), "soak")
+    capy_args: tuple[str, ...] = ()
+    if config is not None:
+        path = Path(tempfile.mkdtemp(prefix=f"capyctl-{name}-config-")) / "config.yaml"
+        path.write_text(config)
+        capy_args = ("--config", str(path))
+    stack = Stack(args.recording.resolve(), name, *capy_args)
     try:
         stack.open()
-        summary = run_loop(soak(stack, args))
+        summary = run_loop(body(stack, args))
     finally:
         status = stack.close()
     summary["capyctl"]["exit_status_on_sigterm"] = status
-    add_log(summary, stack.capy.log())
+    after(summary, stack)
     if args.json:
         print(json.dumps(summary))
     else:
-        print_summary(summary)
+        show(summary)
         print(f"CapyCTL exited {status} on SIGTERM; its log: {stack.capy.log_path}")
     return 0 if summary["ok"] else 1
+
+
+def entry(main: Callable[[], int]) -> None:
+    """``sys.exit(main())``, with Ctrl-C reported once the stack is stopped."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the finally in run_bench has stopped CapyCTL and the replay engine
+        print("interrupted; CapyCTL and the replay engine are stopped", file=sys.stderr)
+        sys.exit(130)
 
 
 def run_loop(coro: Any) -> Any:
@@ -863,8 +887,4 @@ def run_loop(coro: Any) -> Any:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # the finally in main() has stopped CapyCTL and the replay engine
-        print("interrupted; CapyCTL and the replay engine are stopped", file=sys.stderr)
-        sys.exit(130)
+    entry(main)

@@ -63,7 +63,9 @@ from bench.soak import (  # noqa: E402
     fd_count,
     http_get,
     one_request,
+    entry,
     raise_fd_limit,
+    run_bench,
     rss_kb,
     run_loop,
     settle,
@@ -255,25 +257,11 @@ def main() -> int:
     if soft < 2 * args.streams + 100:
         print(f"warning: RLIMIT_NOFILE is {soft}; {args.streams} streams need about {2 * args.streams + 100} "
               "fds in CapyCTL", file=sys.stderr)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
-    stack = Stack(args.recording.resolve(), "streams")
-    try:
-        stack.open()
-        summary = run_loop(hold(stack, args))
-    finally:
-        status = stack.close()
-    summary["capyctl"]["exit_status_on_sigterm"] = status
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print_summary(summary)
-        print(f"CapyCTL exited {status} on SIGTERM; its log: {stack.capy.log_path}")
-    return 0 if summary["ok"] else 1
+    # every stream at the engine at once: slots and queue sized for them, not the defaults (32 in flight)
+    config = (f"queue:\n  max_in_flight_per_instance: {args.streams}\n"
+              f"  max_pending_per_deployment: {args.streams}\n  max_pending_total: {args.streams}\n")
+    return run_bench("streams", args, hold, print_summary, config=config)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # the finally in main() has stopped CapyCTL and the replay engine
-        print("interrupted; CapyCTL and the replay engine are stopped", file=sys.stderr)
-        sys.exit(130)
+    entry(main)
