@@ -836,7 +836,12 @@ def main() -> int:
     if args.requests < 1 or args.concurrency < 1 or not 0 <= args.kill_share <= 1:
         parser.error("--requests and --concurrency must be >= 1, --kill-share within 0..1")
     raise_fd_limit()
-    return run_bench("soak", args, soak, print_summary, after=lambda summary, stack: add_log(summary, stack.capy.log()))
+    # Room in line for every client twice over: a client killed while it waits is dropped from the line
+    # only once CapyCTL has read its hang-up, and the soak's client is already sending its next request.
+    # The default slots (32 in flight) stay, so half the clients wait in line.
+    config = f"queue:\n  max_pending_per_deployment: {2 * args.concurrency}\n  max_pending_total: {2 * args.concurrency}\n"
+    return run_bench("soak", args, soak, print_summary, config=config,
+                     after=lambda summary, stack: add_log(summary, stack.capy.log()))
 
 
 def run_bench(name: str, args: argparse.Namespace, body: Callable[[Stack, argparse.Namespace], Any],
