@@ -41,7 +41,6 @@ import asyncio
 import json
 import os
 import resource
-import signal
 import sys
 import time
 from pathlib import Path
@@ -67,7 +66,6 @@ from bench.soak import (  # noqa: E402
     raise_fd_limit,
     run_bench,
     rss_kb,
-    run_loop,
     settle,
 )
 

@@ -17,7 +17,6 @@ import msgspec
 from capyctl.domain.deployments import (
     Deployment,
     DeploymentSpec,
-    InstanceState,
     check_env,
     check_extra_args,
 )
