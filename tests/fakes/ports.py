@@ -6,11 +6,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import trio
+import trio.testing
+
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 
 
 class FakeClock:
+    """A clock that stands still unless the test moves it (``now``); it never reads real time."""
+
     def __init__(self) -> None:
         self.now = 1_000_000.0
 
@@ -18,9 +24,26 @@ class FakeClock:
         return self.now
 
     def monotonic(self) -> float:
-        import time
+        return self.now
 
-        return time.monotonic()  # supervisors time real waits; wall time stays fixed
+
+class VirtualClock:
+    """Trio's virtual time as CapyCTL's clock: with ``virtual_time`` as the anyio backend, every sleep,
+    timeout and reading of this clock is on a clock that jumps ahead whenever all tasks wait, so a
+    test of timing rules runs at once, the same way each time, and never reads real time."""
+
+    EPOCH = 1_000_000.0
+
+    def wall(self) -> float:
+        return self.EPOCH + trio.current_time()
+
+    def monotonic(self) -> float:
+        return trio.current_time()
+
+
+def virtual_time() -> tuple[str, dict[str, Any]]:
+    """An ``anyio_backend`` value: trio, on a fresh mock clock that jumps whenever every task waits."""
+    return "trio", {"clock": trio.testing.MockClock(autojump_threshold=0)}
 
 
 class FakeStore:
@@ -67,12 +90,13 @@ class FakeStore:
 class FakeProcess:
     _next_pid = 1000
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], stop_takes: float = 0.0) -> None:
         FakeProcess._next_pid += 1
         self.pid = FakeProcess._next_pid
         self.argv = list(argv)
         self.code: int | None = None
         self.terminated = False
+        self.stop_takes = stop_takes  # seconds between SIGTERM and the exit
 
     def returncode(self) -> int | None:
         return self.code
@@ -83,6 +107,8 @@ class FakeProcess:
     async def terminate(self, grace: float) -> int:
         self.terminated = True
         if self.code is None:
+            if self.stop_takes:
+                await anyio.sleep(self.stop_takes)
             self.code = -15
         return self.code
 
@@ -91,9 +117,10 @@ class FakeProcessControl:
     def __init__(self) -> None:
         self.spawned: list[FakeProcess] = []
         self.exit_at_once = False
+        self.stop_takes = 0.0
 
     async def spawn(self, argv: Sequence[str], log_path: Path, env: dict[str, str | None] | None) -> FakeProcess:
-        process = FakeProcess(argv)
+        process = FakeProcess(argv, self.stop_takes)
         if self.exit_at_once:
             process.code = 1
         self.spawned.append(process)

@@ -101,3 +101,18 @@ async def test_a_launch_keeps_the_folder_within_its_log_count(tmp_path: Path) ->
                 await anyio.sleep(0.01)
         os.utime(tmp_path / f"{n}.log", ns=(n * 10**9, n * 10**9))
     assert sorted(p.name for p in tmp_path.glob("*.log")) == ["3.log", "4.log", "5.log"]
+
+
+async def test_engine_environment_changes_reach_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real child process: variables the adapter sets are there, the ones it removes are gone."""
+    monkeypatch.setenv("LLAMA_ARG_API_KEY", "leaked")
+    monkeypatch.setenv("KEEP_ME", "kept")
+    log = tmp_path / "env.log"
+    process = await PopenProcessControl().spawn(
+        ["sh", "-c", 'echo "key=${LLAMA_ARG_API_KEY-unset} keep=$KEEP_ME new=$NEW"'], log,
+        {"LLAMA_ARG_API_KEY": None, "NEW": "1"},
+    )
+    with anyio.fail_after(5):
+        while process.returncode() is None:
+            await anyio.sleep(0.01)
+    assert log.read_text().strip() == "key=unset keep=kept new=1"

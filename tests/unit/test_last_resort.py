@@ -13,11 +13,16 @@ import pytest
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.chat import ChatHandler
-from capyctl.domain.deployments import InstanceState
+from capyctl.domain.deployments import Deployment, Desired, InstanceState
+from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.fields import row_for
 from capyctl.domain.requests import RequestRecord
 from capyctl.services.chat import ChatService, ChatSettings
-from tests.fakes.ports import FakeClock
+from capyctl.services.controllers import AttachedController
+from capyctl.services.events import Events
+from capyctl.services.fleet import decode_spec
+from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore
 
 KEY = "k" * 32
 
@@ -131,18 +136,12 @@ async def test_other_routes_get_an_id_and_a_last_resort() -> None:
 
 async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -> None:
     """An attached engine is not CapyCTL's to watch: no wait for it to 'exit' (it used to cost crash_notice)."""
-    runner = SimpleNamespace(
-        managed=False, launch=1, engine_gone=lambda launch: False,
-        deployment=SimpleNamespace(spec=SimpleNamespace(api="chat", served_model="m")),
-        engine=SimpleNamespace(family="vllm", version="0.32.0"),
-        fields=SimpleNamespace(row=SimpleNamespace(delta=frozenset({"role", "content"}))),
-        status=SimpleNamespace(last_error=None, state=InstanceState.READY, started_at=None, cold_starts=[]),
-    )
-
-    async def wait_ready(timeout: float) -> str:
-        return "http://127.0.0.1:9"
-
-    runner.wait_ready = wait_ready
+    spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
+    engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
+    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), FakeClock(),
+                                    Events(FakeStore(), FakeClock()), row_for(engine.family, engine.version))
+    controller.want(Desired.RUN)
+    assert await controller.route(1) == ("http://127.0.0.1:9", 1)
 
     class Session:
         @asynccontextmanager
@@ -150,10 +149,11 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
             raise EngineUnavailable("could not reach the engine")
             yield
 
-    fleet = SimpleNamespace(resolve=lambda name: runner)
+    fleet = SimpleNamespace(resolve=lambda name: controller)
     events = SimpleNamespace(selection=lambda *args: None)
     settings = ChatSettings(crash_notice=3600.0)  # were it waited for, the bound below would fail the test
     service = ChatService(fleet, Session(), FakeClock(), events, settings)  # type: ignore[arg-type]
     record = RequestRecord(id="r", deployment="m", stream=False)
     with anyio.fail_after(5), pytest.raises(EngineUnavailable):
         await service.complete(record, {"model": "m", "messages": []})
+    assert controller.status.state is InstanceState.UNAVAILABLE  # the next request checks it again

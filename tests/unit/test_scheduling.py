@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import anyio
 import pytest
 
@@ -12,7 +10,10 @@ from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import GRANTED, QUEUED, Admission, QueueLimits, Refused, loading_retry_after
 from capyctl.services.admission import AdmissionService
-from tests.fakes.ports import FakeClock
+from capyctl.services.controllers import Loading, Route
+from tests.fakes.ports import VirtualClock, virtual_time
+
+anyio_backend = pytest.fixture(virtual_time)  # the service's waits and timeouts run on virtual time
 
 DEFAULT = QueueLimits()
 
@@ -88,23 +89,30 @@ def test_retry_after_comes_from_measured_service_and_start_times() -> None:
 
 
 class Runner:
-    """A deployment's runner as admission sees it: a state, a start, and a wait for readiness."""
+    """A deployment's controller as admission sees it: ready or not, a start, a wait for readiness."""
 
     def __init__(self, state: InstanceState = InstanceState.READY) -> None:
-        self.status = SimpleNamespace(state=state, started_at=None, cold_starts=[20.0])
+        self.state = state
         self.started = 0
-        self.ready = anyio.Event()
+        self.came_up = anyio.Event()
 
-    def start(self) -> None:
+    @property
+    def ready(self) -> bool:
+        return self.state is InstanceState.READY
+
+    def ask(self) -> None:
         self.started += 1
-        if self.status.state is not InstanceState.READY:
-            self.status.state = InstanceState.STARTING
+        if not self.ready:
+            self.state = InstanceState.STARTING
 
-    async def wait_ready(self, timeout: float) -> str:
-        self.start()
-        await self.ready.wait()
-        self.status.state = InstanceState.READY
-        return "http://engine"
+    async def route(self, timeout: float) -> Route:
+        self.ask()
+        await self.came_up.wait()
+        self.state = InstanceState.READY
+        return Route("http://engine", 1)
+
+    def loading(self) -> Loading:
+        return Loading(str(self.state), None, [20.0])
 
 
 def record(n: int | str) -> RequestRecord:
@@ -112,18 +120,18 @@ def record(n: int | str) -> RequestRecord:
 
 
 async def test_with_x_llm_wait_0_a_loading_model_answers_at_once_and_starts_anyway() -> None:
-    service = AdmissionService(DEFAULT, FakeClock())
+    service = AdmissionService(DEFAULT, VirtualClock())
     runner = Runner(InstanceState.STOPPED)
     with pytest.raises(ModelLoading) as caught:
         async with service.admit(runner, record(1), wait=0):
             pass
-    assert runner.started == 1 and runner.status.state is InstanceState.STARTING
+    assert runner.started == 1 and runner.state is InstanceState.STARTING
     assert caught.value.extra["state"] == "starting" and caught.value.retry_after == 20
     assert service.state.waiting("m") == 0  # it left the line
 
 
 async def test_with_x_llm_wait_0_a_busy_model_answers_queued_with_the_position() -> None:
-    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), FakeClock())
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), VirtualClock())
     runner = Runner()
     async with service.admit(runner, record("held"), wait=None):
         with pytest.raises(Queued) as caught:
@@ -134,7 +142,7 @@ async def test_with_x_llm_wait_0_a_busy_model_answers_queued_with_the_position()
 
 
 async def test_waiters_are_served_in_arrival_order_as_slots_free() -> None:
-    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), FakeClock())
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), VirtualClock())
     runner = Runner()
     order: list[str] = []
     gate = anyio.Event()
@@ -157,7 +165,7 @@ async def test_waiters_are_served_in_arrival_order_as_slots_free() -> None:
 
 
 async def test_requests_for_a_stopped_model_wait_for_its_start_then_go() -> None:
-    service = AdmissionService(DEFAULT, FakeClock())
+    service = AdmissionService(DEFAULT, VirtualClock())
     runner = Runner(InstanceState.STOPPED)
     served: list[int] = []
 
@@ -169,13 +177,13 @@ async def test_requests_for_a_stopped_model_wait_for_its_start_then_go() -> None
         for n in range(3):
             tg.start_soon(ask, n)
         await wait_until(lambda: service.state.waiting("m") == 3)
-        assert runner.status.state is InstanceState.STARTING and served == []
-        runner.ready.set()
+        assert runner.state is InstanceState.STARTING and served == []
+        runner.came_up.set()
     assert sorted(served) == [0, 1, 2]
 
 
 async def test_a_bounded_wait_that_runs_out_answers_queued_and_frees_its_place() -> None:
-    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), FakeClock())
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), VirtualClock())
     runner = Runner()
     async with service.admit(runner, record("held"), wait=None):
         with pytest.raises(Queued):
@@ -185,14 +193,14 @@ async def test_a_bounded_wait_that_runs_out_answers_queued_and_frees_its_place()
 
 
 async def test_refusals_carry_their_codes() -> None:
-    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1, max_pending_per_deployment=0), FakeClock())
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1, max_pending_per_deployment=0), VirtualClock())
     runner = Runner()
     async with service.admit(runner, record("held"), wait=None):
         with pytest.raises(QueueFull) as caught:
             async with service.admit(runner, record("x"), wait=None):
                 pass
         assert "max_pending_per_deployment" in caught.value.message and caught.value.retry_after >= 1
-    busy = AdmissionService(QueueLimits(max_open=1), FakeClock())
+    busy = AdmissionService(QueueLimits(max_open=1), VirtualClock())
     async with busy.admit(runner, record("held"), wait=None):
         with pytest.raises(DeviceBusy):
             async with busy.admit(Runner(), RequestRecord(id="y", deployment="other", stream=False), wait=None):
@@ -206,7 +214,7 @@ async def wait_until(condition, limit: float = 5.0) -> None:
 
 
 async def test_never_wait_still_starts_a_stopped_model_and_says_it_is_loading() -> None:
-    service = AdmissionService(QueueLimits(max_pending_per_deployment=0), FakeClock())
+    service = AdmissionService(QueueLimits(max_pending_per_deployment=0), VirtualClock())
     runner = Runner(InstanceState.STOPPED)
     with pytest.raises(ModelLoading) as caught:
         async with service.admit(runner, record(1), wait=None):

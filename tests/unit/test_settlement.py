@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import anyio
+import pytest
 
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.settlement import ENGINE_IDLE, ENGINE_STOP, Ledger
 from capyctl.services.events import Events
 from capyctl.services.settling import Settlement
-from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore
+from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, virtual_time
+
+anyio_backend = pytest.fixture(virtual_time)  # the polling runs on virtual time
 
 
 def test_an_answered_cut_settles_at_the_first_idle_reading_taken_after_it() -> None:
@@ -55,7 +58,7 @@ class LoadEngine(FakeEngineAdapter):
 
 async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> None:
     store, engine = FakeStore(), LoadEngine()
-    settlement = Settlement("m", engine, FakeClock(), Events(store, FakeClock()), lambda: "http://e", poll=0.005)
+    settlement = Settlement("m", engine, VirtualClock(), Events(store, VirtualClock()), lambda: "http://e", poll=0.005)
     async with anyio.create_task_group() as tg:
         settlement.bind(tg)
         settlement.cut(RequestRecord(id="01REQUESTID", deployment="m", stream=True, answered=True))
@@ -77,7 +80,7 @@ async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> 
 async def test_an_unanswered_cut_is_settled_only_by_the_engine_ending() -> None:
     store, engine = FakeStore(), LoadEngine()
     engine.now = (0, 0)
-    settlement = Settlement("m", engine, FakeClock(), Events(store, FakeClock()), lambda: "http://e", poll=0.005)
+    settlement = Settlement("m", engine, VirtualClock(), Events(store, VirtualClock()), lambda: "http://e", poll=0.005)
     async with anyio.create_task_group() as tg:
         settlement.bind(tg)
         settlement.cut(RequestRecord(id="r", deployment="m", stream=False, answered=False))

@@ -3,7 +3,7 @@
 A deployment is the operator's YAML (``DeploymentSpec``, decoded strictly) plus
 one sticky flag: whether an operator stopped it. Its instances are the engine
 processes serving it. The legal state changes are one table, ``TRANSITIONS``;
-the supervisor asks ``check_transition`` before it moves an instance.
+the controllers ask ``check_transition`` before it moves an instance.
 """
 
 from __future__ import annotations
@@ -135,19 +135,50 @@ class InstanceState(enum.StrEnum):
 
 
 S = InstanceState
+# One table for managed and attached instances. A managed engine moves STOPPED -> STARTING -> READY and
+# back through STOPPING; an attached one is only watched: UNAVAILABLE <-> READY, and STOPPED while an
+# operator's stop holds (CapyCTL stops routing to it, the engine itself runs on).
 TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
-    S.STOPPED: frozenset({S.STARTING}),
+    S.STOPPED: frozenset({S.STARTING, S.UNAVAILABLE}),
     S.STARTING: frozenset({S.READY, S.STOPPING, S.FAILED, S.STARTING}),
-    S.READY: frozenset({S.STOPPING, S.STARTING}),  # READY -> STARTING: crash, restart
+    S.READY: frozenset({S.STOPPING, S.STARTING, S.UNAVAILABLE, S.STOPPED}),  # READY -> STARTING: crash, restart
     S.STOPPING: frozenset({S.STOPPED}),
-    S.FAILED: frozenset({S.STARTING, S.STOPPING, S.STOPPED}),
-    S.UNAVAILABLE: frozenset(),  # attached engines are watched, never moved by CapyCTL
+    S.FAILED: frozenset({S.STARTING, S.STOPPED}),
+    S.UNAVAILABLE: frozenset({S.READY, S.STOPPED}),
 }
 
 
 def check_transition(current: InstanceState, new: InstanceState) -> None:
     if new not in TRANSITIONS[current]:
         raise ValueError(f"illegal instance transition {current} -> {new}")
+
+
+class Desired(enum.StrEnum):
+    """What a deployment's controller is asked to bring about; commands change it, the controller acts."""
+
+    RUN = "run"  # keep an engine serving: an operator's start, or a request for the model
+    ON_DEMAND = "on_demand"  # nothing runs until a request asks for the model
+    STOP = "stop"  # an operator's stop: sticky, only an operator's start undoes it
+
+
+class Step(enum.StrEnum):
+    LAUNCH = "launch"  # start an engine (after the backoff its failures call for)
+    FAIL = "fail"  # the start budget is spent: FAILED, with the last error, until an operator starts it
+    SETTLE = "settle"  # no engine should run and none does: show STOPPED
+    REST = "rest"  # nothing to do until a command or the engine changes something
+
+
+def next_step(desired: Desired, state: InstanceState, failures: int, budget: int) -> Step:
+    """The controller's decision for a managed deployment with no engine process running.
+
+    ``failures`` counts launches in a row that never became ready (or crashed
+    soon after); ``budget`` is how many of them end in FAILED.
+    """
+    if desired is not Desired.RUN:
+        return Step.REST if state is S.STOPPED else Step.SETTLE
+    if failures >= budget:
+        return Step.REST if state is S.FAILED else Step.FAIL
+    return Step.LAUNCH
 
 
 class Deployment(msgspec.Struct, kw_only=True):

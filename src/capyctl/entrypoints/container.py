@@ -30,7 +30,7 @@ from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
-from capyctl.services.supervisor import SupervisorSettings
+from capyctl.services.controllers import ControllerSettings
 
 
 def open_store(state_dir: StateDir) -> Iterator[SqliteStore]:
@@ -69,7 +69,7 @@ class Container(containers.DeclarativeContainer):
     adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
     engine_session = providers.Singleton(WireEngineSession, max_event=config.max_event)
 
-    supervisor_settings = providers.Singleton(SupervisorSettings)
+    controller_settings = providers.Singleton(ControllerSettings)
     chat_settings = providers.Singleton(
         ChatSettings,
         request_deadline=config.request_deadline,
@@ -88,7 +88,7 @@ class Container(containers.DeclarativeContainer):
         events=events,
         pick_port=providers.Object(free_port),
         log_root=providers.Callable(log_root, state_dir),
-        settings=supervisor_settings,
+        settings=controller_settings,
     )
     admission = providers.Singleton(
         AdmissionService, limits=config.queue_limits, clock=clock, ready_timeout=config.request_deadline

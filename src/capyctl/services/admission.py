@@ -20,28 +20,21 @@ from typing import Protocol
 
 import anyio
 
-from capyctl.domain.deployments import InstanceState
 from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
 from capyctl.domain.ports import Clock
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import GRANTED, Admission, QueueLimits, Refused, loading_retry_after
-
-READY = InstanceState.READY
-
-
-class Status(Protocol):
-    state: InstanceState
-    started_at: float | None
-    cold_starts: list[float]
+from capyctl.services.controllers import Loading, Route
 
 
 class Schedulable(Protocol):
-    """What admission asks of a deployment's runner."""
+    """What admission asks of a deployment's controller (a part of ``controllers.Serving``)."""
 
-    status: Status
-
-    def start(self) -> None: ...
-    async def wait_ready(self, timeout: float) -> str: ...
+    @property
+    def ready(self) -> bool: ...
+    def ask(self) -> None: ...
+    async def route(self, timeout: float) -> Route: ...
+    def loading(self) -> Loading: ...
 
 
 class AdmissionService:
@@ -55,11 +48,11 @@ class AdmissionService:
     @asynccontextmanager
     async def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
         name = record.deployment
-        decision = self.state.arrive(name, record.id, runner.status.state is READY)
+        decision = self.state.arrive(name, record.id, runner.ready)
         if decision != GRANTED:
             if isinstance(decision, Refused):
-                if runner.status.state is not READY and decision.code == "queue_full":
-                    runner.start()  # nobody may wait, but the model is still started for the next try
+                if not runner.ready and decision.code == "queue_full":
+                    runner.ask()  # nobody may wait, but the model is still started for the next try
                     if self.state.limits.max_pending_per_deployment == 0:
                         raise self._not_waiting(runner, name, record.id)
                 raise self._refusal(decision, name)
@@ -79,13 +72,13 @@ class AdmissionService:
         waker = self._wakers[me] = anyio.Event()
         try:
             if wait == 0:
-                if runner.status.state is not READY:
-                    runner.start()
+                if not runner.ready:
+                    runner.ask()
                 raise self._not_waiting(runner, name, me)
             with anyio.move_on_after(wait):  # None: no bound here
                 while self.state.position(name, me) is not None:
-                    if runner.status.state is not READY:
-                        await runner.wait_ready(self._ready_timeout)  # starts it when it is not running
+                    if not runner.ready:
+                        await runner.route(self._ready_timeout)  # asks for a start when it is not running
                         self._wake(name, runner)
                     else:
                         with anyio.move_on_after(1.0):  # also look again: the engine may have gone and come back
@@ -104,17 +97,16 @@ class AdmissionService:
             del self._wakers[me]
 
     def _wake(self, name: str, runner: Schedulable) -> None:
-        for granted in self.state.grants(name, runner.status.state is READY):
+        for granted in self.state.grants(name, runner.ready):
             waker = self._wakers.get(granted)
             if waker is not None:
                 waker.set()
 
     def _not_waiting(self, runner: Schedulable, name: str, me: str) -> Exception:
         """The answer for a request that will not wait (longer): model_loading or queued, with Retry-After."""
-        status = runner.status
-        if status.state is not READY:
-            starting_for = None if status.started_at is None else self._clock.wall() - status.started_at
-            return ModelLoading(name, str(status.state), loading_retry_after(status.cold_starts, starting_for))
+        if not runner.ready:
+            loading = runner.loading()
+            return ModelLoading(name, loading.state, loading_retry_after(loading.cold_starts, loading.starting_for))
         position = self.state.position(name, me) or 1
         reason = f"{self.state.in_flight(name)} requests at the engine, its limit"
         return Queued(name, position, reason, self.state.retry_after(name, position))

@@ -12,17 +12,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 import msgspec
 
 from capyctl.domain.errors import (
     ApiMismatch,
     CapyError,
     CacheSaltUnsupported,
-    DeploymentStopped,
     EdgeError,
     EngineError,
-    EngineRestarted,
     EngineUnavailable,
     InvalidJson,
     InvalidRequest,
@@ -45,8 +42,9 @@ from capyctl.domain.streams import (
 )
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
+from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
-from capyctl.services.fleet import Fleet, Runner
+from capyctl.services.fleet import Fleet
 
 _encode = msgspec.json.encode
 SALTED_FAMILIES = frozenset({EngineFamily.VLLM, EngineFamily.SGLANG})  # engines that honour cache_salt
@@ -145,7 +143,7 @@ class ChatService:
     def cut(self, record: RequestRecord) -> None:
         """CAN-2: a request cut after it was sent stays counted against its instance until settled."""
         if record.instance is not None and self._fleet.has(record.deployment):
-            self._fleet.get(record.deployment).settlement.cut(record)
+            self._fleet.get(record.deployment).cut(record)
 
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)
@@ -157,31 +155,29 @@ class ChatService:
         Raises domain errors before anything is yielded (unknown model, engine
         refusal ...). Leaving the context closes the engine connection.
         """
-        supervisor = self._fleet.resolve(record.deployment)
-        if supervisor.deployment.spec.api != "chat":
+        controller: Serving = self._fleet.resolve(record.deployment)
+        if controller.spec.api != "chat":
             raise ApiMismatch(record.deployment, "decisions", "/v1/chat/completions", "POST /v1/systemone")
-        engine = supervisor.engine
-        check_cache_salt(obj, engine.family)
+        check_cache_salt(obj, controller.engine.family)
         self.live[record.id] = record
         try:
-            body = engine_body(obj, supervisor.deployment.spec.served_model, record.stream)  # before it starts anything
+            body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
             record.phase = Phase.WAITING
-            async with self._admission.admit(supervisor, record, wait), self._engine_call(supervisor, record, body) as call:
+            async with self._admission.admit(controller, record, wait), self._engine_call(controller, record, body) as call:
                 yield call
         finally:
             del self.live[record.id]
 
     @asynccontextmanager
-    async def _engine_call(self, supervisor: Runner, record: RequestRecord, body: bytes) -> AsyncIterator[EngineCall]:
-        engine = supervisor.engine
-        url = await supervisor.wait_ready(self._settings.request_deadline)  # granted: ready, unless it just fell
-        launch = supervisor.launch
+    async def _engine_call(self, controller: Serving, record: RequestRecord, body: bytes) -> AsyncIterator[EngineCall]:
+        engine = controller.engine
+        route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
         record.sent(instance=0)
         self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
         meter = Meter(self._clock.monotonic)
         # The verifier runs first: nothing of a chunk with an unverified key is sent.
         stages: list[Stage] = [
-            DeltaVerifier(supervisor.fields.row.delta, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
+            DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
             meter,
             ModelRewrite(record.deployment),
         ]
@@ -191,30 +187,18 @@ class ChatService:
         self._meters[record.id] = meter
         streaming = False
         try:
-            async with self._session.chat_stream(url, body) as events:
+            async with self._session.chat_stream(route.url, body) as events:
                 streaming = True
                 yield EngineCall(_relay(events, stages, record, meter), meter, row)
         except EngineUnavailable as exc:
-            if await self._engine_gone(supervisor, launch):
-                if supervisor.deployment.operator_stopped:  # not a crash: an operator stopped it
-                    raise DeploymentStopped(record.deployment, while_serving=True) from exc
-                raise EngineRestarted(record.deployment, str(supervisor.status.last_error)) from exc
+            gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
+            if gone is not None:
+                raise gone from exc
             if streaming:  # the engine is still there, but its answer broke off
                 raise EdgeError(f"the engine's connection broke before the end of its stream ({exc.message})") from exc
             raise
         finally:
             self._meters.pop(record.id, None)
-
-    async def _engine_gone(self, supervisor: Runner, launch: int) -> bool:
-        if supervisor.engine_gone(launch):
-            return True
-        if not supervisor.managed:  # an attached engine's exit is not CapyCTL's to watch for
-            return False
-        with anyio.move_on_after(self._settings.crash_notice):
-            while not supervisor.engine_gone(launch):
-                await anyio.sleep(0.02)
-            return True
-        return False
 
     async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""

@@ -1,8 +1,10 @@
-"""The fleet: registered engines, deployments and the supervisors that run them.
+"""The fleet: registered engines, deployments and the controller of each deployment.
 
 This is what the management API and the chat path ask: register an engine,
 apply a deployment file, start/stop/delete a deployment, and resolve a model
-name to a running instance.
+name to its controller. Changes to the fleet (apply, start, stop, delete) are
+serialised: one at a time, so a delete or an update racing another command
+never leaves an engine running that no command can see.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 from capyctl.domain.deployments import (
     Deployment,
     DeploymentSpec,
+    Desired,
     check_env,
     check_extra_args,
 )
@@ -34,13 +37,8 @@ from capyctl.domain.errors import (
     ModelNotFound,
 )
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
+from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
-from capyctl.services.attached import AttachedSupervisor
-from capyctl.services.supervisor import Supervisor, SupervisorSettings
-
-
-
-Runner = Supervisor | AttachedSupervisor  # what serves one deployment
 
 
 def decode_spec(document: Any) -> DeploymentSpec:
@@ -79,7 +77,7 @@ class Fleet:
         events: Events,
         pick_port: Callable[[], int],
         log_root: Path,
-        settings: SupervisorSettings,
+        settings: ControllerSettings,
     ) -> None:
         self._store = store
         self._adapters = adapters
@@ -89,18 +87,19 @@ class Fleet:
         self._pick_port = pick_port
         self._log_root = log_root
         self._settings = settings
-        self._supervisors: dict[str, Runner] = {}
+        self._controllers: dict[str, Controller] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._changes = anyio.Lock()  # held by every change to the fleet, for its whole length
 
     # --- lifecycle -----------------------------------------------------------
     async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Own the supervisors' tasks until cancelled; then stop every engine."""
+        """Own the controllers' tasks until cancelled; then stop every engine."""
         try:
             await self._refresh_engines()
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
                 for deployment in self._store.list_deployments():
-                    self._supervisor(deployment)
+                    self._controller(deployment)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -122,8 +121,8 @@ class Fleet:
 
     async def shutdown(self) -> None:
         async with anyio.create_task_group() as tg:
-            for supervisor in self._supervisors.values():
-                tg.start_soon(supervisor.stop)
+            for controller in self._controllers.values():
+                tg.start_soon(controller.close)
 
     def _engine_of(self, deployment: Deployment) -> EngineInstall:
         spec = deployment.spec
@@ -139,24 +138,24 @@ class Fleet:
             raise EngineNotFound(spec.engine)
         return engine
 
-    def _supervisor(self, deployment: Deployment) -> Runner:
+    def _controller(self, deployment: Deployment) -> Controller:
         engine = self._engine_of(deployment)
         adapter = self._adapters[engine.family]
         fields = row_for(engine.family, engine.version)
         if not fields.verified:
             self._events.emit(deployment.spec.name, "unverified_engine_version", **fields.describe(engine.version))
-        supervisor: Runner
+        controller: Controller
         if deployment.spec.attached:
-            supervisor = AttachedSupervisor(deployment, engine, adapter, self._clock, self._events, fields)
+            controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
         else:
-            supervisor = Supervisor(
+            controller = ManagedController(
                 deployment, engine, adapter, self._processes, self._clock, self._events,
                 self._pick_port, self._log_root / deployment.spec.name, self._settings, fields,
             )
         assert self._task_group is not None
-        supervisor.bind(self._task_group)
-        self._supervisors[deployment.spec.name] = supervisor
-        return supervisor
+        controller.bind(self._task_group)
+        self._controllers[deployment.spec.name] = controller
+        return controller
 
     # --- engines ------------------------------------------------------------
     def _recognise(self, path: Path, family: str | None) -> EngineAdapter:
@@ -221,77 +220,85 @@ class Fleet:
             raise InvalidConfig(f"model {spec.model!r} does not exist on this machine")
         return None
 
-    async def apply(self, document: Any, activate: bool) -> tuple[str, Runner]:
+    async def apply(self, document: Any, activate: bool) -> tuple[str, Controller]:
         spec = decode_spec(document)
         if not spec.attached and spec.model:  # engines get the path the operator meant, not a literal "~"
             spec = msgspec.structs.replace(spec, model=str(local_path(spec.model, "model", InvalidConfig)))
-        probed = await self._check(spec)
-        current = self._supervisors.get(spec.name)
-        outcome = "created"
-        if current is not None:
-            if current.deployment.spec == spec and current.deployment.probed_version == probed:
-                outcome = "unchanged"
-            else:
-                outcome = "updated"
-                await current.stop()
-                del self._supervisors[spec.name]
-                current = None
-        deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
-        self._store.put_deployment(deployment)
-        supervisor = current or self._supervisor(deployment)
-        supervisor.deployment.operator_stopped = False
-        self._events.emit(spec.name, f"deployment_{outcome}")
-        if activate:
-            supervisor.start()
-        return outcome, supervisor
+        async with self._changes:
+            probed = await self._check(spec)
+            current = self._controllers.get(spec.name)
+            outcome = "created"
+            if current is not None:
+                if current.deployment.spec == spec and current.deployment.probed_version == probed:
+                    outcome = "unchanged"
+                else:
+                    outcome = "updated"
+                    await current.close()  # the old engine is gone before the new deployment exists
+                    del self._controllers[spec.name]
+                    current = None
+            deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
+            self._store.put_deployment(deployment)
+            controller = current or self._controller(deployment)
+            controller.deployment.operator_stopped = False
+            self._events.emit(spec.name, f"deployment_{outcome}")
+            if activate:
+                controller.want(Desired.RUN)
+            elif controller.desired is Desired.STOP:
+                controller.want(Desired.ON_DEMAND)  # applying it lifts an operator's stop
+            return outcome, controller
 
-    def get(self, name: str) -> Runner:
-        supervisor = self._supervisors.get(name)
-        if supervisor is None:
+    def get(self, name: str) -> Controller:
+        controller = self._controllers.get(name)
+        if controller is None:
             raise DeploymentNotFound(name)
-        return supervisor
+        return controller
 
     def has(self, name: str) -> bool:
-        return name in self._supervisors
+        return name in self._controllers
 
     def names(self) -> list[str]:
-        return sorted(self._supervisors)
+        return sorted(self._controllers)
 
-    def supervisors(self) -> list[Runner]:
-        return [self._supervisors[name] for name in self.names()]
+    def controllers(self) -> list[Controller]:
+        return [self._controllers[name] for name in self.names()]
 
-    def start(self, name: str) -> Runner:
-        supervisor = self.get(name)
-        self._set_operator_stopped(supervisor, False)
-        supervisor.start()
-        return supervisor
+    async def start(self, name: str) -> Controller:
+        """An operator's start: run the engine now; lifts a stop, gives a FAILED one a new start budget."""
+        async with self._changes:
+            controller = self.get(name)
+            self._command(controller, Desired.RUN)
+        return controller
 
-    async def stop(self, name: str) -> Runner:
-        supervisor = self.get(name)
-        self._set_operator_stopped(supervisor, True)
-        await supervisor.stop()
-        return supervisor
+    async def stop(self, name: str) -> Controller:
+        """An operator's stop: sticky until an operator's start; returns once the engine is gone."""
+        async with self._changes:
+            controller = self.get(name)
+            self._command(controller, Desired.STOP)
+        await controller.until_settled()  # outside the lock: a start given meanwhile is not kept waiting
+        return controller
 
     async def delete(self, name: str) -> None:
-        supervisor = self.get(name)
-        await supervisor.stop()
-        del self._supervisors[name]
-        self._store.delete_deployment(name)
-        self._events.emit(name, "deployment_deleted")
+        async with self._changes:
+            controller = self.get(name)
+            await controller.close()
+            del self._controllers[name]
+            self._store.delete_deployment(name)
+            self._events.emit(name, "deployment_deleted")
 
-    def _set_operator_stopped(self, supervisor: Runner, stopped: bool) -> None:
-        supervisor.deployment.operator_stopped = stopped
-        self._store.put_deployment(supervisor.deployment)
-        self._events.emit(supervisor.name, "operator_stop" if stopped else "operator_start")
+    def _command(self, controller: Controller, desired: Desired) -> None:
+        controller.want(desired)
+        controller.deployment.operator_stopped = stopped = desired is Desired.STOP
+        self._store.put_deployment(controller.deployment)
+        self._events.emit(controller.name, "operator_stop" if stopped else "operator_start")
 
     def events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
         return self._store.list_events(deployment, after_id, limit)
 
-    def resolve(self, model: str) -> Runner:
-        """The supervisor serving ``model`` for a request (it may still need starting)."""
-        supervisor = self._supervisors.get(model)
-        if supervisor is None:
+    def resolve(self, model: str) -> Controller:
+        """The controller serving ``model`` for a request (it may still need starting)."""
+        controller = self._controllers.get(model)
+        if controller is None:
             raise ModelNotFound(model, self.names())
-        if supervisor.deployment.operator_stopped:  # sticky in every window: stopping, stopped, failed
+        if controller.desired is Desired.STOP:  # sticky in every window: stopping, stopped, failed
             raise DeploymentStopped(model)
-        return supervisor
+        return controller

@@ -3,7 +3,7 @@
 The chat path reports each cut request (``cut``). While one of them waits
 for the engine's idle report, a task reads the engine's load every
 ``poll`` seconds and settles what each reading proves (``domain/settlement``);
-the supervisor reports the engine's end (stop or restart) with
+the controller reports the engine's end (stop or restart) with
 ``engine_ended``, which settles everything. Events ``request_cut`` and
 ``request_settled`` carry the rule and the seconds, never a caller's ID.
 """

@@ -27,7 +27,8 @@ from capyctl.domain.errors import CapyError, InternalError, InvalidJson, MethodN
 from capyctl.domain.ports import Clock
 from capyctl.domain.deployments import LISTED_STATE, engine_slots
 from capyctl.services.admission import AdmissionService
-from capyctl.services.fleet import Fleet, Runner
+from capyctl.services.controllers import Controller
+from capyctl.services.fleet import Fleet
 
 StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 StartedDep = Annotated[float, Dependency(skip_validation=True)]
@@ -77,11 +78,11 @@ def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 @get("/v1/models", guards=[require_key], sync_to_thread=False)
 def list_models(fleet: FleetDep, started: StartedDep, admission: AdmissionDep) -> Response[dict[str, Any]]:
     """Lists deployments with their state, queue and measured start time; never starts, wakes or loads anything."""
-    data = [model_entry(s, started, admission) for s in fleet.supervisors()]
+    data = [model_entry(s, started, admission) for s in fleet.controllers()]
     return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
 
 
-def model_entry(runner: Runner, started: float, admission: AdmissionService) -> dict[str, Any]:
+def model_entry(runner: Controller, started: float, admission: AdmissionService) -> dict[str, Any]:
     """One model as GET /v1/models lists it: Citadel's top-level fields, CapyCTL's own under ``capyctl``."""
     spec, status = runner.deployment.spec, runner.status
     state = str(status.state)

@@ -62,7 +62,7 @@ def remove_engine(fleet: FleetDep, name: str) -> dict[str, Any]:
 @get("/deployments", sync_to_thread=False)
 def list_deployments(fleet: FleetDep, clock: ClockDep) -> list[dict[str, Any]]:
     now = clock.wall()
-    return [deployment_view(s, now) for s in fleet.supervisors()]
+    return [deployment_view(s, now) for s in fleet.controllers()]
 
 
 @put("/deployments", status_code=200)
@@ -70,8 +70,8 @@ async def apply_deployment(fleet: FleetDep, clock: ClockDep, data: dict[str, Any
     activate = data.get("activate", False)
     if not isinstance(activate, bool):
         raise InvalidRequest("'activate' must be true or false")
-    outcome, supervisor = await fleet.apply(data.get("document"), activate)
-    return {"outcome": outcome, "deployment": deployment_view(supervisor, clock.wall())}
+    outcome, controller = await fleet.apply(data.get("document"), activate)
+    return {"outcome": outcome, "deployment": deployment_view(controller, clock.wall())}
 
 
 @get("/deployments/{name:str}", sync_to_thread=False)
@@ -79,9 +79,9 @@ def get_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any
     return deployment_view(fleet.get(name), clock.wall())
 
 
-@post("/deployments/{name:str}/start", status_code=200, sync_to_thread=False)
-def start_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(fleet.start(name), clock.wall())
+@post("/deployments/{name:str}/start", status_code=200)
+async def start_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
+    return deployment_view(await fleet.start(name), clock.wall())
 
 
 @post("/deployments/{name:str}/stop", status_code=200)

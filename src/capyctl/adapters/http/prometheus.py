@@ -43,16 +43,16 @@ class _LiveCollector(Collector):
         unsettled = GaugeMetricFamily("capyctl_requests_unsettled",
                                       "Cut requests still counted against their deployment, by how they settle",
                                       labels=["deployment", "rule"])
-        for supervisor in self._fleet.supervisors():
-            name = supervisor.name
-            counts = {entry["rule"]: entry["count"] for entry in supervisor.settlement.ledger.counts()}
+        for controller in self._fleet.controllers():
+            name = controller.name
+            counts = {entry["rule"]: entry["count"] for entry in controller.settlement.ledger.counts()}
             for rule in (ENGINE_IDLE, ENGINE_STOP):
                 unsettled.add_metric([name, rule], counts.get(rule, 0))
             flight.add_metric([name], admission.in_flight(name))
             queue.add_metric([name], admission.waiting(name))
-            restarts.add_metric([name], supervisor.status.restarts)
+            restarts.add_metric([name], controller.status.restarts)
             for state in InstanceState:
-                states.add_metric([name, str(state)], 1.0 if supervisor.status.state is state else 0.0)
+                states.add_metric([name, str(state)], 1.0 if controller.status.state is state else 0.0)
         yield from (flight, queue, states, restarts, unsettled)
 
 

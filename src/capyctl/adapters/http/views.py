@@ -9,7 +9,8 @@ from litestar.params import Dependency
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.ports import Clock
-from capyctl.services.fleet import Fleet, Runner
+from capyctl.services.controllers import Controller
+from capyctl.services.fleet import Fleet
 
 
 def engine_view(engine: EngineInstall) -> dict[str, Any]:
@@ -22,21 +23,22 @@ def engine_view(engine: EngineInstall) -> dict[str, Any]:
     }
 
 
-def deployment_view(supervisor: Runner, now: float) -> dict[str, Any]:
-    spec = supervisor.deployment.spec
-    status = supervisor.status
+def deployment_view(controller: Controller, now: float) -> dict[str, Any]:
+    spec = controller.deployment.spec
+    status = controller.status
     running = status.state in (InstanceState.READY, InstanceState.STARTING) and status.started_at
     return {
         "name": spec.name,
         "api": spec.api,
         "engine": spec.engine,
-        "engine_family": str(supervisor.engine.family),
-        "engine_version": supervisor.engine.version,
+        "engine_family": str(controller.engine.family),
+        "engine_version": controller.engine.version,
         "model": spec.model,
         "endpoint": spec.endpoint,
         "state": str(status.state),
-        "fields": supervisor.fields.describe(supervisor.engine.version),
-        "operator_stopped": supervisor.deployment.operator_stopped,
+        "fields": controller.fields.describe(controller.engine.version),
+        "desired": str(controller.desired),
+        "operator_stopped": controller.deployment.operator_stopped,
         "engine_config": {
             "context_length": spec.engine_config.context_length,
             "extra_args": list(spec.engine_config.extra_args),
@@ -54,7 +56,7 @@ def deployment_view(supervisor: Runner, now: float) -> dict[str, Any]:
                 "restarts": status.restarts,
                 "last_error": status.last_error,
                 "log": status.log_path,
-                "unsettled": supervisor.settlement.ledger.counts(),
+                "unsettled": controller.settlement.ledger.counts(),
             }
         ],
     }

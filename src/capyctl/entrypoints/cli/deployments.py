@@ -106,10 +106,18 @@ def list_deployments(state_dir: StateDirOpt = None, json: JsonOpt = False) -> No
     show(deployments, json, _deployment_rows(deployments))
 
 
+_DESIRED = {
+    "run": "keep an engine serving",
+    "on_demand": "the first request starts it",
+    "stop": "an operator's stop: only `capyctl start deployment` starts it",
+}
+
+
 def _status_text(d: dict[str, Any]) -> str:
     head = [
         f"deployment  {d['name']}",
         f"state       {d['state']}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
+        f"desired     {d['desired']}  ({_DESIRED[d['desired']]})",
         f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
         f"api         {d['api']}",
         f"endpoint    {d['endpoint']} (attached: CapyCTL does not start or stop it)" if d["endpoint"]

@@ -1,0 +1,502 @@
+"""One controller per deployment: what is wanted of it, the instance that does it, what requests may ask.
+
+Each deployment has one controller for as long as it exists. Commands set
+what it should do (``Desired``: run, on demand, stop) and return at once; the
+controller's own task compares that with what its engine does and acts, by
+the domain's ``next_step`` and its transition table. Nothing stops an engine
+by cancelling whoever runs it, so:
+
+- an operator's stop holds in every window: a request arriving while the
+  engine stops, one already waiting for a start, a FAILED deployment;
+- a start given while a stop is under way is not lost: once the old engine
+  is gone, the task starts a new one;
+- an engine that crashes after each start backs off (``restart_delay``) and,
+  after ``max_start_failures`` launches in a row, is FAILED with its last
+  error until an operator starts it again.
+
+``Serving`` is all the chat path may ask of a controller; the management API
+and the listings read ``status``, ``desired`` and ``settlement`` for display.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import anyio
+import msgspec
+
+from capyctl.domain.deployments import (
+    Deployment,
+    DeploymentSpec,
+    Desired,
+    InstanceState,
+    Step,
+    check_transition,
+    next_step,
+    restart_delay,
+)
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import (
+    CapyError,
+    DeadlineExceeded,
+    DeploymentStopped,
+    EngineRestarted,
+    EngineUnavailable,
+    LlmUnavailable,
+)
+from capyctl.domain.fields import RowChoice
+from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
+from capyctl.domain.requests import RequestRecord
+from capyctl.services.events import Events
+from capyctl.services.settling import Settlement
+
+log = logging.getLogger("capyctl.controller")
+S = InstanceState
+
+
+class Route(NamedTuple):
+    """Where a request was sent: the engine's URL, and which launch of the engine answered there."""
+
+    url: str
+    launch: int
+
+
+class Loading(NamedTuple):
+    """A model that is not ready, as a client is told about it: its state, and what its starts measured."""
+
+    state: str
+    starting_for: float | None  # seconds since the current start began, None when none is under way
+    cold_starts: list[float]
+
+
+class Serving(Protocol):
+    """What the chat path may ask of a deployment's controller."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def spec(self) -> DeploymentSpec: ...
+    @property
+    def engine(self) -> EngineInstall: ...
+    @property
+    def fields(self) -> RowChoice: ...
+    @property
+    def ready(self) -> bool: ...
+
+    def ask(self) -> None:
+        """A request wants the model: start it unless it runs, an operator's stop holds, or it FAILED."""
+
+    async def route(self, timeout: float) -> Route:
+        """Wait until the engine is ready (asking for it); raises DeploymentStopped, LlmUnavailable,
+        EngineUnavailable or DeadlineExceeded."""
+
+    async def lost(self, route: Route, notice: float) -> CapyError | None:
+        """After a broken engine connection: the error that says why, when the engine of ``route`` is gone
+        (waiting up to ``notice`` seconds to see it exit); None while it still runs."""
+
+    def loading(self) -> Loading: ...
+
+    def cut(self, record: RequestRecord) -> None:
+        """A request sent to this deployment's engine was cut: it stays counted until settled."""
+
+
+class ControllerSettings(msgspec.Struct, kw_only=True, frozen=True):
+    startup_timeout: float = 600.0
+    stop_grace: float = 10.0
+    poll_interval: float = 0.05
+    max_start_failures: int = 5  # launches in a row that failed to start, or crashed soon after, before FAILED
+    stable_after: float = 60.0  # seconds ready after which a crash no longer counts as a failed start
+
+
+class InstanceStatus(msgspec.Struct, kw_only=True):
+    index: int = 0
+    state: InstanceState = S.STOPPED
+    pid: int | None = None
+    port: int | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    restarts: int = 0
+    last_error: str | None = None
+    log_path: str | None = None
+    cold_starts: list[float] = msgspec.field(default_factory=list)  # seconds from spawn to ready, last 20
+
+
+def initial_desire(deployment: Deployment) -> Desired:
+    return Desired.STOP if deployment.operator_stopped else Desired.ON_DEMAND
+
+
+class _Controller:
+    """What both kinds of controller share: the deployment, its engine, the desired state, settlement."""
+
+    def __init__(
+        self, deployment: Deployment, engine: EngineInstall, adapter: EngineAdapter, clock: Clock, events: Events,
+        fields: RowChoice,
+    ) -> None:
+        self.deployment = deployment
+        self.engine = engine
+        self.adapter = adapter
+        self.fields = fields
+        self._clock = clock
+        self._events = events
+        self.desired = initial_desire(deployment)
+        self.status = InstanceStatus()
+        self.settlement = Settlement(self.name, adapter, clock, events, lambda: self.base_url)
+
+    @property
+    def name(self) -> str:
+        return self.deployment.spec.name
+
+    @property
+    def spec(self) -> DeploymentSpec:
+        return self.deployment.spec
+
+    @property
+    def base_url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state is S.READY
+
+    def cut(self, record: RequestRecord) -> None:
+        self.settlement.cut(record)
+
+    def _changed_to(self, state: InstanceState) -> None:
+        """Move the instance along the transition table, and say so."""
+        check_transition(self.status.state, state)
+        previous, self.status.state = self.status.state, state
+        if state is S.READY:
+            self.status.ready_at = self._clock.wall()
+        self._events.emit(self.name, "state_changed", instance=0, previous=str(previous), state=str(state))
+
+
+class ManagedController(_Controller):
+    """A deployment whose engine process CapyCTL runs."""
+
+    managed = True
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        engine: EngineInstall,
+        adapter: EngineAdapter,
+        processes: ProcessControl,
+        clock: Clock,
+        events: Events,
+        pick_port: Callable[[], int],
+        log_dir: Path,
+        settings: ControllerSettings,
+        fields: RowChoice,
+    ) -> None:
+        super().__init__(deployment, engine, adapter, clock, events, fields)
+        self._processes = processes
+        self._pick_port = pick_port
+        self._log_dir = log_dir
+        self._settings = settings
+        self.launch = 0
+        self._url = ""
+        self._failures = 0  # launches in a row that never became stable
+        self._relaunch = False  # the last launch ended by itself: the next one comes after a backoff
+        self._process: ProcessHandle | None = None
+        self._changed = anyio.Event()  # set (and replaced) whenever the state or the desired state changes
+        self._launch_scope: anyio.CancelScope | None = None
+        self._task_scope: anyio.CancelScope | None = None
+        self._finished: anyio.Event | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.status.port}"
+
+    def bind(self, task_group: anyio.abc.TaskGroup) -> None:
+        """Start the controller's task (and its settlement's) in ``task_group``."""
+        self.settlement.bind(task_group)
+        self._task_scope, self._finished = anyio.CancelScope(), anyio.Event()
+        task_group.start_soon(self._control, self._task_scope, self._finished)
+
+    # --- commands -------------------------------------------------------------
+    def want(self, desired: Desired) -> None:
+        """An operator's command (or an apply): run (a FAILED deployment gets a new start budget),
+        on demand, or stop. Returns at once; the controller's task acts on it."""
+        if desired is Desired.RUN and self.status.state in (S.STOPPED, S.FAILED):
+            self._failures, self._relaunch = 0, False  # a new start budget, and no backoff before it
+        self._desire(desired)
+
+    def ask(self) -> None:
+        if self.desired is Desired.ON_DEMAND:
+            self._desire(Desired.RUN)
+
+    def _desire(self, desired: Desired) -> None:
+        self.desired = desired
+        if desired is Desired.RUN and self.status.state in (S.STOPPED, S.FAILED):
+            self._set(S.STARTING)  # at once, so the very next look at it says it is starting
+        elif desired is not Desired.RUN and self._launch_scope is not None:
+            self._launch_scope.cancel()
+        self._notify()
+
+    async def until_settled(self) -> None:
+        """Wait until a stop has taken effect (no engine left), or a later command wants it running."""
+        while self.desired is not Desired.RUN and self.status.state is not S.STOPPED and not self._done():
+            await self._changed.wait()
+
+    async def close(self) -> None:
+        """Stop for good (a delete, CapyCTL's shutdown): the engine is gone when this returns."""
+        self._desire(Desired.STOP)
+        if self._task_scope is None or self._finished is None:
+            return
+        await self.until_settled()
+        self._task_scope.cancel()
+        await self._finished.wait()
+
+    def _done(self) -> bool:
+        return self._finished is not None and self._finished.is_set()
+
+    # --- what requests ask ------------------------------------------------------
+    async def route(self, timeout: float) -> Route:
+        if self.status.state is S.READY:  # the common case: no scope, no waiting
+            return Route(self._url, self.launch)
+        self.ask()
+        with anyio.move_on_after(timeout):
+            while True:
+                if self.desired is Desired.STOP:
+                    raise DeploymentStopped(self.name)
+                state = self.status.state
+                if state is S.READY:
+                    return Route(self._url, self.launch)
+                if state is S.FAILED:
+                    raise LlmUnavailable(self.name, str(self.status.last_error), self.status.log_path)
+                if self._done():
+                    raise EngineUnavailable(f"deployment {self.name!r} is shutting down", model=self.name)
+                await self._changed.wait()
+        raise DeadlineExceeded(
+            f"deployment {self.name!r} did not become ready within the request deadline of {timeout:.0f} s "
+            f"(state {self.status.state}); engine log: {self.status.log_path}",
+            model=self.name,
+        )
+
+    async def lost(self, route: Route, notice: float) -> CapyError | None:
+        with anyio.move_on_after(notice):  # the watcher sees an exit within its poll interval
+            while not self._gone(route.launch):
+                await self._changed.wait()
+        if not self._gone(route.launch):
+            return None
+        if self.desired is Desired.STOP:  # not a crash: an operator stopped it
+            return DeploymentStopped(self.name, while_serving=True)
+        return EngineRestarted(self.name, str(self.status.last_error))
+
+    def _gone(self, launch: int) -> bool:
+        """True once the engine of ``launch`` is no longer the one serving (crashed, stopping, replaced)."""
+        return launch != self.launch or self.status.state is not S.READY
+
+    def loading(self) -> Loading:
+        status = self.status
+        starting_for = None if status.started_at is None else self._clock.wall() - status.started_at
+        return Loading(str(status.state), starting_for, status.cold_starts)
+
+    # --- the controller's task ---------------------------------------------------
+    def _set(self, state: InstanceState) -> None:
+        if state is S.READY:
+            self._url = self.base_url
+        self._changed_to(state)
+        if state is S.READY and self.status.started_at is not None and self.status.ready_at is not None:
+            self.status.cold_starts = [*self.status.cold_starts[-19:], self.status.ready_at - self.status.started_at]
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _control(self, scope: anyio.CancelScope, finished: anyio.Event) -> None:
+        """Reconcile until the deployment is closed or CapyCTL shuts down: then no engine is left."""
+        try:
+            with scope:
+                while True:
+                    step = next_step(self.desired, self.status.state, self._failures, self._settings.max_start_failures)
+                    if step is Step.LAUNCH:
+                        await self._launch()
+                    elif step is Step.FAIL:
+                        self._set(S.FAILED)
+                    elif step is Step.SETTLE:
+                        self._to_stopped()
+                    else:
+                        await self._changed.wait()
+        finally:
+            self._to_stopped()  # the launch's own cleanup has terminated the engine
+            finished.set()
+            self._notify()
+
+    async def _launch(self) -> None:
+        """One launch, after the backoff its failures call for; a change of the desired state cancels it."""
+        with anyio.CancelScope() as scope:
+            self._launch_scope = scope
+            if self.status.state is not S.STARTING:
+                self._set(S.STARTING)
+            if self._relaunch:
+                delay = restart_delay(self._failures or 1)
+                self._events.emit(self.name, "engine_restarting", instance=0, after_s=delay)
+                await anyio.sleep(delay)
+                self.status.restarts += 1
+            stable = await self._launch_once()
+            self._failures = 0 if stable else self._failures + 1
+            self._relaunch = True
+        self._launch_scope = None
+        if scope.cancelled_caught:  # stopped on purpose: the next start is a fresh one
+            self._failures, self._relaunch = 0, False
+            self._to_stopped()
+
+    def _to_stopped(self) -> None:
+        """No engine runs: show STOPPED (a FAILED deployment stays FAILED unless it is no longer wanted)."""
+        state = self.status.state
+        if state in (S.STARTING, S.READY):
+            self._set(state := S.STOPPING)
+        if state is S.STOPPING or (state is S.FAILED and self.desired is not Desired.RUN):
+            self._set(S.STOPPED)
+
+    async def _launch_once(self) -> bool:
+        """Run one engine process to its end; True if it was ready for ``stable_after`` before it ended.
+
+        A launch that never became ready, or crashed soon after, counts as a failed start, so an
+        engine that crashes after each start backs off and ends FAILED.
+        """
+        self.launch += 1
+        port = self._pick_port()
+        argv = self.adapter.command(self.engine, self.deployment.spec, port)
+        log_path = self._log_dir / f"{int(self._clock.wall() * 1000)}-{self.launch}.log"
+        self.status.port, self.status.log_path = port, str(log_path)
+        self.status.started_at = self._clock.wall()
+        # the deployment's variables first; what the adapter forces (or removes) wins
+        env: dict[str, str | None] = {**self.deployment.spec.engine_config.env}
+        env.update(self.adapter.environment(self.engine, self.deployment.spec))
+        self._process = process = await self._processes.spawn(argv, log_path, env)
+        self.status.pid = process.pid
+        self._events.emit(self.name, "engine_started", instance=0, pid=process.pid, port=port)
+        try:
+            if not await self._until_ready(process):
+                return False
+            self._set(S.READY)
+            ready_at = self._clock.monotonic()
+            while (code := process.returncode()) is None:
+                await anyio.sleep(self._settings.poll_interval)
+            self.status.last_error = f"engine exited with status {code} while serving"
+            self._events.emit(self.name, "engine_crashed", instance=0, status=code, log=str(log_path))
+            self._set(S.STARTING)  # at once: no request may be routed to the dead engine
+            return self._clock.monotonic() - ready_at >= self._settings.stable_after
+        finally:
+            with anyio.CancelScope(shield=True):
+                if process.returncode() is None:  # only a cancellation leaves it running here
+                    self._set(S.STOPPING)
+                await process.terminate(self._settings.stop_grace)
+                self.status.pid = None
+                self.settlement.engine_ended()  # the process is gone: what it counted is settled
+                self._notify()
+
+    async def _until_ready(self, process: ProcessHandle) -> bool:
+        deadline = self._clock.monotonic() + self._settings.startup_timeout
+        while self._clock.monotonic() < deadline:
+            if (code := process.returncode()) is not None:
+                self.status.last_error = f"engine exited with status {code} while starting"
+                self._events.emit(self.name, "engine_start_failed", instance=0, status=code)
+                return False
+            if await self.adapter.ready(self.base_url):
+                return True
+            await anyio.sleep(0.1)
+        with anyio.CancelScope(shield=True):
+            await process.terminate(self._settings.stop_grace)
+        self.status.last_error = f"engine not ready after {self._settings.startup_timeout:.0f} s"
+        self._events.emit(self.name, "engine_start_failed", instance=0, reason="startup timeout")
+        return False
+
+
+class AttachedController(_Controller):
+    """A deployment whose engine runs outside CapyCTL, reached at its ``endpoint``.
+
+    CapyCTL routes to it, verifies and relays its streams, but never starts or
+    stops it. Its state is READY while it answers and UNAVAILABLE once a
+    health check or a request fails to reach it; the next request checks it
+    again. An operator's stop only stops routing (STOPPED); a start resumes it.
+    """
+
+    launch = 1
+    managed = False
+    attach_wait = 10.0  # seconds a request waits for an attached engine that does not answer
+
+    def __init__(
+        self, deployment: Deployment, engine: EngineInstall, adapter: EngineAdapter, clock: Clock, events: Events,
+        fields: RowChoice,
+    ) -> None:
+        super().__init__(deployment, engine, adapter, clock, events, fields)
+        self.status.state = S.STOPPED if self.desired is Desired.STOP else S.UNAVAILABLE
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    @property
+    def base_url(self) -> str:
+        return str(self.deployment.spec.endpoint).rstrip("/")
+
+    def bind(self, task_group: anyio.abc.TaskGroup) -> None:
+        self._task_group = task_group
+        self.settlement.bind(task_group)
+
+    def _set(self, state: InstanceState, error: str | None = None) -> None:
+        if state is not self.status.state:
+            self.status.last_error = error if error is not None else self.status.last_error
+            self._changed_to(state)
+
+    def want(self, desired: Desired) -> None:
+        """Stop routing (stop), or resume it and check the engine now, so `--wait` sees it ready."""
+        self.desired = desired
+        if desired is Desired.STOP:
+            self._set(S.STOPPED)
+            return
+        if self.status.state is S.STOPPED:
+            self._set(S.UNAVAILABLE)
+        if desired is Desired.RUN and self.status.state is not S.READY and self._task_group is not None:
+            self._task_group.start_soon(self._check)
+
+    def ask(self) -> None:
+        """Nothing to start: the engine runs outside CapyCTL."""
+
+    async def until_settled(self) -> None:
+        """An attached engine has no process of CapyCTL's to wait for."""
+
+    async def close(self) -> None:
+        self.want(Desired.STOP)
+
+    async def _check(self) -> None:
+        try:
+            await self.route(self.attach_wait)
+        except (EngineUnavailable, DeploymentStopped):
+            pass  # stays UNAVAILABLE (or stopped); the next request checks again
+
+    async def route(self, timeout: float) -> Route:
+        if self.status.state is S.READY:
+            return Route(self.base_url, self.launch)
+        with anyio.move_on_after(min(timeout, self.attach_wait)):
+            while True:
+                if self.desired is Desired.STOP:
+                    raise DeploymentStopped(self.name)
+                answers = await self.adapter.ready(self.base_url)
+                if self.desired is Desired.STOP:  # stopped while it was being checked
+                    raise DeploymentStopped(self.name)
+                if answers:
+                    self._set(S.READY)
+                    return Route(self.base_url, self.launch)
+                self._set(S.UNAVAILABLE, f"the attached engine at {self.base_url} does not answer")
+                await anyio.sleep(0.25)
+        raise EngineUnavailable(
+            f"the attached engine of {self.name!r} at {self.base_url} did not answer its health check",
+            model=self.name,
+        )
+
+    async def lost(self, route: Route, notice: float) -> CapyError | None:
+        """A broken connection to an attached engine: check it again on the next request."""
+        if self.status.state is S.READY:
+            self._set(S.UNAVAILABLE, f"lost the connection to the attached engine at {self.base_url}")
+        return None
+
+    def loading(self) -> Loading:
+        return Loading(str(self.status.state), None, [])
+
+
+Controller = ManagedController | AttachedController  # what serves one deployment
