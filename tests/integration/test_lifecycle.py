@@ -51,10 +51,11 @@ def test_listing_never_starts_but_a_request_does(capy: CapyServer, llama: LlamaP
     assert [(m["id"], m["object"], m["capyctl"]["api"]) for m in listed["data"]] == [("smollm2", "model", "chat")]
     time.sleep(0.5)
     assert status(capy)["state"] == "stopped" and status(capy)["instances"][0]["pid"] is None
+    assert status(capy)["desired"] == "on_demand"
     r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
                    json={"model": "smollm2", "messages": HELLO, "max_tokens": 8})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    assert status(capy)["state"] == "ready"
+    assert (status(capy)["state"], status(capy)["desired"]) == ("ready", "run")  # the request asked for it
 
 
 def test_operator_stop_is_sticky_until_started(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
@@ -67,8 +68,11 @@ def test_operator_stop_is_sticky_until_started(capy: CapyServer, llama: LlamaPat
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "deployment_stopped"
     assert "capyctl start deployment smollm2" in r.json()["error"]["message"]
-    assert status(capy)["state"] == "stopped"
+    assert (status(capy)["state"], status(capy)["desired"]) == ("stopped", "stop")
+    shown = capy.cli("status", "deployment", "smollm2").stdout
+    assert "desired     stop  (an operator's stop: only `capyctl start deployment` starts it)" in shown
     capy.cli("start", "deployment", "smollm2", "--wait")
+    assert status(capy)["desired"] == "run"
     r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=60,
                    json={"model": "smollm2", "messages": HELLO, "max_tokens": 4})
     assert r.status_code == 200
