@@ -9,6 +9,7 @@ from capyctl.domain.config import ServerConfig, resolve, schema
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import Limits
+from capyctl.domain.memory import Device
 
 
 def test_an_empty_file_is_the_defaults() -> None:
@@ -63,10 +64,30 @@ def test_deployment_files_name_the_line_of_a_bad_key() -> None:
 def test_the_schema_has_every_key_and_refuses_unknown_ones() -> None:
     out = schema()
     defs = out["$defs"]
-    assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits"}
+    assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits", "memory", "switching", "idle"}
+    assert set(defs["DeviceConfig"]["properties"]) == {"name", "capacity", "reserve"}
+    assert set(defs["SwitchingConfig"]["properties"]) == {"admission_window", "drain_timeout"}
     assert set(defs["QueueConfig"]["properties"]) == {"request_deadline", "stream_idle_timeout", "max_open",
                                                       "max_in_flight_per_instance", "max_pending_per_deployment",
                                                       "max_pending_total"}
     assert set(defs["LimitsConfig"]["properties"]) == {"max_body", "client_header_timeout", "client_body_timeout",
                                                        "max_connections", "max_event_size", "max_tool_calls"}
     assert all(d.get("additionalProperties") is False for d in defs.values())
+
+
+def test_devices_switching_and_idle() -> None:
+    text = ("memory:\n  devices:\n    - name: gpu0\n      capacity: 2.5GiB\n      reserve: 256MiB\n"
+            "switching:\n  admission_window: 500ms\nidle:\n  stop_after: 10m\n")
+    settings = resolve(decode_text(text, "c.yaml", ServerConfig), {})
+    assert settings.devices == (Device(name="gpu0", capacity=5 * 2**29, reserve=2**28),)
+    assert (settings.switching.admission_window, settings.switching.drain_timeout) == (0.5, 30.0)
+    assert (settings.idle.park_after, settings.idle.stop_after) == (None, 600.0)
+    assert resolve(decode_text("memory:\n  devices: auto\n", "c.yaml", ServerConfig), {}).devices == "auto"
+    assert resolve(ServerConfig(), {}).devices == ()  # none: no memory limit applies
+    for bad, says in (
+        ("memory:\n  devices:\n    - name: a\n      capacity: 1GiB\n      reserve: 1GiB\n", "smaller than"),
+        ("memory:\n  devices:\n    - {name: a, capacity: 1GiB}\n    - {name: a, capacity: 2GiB}\n", "own name"),
+        ("memory:\n  devices: some\n", "line 2"),
+    ):
+        with pytest.raises(InvalidConfig, match=says):
+            resolve(decode_text(bad, "c.yaml", ServerConfig), {})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from pytest_httpx import HTTPXMock
 
@@ -20,6 +21,7 @@ from capyctl.adapters.engines.vllm import VllmEngine, has_per_request_metrics
 from capyctl.domain.deployments import DeploymentSpec, EngineConfig, check_extra_args
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidConfig, InvalidEngine
+from capyctl.domain.memory import Residency
 
 BASE = "http://127.0.0.1:18000"
 
@@ -208,9 +210,28 @@ def test_vllm_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
     ]  # fmt: skip
     assert engine.environment(install(EngineFamily.VLLM, tmp_path, "0.32.0"), spec()) == {
         "HF_HUB_OFFLINE": "1",
-        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_SERVER_DEV_MODE": None,  # restart_only: the unauthenticated development routes stay closed
         "VLLM_API_KEY": None,  # removed: an inherited key would lock CapyCTL out
     }
+    assert "--enable-sleep-mode" not in argv
+
+
+@pytest.mark.parametrize("residency", ["host_backed", "deep"])
+def test_a_vllm_deployment_that_parks_gets_sleep_mode_and_the_dev_routes(
+    tmp_path: Path, client: httpx.AsyncClient, residency: str
+) -> None:
+    engine, parks = VllmEngine(client), msgspec.structs.replace(spec(), residency=Residency(residency))
+    assert "--enable-sleep-mode" in engine.command(install(EngineFamily.VLLM, tmp_path, "0.32.0"), parks, 1)
+    assert engine.environment(install(EngineFamily.VLLM, tmp_path, "0.32.0"), parks)["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_an_sglang_deployment_that_parks_gets_the_memory_saver(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    engine, sglang = SglangEngine(client), install(EngineFamily.SGLANG, tmp_path, "0.5.23")
+    host_backed = engine.command(sglang, msgspec.structs.replace(spec(), residency=Residency.HOST_BACKED), 1)
+    deep = engine.command(sglang, msgspec.structs.replace(spec(), residency=Residency.DEEP), 1)
+    assert {"--enable-memory-saver", "--enable-weights-cpu-backup"} <= set(host_backed)
+    assert "--enable-memory-saver" in deep and "--enable-weights-cpu-backup" not in deep
+    assert "--enable-memory-saver" not in engine.command(sglang, spec(), 1)
 
 
 @pytest.mark.parametrize(

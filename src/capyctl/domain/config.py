@@ -10,22 +10,18 @@ server runs with; command-line flags given explicitly win over the file.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from capyctl.domain.deployments import Strict, parse_duration
-from capyctl.domain.limits import Limits, parse_size
+from capyctl.domain.deployments import Strict
+from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.limits import Limits
+from capyctl.domain.memory import Device, Idle
 from capyctl.domain.scheduling import QueueLimits
+from capyctl.domain.units import DURATION_PATTERN as DURATION_PATTERN, SIZE_PATTERN as SIZE_PATTERN
+from capyctl.domain.units import Duration, Size, seconds, size
 
-DURATION_PATTERN = r"^\s*\d+(\.\d+)?\s*(ms|s|m|h)?\s*$"
-SIZE_PATTERN = r"^\s*\d+\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$"
-Duration = Annotated[str, msgspec.Meta(pattern=DURATION_PATTERN, description="a duration: 90s, 10m, 1h, 250ms")] | Annotated[
-    float, msgspec.Meta(gt=0, description="seconds")
-]
-Size = Annotated[str, msgspec.Meta(pattern=SIZE_PATTERN, description="a size: 64KiB, 4MiB, 6GiB")] | Annotated[
-    int, msgspec.Meta(gt=0, description="bytes")
-]
 Count = Annotated[int, msgspec.Meta(gt=0)]
 Limit = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -52,12 +48,48 @@ class LimitsConfig(Strict):
     max_tool_calls: Count = 256
 
 
+class DeviceConfig(Strict):
+    """One GPU (or other accelerator) whose memory CapyCTL hands out to deployments."""
+
+    name: str
+    capacity: Size
+    reserve: Size | None = None  # kept free for the driver and other programs
+
+
+class MemoryConfig(Strict):
+    """The devices deployments are charged against (LIFE-3). Empty: no memory limit applies."""
+
+    devices: list[DeviceConfig] | Literal["auto"] = []  # "auto": read the GPUs at start
+
+
+class SwitchingConfig(Strict):
+    """How a model that holds the room gives it up to one that needs it (LIFE-5)."""
+
+    admission_window: Duration = "2s"  # a victim still admits its own traffic this long, then drains
+    drain_timeout: Duration = "30s"  # past it the switch fails and the victim keeps serving
+
+
+class IdleConfig(Strict):
+    """Idle timers for every deployment that does not set its own; both off by default."""
+
+    park_after: Duration | None = None
+    stop_after: Duration | None = None
+
+
 class ServerConfig(Strict):
     """The whole file. Every key is optional; an empty file is the defaults."""
 
     default_model: str | None = None  # MOD-3: the deployment a chat request without `model` goes to
     queue: QueueConfig = QueueConfig()
     limits: LimitsConfig = LimitsConfig()
+    memory: MemoryConfig = MemoryConfig()
+    switching: SwitchingConfig = SwitchingConfig()
+    idle: IdleConfig = IdleConfig()
+
+
+class Switching(msgspec.Struct, frozen=True, kw_only=True):
+    admission_window: float = 2.0
+    drain_timeout: float = 30.0
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,14 +100,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_idle_timeout: float
     limits: Limits
     queue: QueueLimits
-
-
-def seconds(value: str | float, what: str) -> float:
-    return float(value) if not isinstance(value, str) else parse_duration(value, what)
-
-
-def size(value: str | int, what: str) -> int:
-    return value if not isinstance(value, str) else parse_size(value, what)
+    devices: tuple[Device, ...] | Literal["auto"] = ()
+    switching: Switching = Switching()
+    idle: Idle = Idle()
 
 
 def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
@@ -106,7 +133,33 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
             max_pending_total=q.max_pending_total,
             max_open=q.max_open,
         ),
+        devices=devices(config.memory.devices),
+        switching=Switching(
+            admission_window=seconds(config.switching.admission_window, "switching.admission_window"),
+            drain_timeout=seconds(config.switching.drain_timeout, "switching.drain_timeout"),
+        ),
+        idle=Idle(
+            park_after=None if config.idle.park_after is None else seconds(config.idle.park_after, "idle.park_after"),
+            stop_after=None if config.idle.stop_after is None else seconds(config.idle.stop_after, "idle.stop_after"),
+        ),
     )
+
+
+def devices(declared: list[DeviceConfig] | Literal["auto"]) -> tuple[Device, ...] | Literal["auto"]:
+    if declared == "auto":
+        return "auto"
+    out = []
+    for i, d in enumerate(declared):
+        where = f"memory.devices[{i}]"
+        device = Device(name=d.name, capacity=size(d.capacity, f"{where}.capacity"),
+                        reserve=0 if d.reserve is None else size(d.reserve, f"{where}.reserve"))
+        if device.reserve >= device.capacity:
+            raise InvalidConfig(f"{where}.reserve must be smaller than its capacity")
+        out.append(device)
+    names = [d.name for d in out]
+    if len(set(names)) != len(names):
+        raise InvalidConfig(f"memory.devices: each device needs its own name ({', '.join(names)})")
+    return tuple(out)
 
 
 def schema() -> dict[str, Any]:

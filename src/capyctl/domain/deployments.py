@@ -15,6 +15,9 @@ from typing import Literal
 import msgspec
 
 from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.memory import Residency
+from capyctl.domain.units import Duration, Size, seconds, size
+from capyctl.domain.units import parse_duration as parse_duration  # re-exported: the CLI parses flags with it
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole names only: fullmatch
 
@@ -31,6 +34,29 @@ class EngineConfig(Strict):
     context_length: int | None = None
     extra_args: list[str] = []
     env: dict[str, str] = {}  # extra environment variables for the engine process
+
+
+class Resources(Strict):
+    """What the deployment holds on its device (LIFE-3); without ``memory`` it is not accounted."""
+
+    memory: Size | None = None  # awake footprint: weights, KV cache, the engine's own
+    parked_memory: Size | None = None  # what stays on the device while parked (host_backed, deep)
+    device: str | None = None  # one of the server's memory.devices; default: the only one
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.memory is None else size(self.memory, "resources.memory")
+
+    @property
+    def parked_bytes(self) -> int:
+        return 0 if self.parked_memory is None else size(self.parked_memory, "resources.parked_memory")
+
+
+class IdleConfig(Strict):
+    """Idle timers for this deployment; each unset key takes the server's (LIFE-5)."""
+
+    park_after: Duration | None = None
+    stop_after: Duration | None = None
 
 
 ENGINE_FAMILIES = ("vllm", "sglang", "llamacpp", "tensorfold")
@@ -57,6 +83,9 @@ class DeploymentSpec(Strict):
     engine_version: str | None = None
     engine_config: EngineConfig = EngineConfig()
     notes: str | None = None  # an operator's free text, shown in GET /v1/models (MOD-2)
+    residency: Residency = Residency.RESTART_ONLY  # how it parks (LIFE-2)
+    resources: Resources = Resources()
+    idle: IdleConfig = IdleConfig()
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.fullmatch(self.name):
@@ -66,6 +95,15 @@ class DeploymentSpec(Strict):
             )
         if self.engine_config.context_length is not None and self.engine_config.context_length <= 0:
             raise InvalidConfig("engine_config.context_length must be a positive number of tokens")
+        memory, parked = self.resources.memory_bytes, self.resources.parked_bytes  # refuses a bad size
+        if parked and self.residency is Residency.RESTART_ONLY:
+            raise InvalidConfig("resources.parked_memory applies to a residency that parks (host_backed or deep); "
+                                "restart_only parks by stopping, which leaves nothing on the device")
+        if parked and (memory is None or parked > memory):
+            raise InvalidConfig("resources.parked_memory must be at most resources.memory")
+        for key, value in (("idle.park_after", self.idle.park_after), ("idle.stop_after", self.idle.stop_after)):
+            if value is not None:
+                seconds(value, key)
         if self.endpoint is None:
             if not self.model:
                 raise InvalidConfig("model is required: the model file or directory the engine loads")
@@ -80,6 +118,9 @@ class DeploymentSpec(Strict):
             )
         if self.engine_config != EngineConfig():
             raise InvalidConfig("engine_config does not apply to an attached engine: CapyCTL does not start it")
+        if self.residency is not Residency.RESTART_ONLY or self.resources != Resources() or self.idle != IdleConfig():
+            raise InvalidConfig("residency, resources and idle do not apply to an attached engine: "
+                                "CapyCTL neither starts, parks nor stops it")
 
     @property
     def attached(self) -> bool:
@@ -89,18 +130,6 @@ class DeploymentSpec(Strict):
     def served_model(self) -> str:
         """The model name CapyCTL sends to the engine."""
         return (self.model or self.name) if self.attached else self.name
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def parse_duration(text: str, what: str) -> float:
-    """Seconds from '300s', '10m', '1.5h', '250ms' or a bare number of seconds."""
-    match = _DURATION.match(text)
-    if not match or float(match.group(1)) <= 0:
-        raise InvalidConfig(f"{what}: {text!r} is not a duration; write it like 300s, 10m or 1h")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 def check_extra_args(extra_args: list[str], owned: dict[str, str]) -> None:

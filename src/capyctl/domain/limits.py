@@ -9,11 +9,11 @@ tool calls, past which its answer is refused as ``edge_error``).
 
 from __future__ import annotations
 
-import re
 
 import msgspec
 
 from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.units import parse_size as parse_size  # re-exported: the CLI parses flags with it
 
 MIB = 1024 * 1024
 
@@ -25,18 +25,6 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
     max_connections: int = 4096  # open client connections per API; past it, 503 too_many_connections
     max_event: int = 4 * MIB  # bytes in one engine SSE event; past it, edge_error
     max_tool_calls: int = 256  # tool calls in one answer; an index past it is edge_error
-
-
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
-_UNIT_BYTES = {None: 1, "B": 1, "KiB": 1024, "MiB": MIB, "GiB": 1024 * MIB, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
-
-
-def parse_size(text: str, what: str) -> int:
-    """Bytes from '512MiB', '6GiB', '64KiB', '1MB' or a bare number of bytes."""
-    match = _SIZE.match(text)
-    if not match or int(match.group(1)) <= 0:
-        raise InvalidConfig(f"{what}: {text!r} is not a size; write it like 64KiB, 4MiB or 6GiB")
-    return int(match.group(1)) * _UNIT_BYTES[match.group(2)]
 
 
 def parse_count(text: str, what: str) -> int:

@@ -24,6 +24,7 @@ from capyctl.domain.deployments import (
     check_extra_args,
 )
 from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.memory import Residency
 from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
     AlreadyExists,
@@ -39,6 +40,15 @@ from capyctl.domain.errors import (
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
+
+
+# The residency tiers each engine family can park with (LIFE-2); restart_only parks by stopping.
+PARKING: dict[str, tuple[Residency, ...]] = {
+    EngineFamily.VLLM: (Residency.RESTART_ONLY, Residency.HOST_BACKED, Residency.DEEP),
+    EngineFamily.SGLANG: (Residency.RESTART_ONLY, Residency.HOST_BACKED, Residency.DEEP),
+    EngineFamily.LLAMACPP: (Residency.RESTART_ONLY,),
+    EngineFamily.TENSORFOLD: (Residency.RESTART_ONLY,),
+}
 
 
 def decode_spec(document: Any) -> DeploymentSpec:
@@ -213,6 +223,11 @@ class Fleet:
         engine = self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
+        if spec.residency not in PARKING[engine.family]:
+            raise InvalidConfig(
+                f"residency {spec.residency} is not something {engine.family} can do; it can: "
+                f"{', '.join(PARKING[engine.family])}"
+            )
         adapter = self._adapters[engine.family]
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)

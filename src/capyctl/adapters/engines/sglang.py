@@ -11,7 +11,9 @@ without running a generation. Running and waiting counts are the ``/metrics``
 gauges ``sglang:num_running_reqs`` and ``sglang:num_queue_reqs``, labelled by
 model, engine type and ranks (summed over label sets). The running version is
 the ``version`` field of ``GET /get_server_info`` (``GET /server_info`` where
-that older route is gone).
+that older route is gone). A deployment whose residency parks gets
+``--enable-memory-saver`` (the release and resume routes), and a host_backed
+one ``--enable-weights-cpu-backup`` too (its weights survive a release).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.memory import Residency
 from capyctl.domain.ports import EngineAdapter
 
 DISTRIBUTION = "sglang"
@@ -44,6 +47,8 @@ _OWNED = {
     "--enable-cache-report": "cached-token counts in usage, always on (MET-4)",
     "--no-enable-cache-report": "cached-token counts in usage, always on (MET-4)",
     "--context-length": "use engine_config.context_length",
+    "--enable-memory-saver": "parking, from the deployment's residency",
+    "--enable-weights-cpu-backup": "parking, from the deployment's residency",
 }
 
 
@@ -68,6 +73,10 @@ class SglangEngine(EngineAdapter):
         argv += ["--host", "127.0.0.1", "--port", str(port), "--enable-metrics", "--enable-cache-report"]
         if spec.engine_config.context_length is not None:
             argv += ["--context-length", str(spec.engine_config.context_length)]
+        if spec.residency is not Residency.RESTART_ONLY:
+            argv.append("--enable-memory-saver")
+        if spec.residency is Residency.HOST_BACKED:
+            argv.append("--enable-weights-cpu-backup")
         return argv + list(spec.engine_config.extra_args)
 
     def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:

