@@ -300,3 +300,26 @@ class LlmUnavailable(CapyError):
             f"capyctl start deployment {model}",
             model=model, reason=reason,
         )
+
+
+class InsufficientMemory(CapyError):
+    """LIFE-3 (Citadel): the model cannot fit on its device even with every movable model gone."""
+
+    code = "insufficient_memory"
+
+    def __init__(self, model: str, reason: str, retry_after: int) -> None:
+        super().__init__(f"model {model!r} does not fit: {reason}", model=model, reason=reason,
+                         retry_after_s=retry_after)
+        self.retry_after = retry_after
+
+
+class GpuBusy(CapyError):
+    """LIFE-5 (Citadel's ``gpu-busy``): a switch to make room failed (its drain ran out); the models that
+    hold the device keep serving, and the request may be retried."""
+
+    code = "gpu-busy"
+
+    def __init__(self, model: str, reason: str, retry_after: int) -> None:
+        super().__init__(f"model {model!r} could not be switched in: {reason}; retry in {retry_after} s",
+                         model=model, reason=reason, retry_after_s=retry_after)
+        self.retry_after = retry_after

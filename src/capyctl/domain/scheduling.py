@@ -23,8 +23,24 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import NamedTuple
 
 import msgspec
+
+
+class Route(NamedTuple):
+    """Where a request was sent: the engine's URL, and which launch of the engine answered there."""
+
+    url: str
+    launch: int
+
+
+class Loading(NamedTuple):
+    """A model that is not ready, as a client is told about it: its state, and what its starts measured."""
+
+    state: str
+    starting_for: float | None  # seconds since the current start began, None when none is under way
+    cold_starts: list[float]
 
 
 class QueueLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +140,10 @@ class Admission:
 
     def in_flight(self, name: str) -> int:
         return self._of(name).in_flight
+
+    def queued(self, name: str) -> list[str]:
+        """The requests waiting for ``name``, first to be granted first."""
+        return list(self._of(name).queue)
 
     def waiting(self, name: str) -> int:
         return len(self._of(name).queue)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from dependency_injector import containers, providers
 
@@ -29,8 +30,9 @@ from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.events import Events
-from capyctl.services.fleet import Fleet
 from capyctl.services.controllers import ControllerSettings
+from capyctl.services.fleet import Fleet
+from capyctl.services.switching import Switchboard
 
 
 def open_store(state_dir: StateDir) -> Iterator[SqliteStore]:
@@ -50,6 +52,13 @@ def key_list(state_dir: StateDir) -> Callable[[], list[str]]:
     """The accepted API keys (today the one in identity/credentials, written on first start)."""
     keys = [state_dir.api_key()]
     return lambda: keys
+
+
+def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
+    """The fleet, with the switchboard reading its controllers."""
+    fleet = Fleet(room=room, **parts)
+    room.bind(fleet.controllers)
+    return fleet
 
 
 class Container(containers.DeclarativeContainer):
@@ -79,8 +88,16 @@ class Container(containers.DeclarativeContainer):
         host_name=providers.Callable(socket.gethostname),
     )
 
+    admission = providers.Singleton(
+        AdmissionService, limits=config.queue_limits, clock=clock, ready_timeout=config.request_deadline
+    )
+    switchboard = providers.Singleton(
+        Switchboard, devices=config.devices, switching=config.switching, admission=admission, clock=clock,
+        events=events,
+    )
     fleet = providers.Singleton(
-        Fleet,
+        make_fleet,
+        room=switchboard,
         store=store,
         adapters=adapters,
         processes=processes,
@@ -89,9 +106,6 @@ class Container(containers.DeclarativeContainer):
         pick_port=providers.Object(free_port),
         log_root=providers.Callable(log_root, state_dir),
         settings=controller_settings,
-    )
-    admission = providers.Singleton(
-        AdmissionService, limits=config.queue_limits, clock=clock, ready_timeout=config.request_deadline
     )
     chat_service = providers.Singleton(
         ChatService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,

@@ -25,6 +25,7 @@ from capyctl.adapters.http.management import create_management_app
 from capyctl.adapters.http.protocol import guarded_protocol
 from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
+from capyctl.adapters.devices import read_devices
 from capyctl.domain.config import ServerConfig, Settings, resolve
 from capyctl.domain.limits import Limits
 from capyctl.entrypoints.container import Container
@@ -55,7 +56,9 @@ def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container
         {"state_dir": state_dir, "request_deadline": settings.request_deadline,
          "stream_idle_timeout": settings.stream_idle_timeout, "default_model": settings.default_model,
          "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls,
-         "queue_limits": settings.queue}
+         "queue_limits": settings.queue,
+         "devices": read_devices() if settings.devices == "auto" else settings.devices,
+         "switching": settings.switching}
     )
     return container
 

@@ -23,8 +23,7 @@ import anyio
 from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
 from capyctl.domain.ports import Clock
 from capyctl.domain.requests import RequestRecord
-from capyctl.domain.scheduling import GRANTED, Admission, QueueLimits, Refused, loading_retry_after
-from capyctl.services.controllers import Loading, Route
+from capyctl.domain.scheduling import GRANTED, Admission, Loading, QueueLimits, Refused, Route, loading_retry_after
 
 
 class Schedulable(Protocol):
@@ -43,12 +42,38 @@ class AdmissionService:
         self._clock = clock
         self._ready_timeout = ready_timeout  # the request deadline: a waiter is cut by then anyway
         self._wakers: dict[str, anyio.Event] = {}
+        self._arrived: dict[str, float] = {}  # when each waiting request arrived (monotonic)
+        self._held: set[str] = set()  # deployments that grant nothing now: they drain for a switch
+        self.last_used: dict[str, float] = {}  # when a request last arrived for a deployment or left it
         self.on_wait: Callable[[str, float], None] = lambda deployment, seconds: None  # for metrics
+
+    # --- what the switchboard asks and does ---------------------------------------------------
+    def hold(self, name: str) -> None:
+        """Grant nothing more to ``name`` (its drain before a switch); arrivals wait in its queue."""
+        self._held.add(name)
+
+    def unhold(self, name: str, runner: Schedulable) -> None:
+        """Grant again (the switch is over); its waiters look again at once."""
+        self._held.discard(name)
+        self._wake(name, runner)
+        for waiting in self.state.queued(name):
+            waker = self._wakers.get(waiting)
+            if waker is not None:
+                waker.set()
+
+    def oldest_waiting(self, name: str) -> float | None:
+        """When the request that has waited longest for ``name`` arrived, None when nobody waits."""
+        queued = self.state.queued(name)
+        return self._arrived.get(queued[0]) if queued else None
+
+    def _open(self, name: str, runner: Schedulable) -> bool:
+        return runner.ready and name not in self._held
 
     @asynccontextmanager
     async def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
         name = record.deployment
-        decision = self.state.arrive(name, record.id, runner.ready)
+        self.last_used[name] = self._clock.monotonic()
+        decision = self.state.arrive(name, record.id, self._open(name, runner))
         if decision != GRANTED:
             if isinstance(decision, Refused):
                 if not runner.ready and decision.code == "queue_full":
@@ -63,13 +88,15 @@ class AdmissionService:
         try:
             yield
         finally:
-            self.state.release(name, self._clock.monotonic() - began)
+            self.last_used[name] = now = self._clock.monotonic()
+            self.state.release(name, now - began)
             self._wake(name, runner)
 
     async def _wait(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> None:
         """Wait in line until granted; leaves the line (and re-raises) on any way out but a grant."""
         name, me = record.deployment, record.id
         waker = self._wakers[me] = anyio.Event()
+        self._arrived[me] = self._clock.monotonic()
         try:
             if wait == 0:
                 if not runner.ready:
@@ -94,10 +121,10 @@ class AdmissionService:
                 self._wake(name, runner)
             raise
         finally:
-            del self._wakers[me]
+            del self._wakers[me], self._arrived[me]
 
     def _wake(self, name: str, runner: Schedulable) -> None:
-        for granted in self.state.grants(name, runner.ready):
+        for granted in self.state.grants(name, self._open(name, runner)):
             waker = self._wakers.get(granted)
             if waker is not None:
                 waker.set()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -45,31 +45,21 @@ from capyctl.domain.errors import (
     DeploymentStopped,
     EngineRestarted,
     EngineUnavailable,
+    GpuBusy,
+    InsufficientMemory,
     LlmUnavailable,
 )
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
 from capyctl.domain.requests import RequestRecord
+from capyctl.domain.scheduling import Loading, Route
+from capyctl.domain.settlement import ENGINE_STOP
 from capyctl.services.events import Events
 from capyctl.services.settling import Settlement
+from capyctl.services.switching import NoSwitchboard, Occupant
 
 log = logging.getLogger("capyctl.controller")
 S = InstanceState
-
-
-class Route(NamedTuple):
-    """Where a request was sent: the engine's URL, and which launch of the engine answered there."""
-
-    url: str
-    launch: int
-
-
-class Loading(NamedTuple):
-    """A model that is not ready, as a client is told about it: its state, and what its starts measured."""
-
-    state: str
-    starting_for: float | None  # seconds since the current start began, None when none is under way
-    cold_starts: list[float]
 
 
 class Serving(Protocol):
@@ -101,6 +91,12 @@ class Serving(Protocol):
 
     def cut(self, record: RequestRecord) -> None:
         """A request sent to this deployment's engine was cut: it stays counted until settled."""
+
+
+class Room(Protocol):
+    """Where a managed controller asks for room on its device before each launch (``Switchboard``)."""
+
+    async def claim(self, occupant: Occupant) -> None: ...
 
 
 class ControllerSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -190,8 +186,13 @@ class ManagedController(_Controller):
         log_dir: Path,
         settings: ControllerSettings,
         fields: RowChoice,
+        room: Room | None = None,
     ) -> None:
         super().__init__(deployment, engine, adapter, clock, events, fields)
+        self._room: Room = room or NoSwitchboard()
+        self._holds = False  # granted room on its device, until its engine process is gone
+        self._asks = 0  # starts asked for (by requests or an operator); a refusal answers one of them
+        self._refused: tuple[int, CapyError] | None = None
         self._processes = processes
         self._pick_port = pick_port
         self._log_dir = log_dir
@@ -222,11 +223,37 @@ class ManagedController(_Controller):
         on demand, or stop. Returns at once; the controller's task acts on it."""
         if desired is Desired.RUN and self.status.state in (S.STOPPED, S.FAILED):
             self._failures, self._relaunch = 0, False  # a new start budget, and no backoff before it
+        if desired is Desired.RUN and self.desired is not Desired.RUN:
+            self._asks += 1
         self._desire(desired)
 
     def ask(self) -> None:
         if self.desired is Desired.ON_DEMAND:
+            self._asks += 1
             self._desire(Desired.RUN)
+
+    # --- what the switchboard asks ------------------------------------------------------------
+    @property
+    def holds(self) -> bool:
+        """True from the grant of room on its device until its engine process is gone."""
+        return self._holds
+
+    @property
+    def state(self) -> InstanceState:
+        return self.status.state
+
+    def grant_room(self) -> None:
+        self._holds = True
+
+    def unsettled_before_output(self) -> int:
+        return sum(entry["count"] for entry in self.settlement.ledger.counts() if entry["rule"] == ENGINE_STOP)
+
+    async def give_way(self) -> None:
+        """Stop for a switch, not stickily: the next request starts it again. Returns once the process is gone."""
+        if self.desired is Desired.RUN:
+            self._desire(Desired.ON_DEMAND)
+        while self._holds:
+            await self._changed.wait()
 
     def _desire(self, desired: Desired) -> None:
         self.desired = desired
@@ -258,13 +285,20 @@ class ManagedController(_Controller):
         if self.status.state is S.READY:  # the common case: no scope, no waiting
             return Route(self._url, self.launch)
         self.ask()
+        attempt = self._asks
         with anyio.move_on_after(timeout):
             while True:
                 if self.desired is Desired.STOP:
                     raise DeploymentStopped(self.name)
+                if self._refused is not None and self._refused[0] == attempt:
+                    raise self._refused[1]  # no room on its device for the start this request asked for
                 state = self.status.state
                 if state is S.READY:
                     return Route(self._url, self.launch)
+                if state is S.STOPPED and self.desired is Desired.ON_DEMAND:
+                    self.ask()  # it gave way to a switch meanwhile: ask for it again
+                    attempt = self._asks
+                    continue
                 if state is S.FAILED:
                     raise LlmUnavailable(self.name, str(self.status.last_error), self.status.log_path)
                 if self._done():
@@ -338,7 +372,14 @@ class ManagedController(_Controller):
                 self._events.emit(self.name, "engine_restarting", instance=0, after_s=delay)
                 await anyio.sleep(delay)
                 self.status.restarts += 1
-            stable = await self._launch_once()
+            try:
+                stable = await self._launch_once()
+            except (InsufficientMemory, GpuBusy) as refusal:  # no room: the requests that asked are told
+                self._refused = (self._asks, refusal)
+                self.status.last_error = refusal.message
+                self.desired = Desired.ON_DEMAND
+                self._to_stopped()
+                return
             self._failures = 0 if stable else self._failures + 1
             self._relaunch = True
         self._launch_scope = None
@@ -360,6 +401,14 @@ class ManagedController(_Controller):
         A launch that never became ready, or crashed soon after, counts as a failed start, so an
         engine that crashes after each start backs off and ends FAILED.
         """
+        await self._room.claim(self)
+        try:
+            return await self._run_engine()
+        finally:
+            self._holds = False  # the process is gone (or never began): what it held is free
+            self._notify()
+
+    async def _run_engine(self) -> bool:
         self.launch += 1
         port = self._pick_port()
         argv = self.adapter.command(self.engine, self.deployment.spec, port)

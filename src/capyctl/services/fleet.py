@@ -40,6 +40,7 @@ from capyctl.domain.errors import (
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
+from capyctl.services.switching import NoSwitchboard, Switchboard
 
 
 # The residency tiers each engine family can park with (LIFE-2); restart_only parks by stopping.
@@ -88,7 +89,9 @@ class Fleet:
         pick_port: Callable[[], int],
         log_root: Path,
         settings: ControllerSettings,
+        room: Switchboard | None = None,
     ) -> None:
+        self._room = room or NoSwitchboard()
         self._store = store
         self._adapters = adapters
         self._processes = processes
@@ -160,7 +163,7 @@ class Fleet:
         else:
             controller = ManagedController(
                 deployment, engine, adapter, self._processes, self._clock, self._events,
-                self._pick_port, self._log_root / deployment.spec.name, self._settings, fields,
+                self._pick_port, self._log_root / deployment.spec.name, self._settings, fields, self._room,
             )
         assert self._task_group is not None
         controller.bind(self._task_group)
@@ -228,12 +231,22 @@ class Fleet:
                 f"residency {spec.residency} is not something {engine.family} can do; it can: "
                 f"{', '.join(PARKING[engine.family])}"
             )
+        self._check_device(spec)
         adapter = self._adapters[engine.family]
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)
         if not local_path(str(spec.model), "model", InvalidConfig).exists():
             raise InvalidConfig(f"model {spec.model!r} does not exist on this machine")
         return None
+
+    def _check_device(self, spec: DeploymentSpec) -> None:
+        devices = self._room.devices
+        named = spec.resources.device
+        if named is not None and named not in devices:
+            known = ", ".join(devices) or "none: this server's memory.devices is empty"
+            raise InvalidConfig(f"resources.device {named!r} is not one of this server's devices ({known})")
+        if spec.resources.memory is not None and named is None and len(devices) > 1:
+            raise InvalidConfig(f"resources.device is required: this server has several devices ({', '.join(devices)})")
 
     async def apply(self, document: Any, activate: bool) -> tuple[str, Controller]:
         spec = decode_spec(document)

@@ -41,6 +41,8 @@ STATUS: dict[str, int] = {
     "model_loading": 503,
     "queued": 503,
     "device_busy": 503,
+    "gpu-busy": 503,
+    "insufficient_memory": 503,
 }
 _OWN_TYPE = frozenset({"edge_error"})  # codes whose envelope type is the code itself (Citadel)
 

@@ -1,0 +1,219 @@
+"""The switchboard: room on a device for an engine, made by switching models out when needed (LIFE-3, LIFE-5).
+
+A managed controller asks ``claim`` before each launch. With no device
+declared, or no ``resources.memory`` on the deployment, the claim is granted
+at once: nothing is accounted. Otherwise the domain's ``plan`` decides:
+
+- it fits: granted; the controller holds its footprint from now until its
+  process is gone;
+- it never can: ``InsufficientMemory`` at once, with the figures;
+- victims must make room: a switch. Each victim keeps admitting its own
+  traffic for the admission window, then drains (``domain.memory.gate``)
+  and gives way (restart_only: it stops, not stickily; its own waiters
+  then ask for it again, and it queues for the device like any model). A
+  drain that runs out fails the switch: the victims keep serving and the
+  claim fails with ``GpuBusy``;
+- what holds the room cannot move now (requests wait for it, or it is
+  changing state): the claim waits and the plan is made again.
+
+Switches on one device run one at a time; among the claims waiting for a
+device, the model whose waiting request arrived first goes next. Nothing
+admitted is ever cut by a switch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import anyio
+
+from capyctl.domain.config import Switching
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.errors import GpuBusy, InsufficientMemory
+from capyctl.domain.memory import (
+    Device,
+    Fits,
+    Gate,
+    Holding,
+    NeverFits,
+    NotNow,
+    Resident,
+    SwitchPlan,
+    Window,
+    gate,
+    next_in_line,
+    plan,
+)
+from capyctl.domain.ports import Clock
+from capyctl.services.admission import AdmissionService
+from capyctl.services.events import Events
+
+log = logging.getLogger("capyctl.switching")
+LOOK_AGAIN = 0.05  # seconds between looks while a claim waits or a victim drains
+
+
+class Occupant(Protocol):
+    """A deployment's controller as the switchboard sees it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def spec(self) -> DeploymentSpec: ...
+    @property
+    def holds(self) -> bool: ...
+    @property
+    def ready(self) -> bool: ...
+
+    def unsettled_before_output(self) -> int: ...
+    def grant_room(self) -> None: ...
+    async def give_way(self) -> None:
+        """Stop (not stickily) for a switch; returns once the engine process is gone."""
+
+
+class Switchboard:
+    def __init__(
+        self, devices: Sequence[Device], switching: Switching, admission: AdmissionService, clock: Clock,
+        events: Events,
+    ) -> None:
+        self.devices = {d.name: d for d in devices}
+        self._switching = switching
+        self._admission = admission
+        self._clock = clock
+        self._events = events
+        self._occupants: Callable[[], Sequence[Occupant]] = lambda: ()
+        self._busy: set[str] = set()  # devices with a switch (or a plan) under way
+        self._claims: dict[str, dict[str, float]] = {name: {} for name in self.devices}  # device -> name -> since
+        self.last_switch: dict[str, dict[str, object]] = {}  # device -> what its last switch did
+
+    def bind(self, occupants: Callable[[], Sequence[Occupant]]) -> None:
+        """Where the switchboard finds every deployment's controller (the fleet's)."""
+        self._occupants = occupants
+
+    def device_of(self, spec: DeploymentSpec) -> Device | None:
+        """The device a deployment is charged against; None when it is not accounted."""
+        if spec.resources.memory_bytes is None or not self.devices:
+            return None
+        if spec.resources.device is not None:
+            return self.devices.get(spec.resources.device)
+        return next(iter(self.devices.values())) if len(self.devices) == 1 else None
+
+    def resident(self, occupant: Occupant) -> Resident:
+        spec, name = occupant.spec, occupant.name
+        return Resident(
+            name=name,
+            memory=spec.resources.memory_bytes or 0,
+            parked_memory=spec.resources.parked_bytes,
+            residency=spec.residency,
+            holding=Holding.AWAKE if occupant.holds else Holding.NONE,
+            movable=occupant.ready,
+            waiting=self._admission.state.waiting(name),
+            last_used=self._admission.last_used.get(name, 0.0),
+            unsettled_before_output=occupant.unsettled_before_output(),
+        )
+
+    def charged(self, device: Device) -> dict[str, int]:
+        """What each deployment on ``device`` holds now, in bytes."""
+        return {o.name: self.resident(o).charged for o in self._on(device) if o.holds}
+
+    def _on(self, device: Device) -> list[Occupant]:
+        return [o for o in self._occupants() if self.device_of(o.spec) is device]
+
+    async def claim(self, occupant: Occupant) -> None:
+        """Room for ``occupant``'s engine; it holds its footprint once this returns (``grant_room``)."""
+        device = self.device_of(occupant.spec)
+        if device is None:
+            occupant.grant_room()
+            return
+        claims = self._claims[device.name]
+        claims[occupant.name] = self._clock.monotonic()
+        try:
+            while True:
+                if device.name not in self._busy and self._next(device) == occupant.name:
+                    self._busy.add(device.name)
+                    try:
+                        if await self._try(device, occupant):
+                            return
+                    finally:
+                        self._busy.discard(device.name)
+                await anyio.sleep(LOOK_AGAIN)
+        finally:
+            del claims[occupant.name]
+
+    def _next(self, device: Device) -> str | None:
+        claims = self._claims[device.name]
+        since = {name: self._admission.oldest_waiting(name) or at for name, at in claims.items()}
+        return next_in_line(since)
+
+    async def _try(self, device: Device, occupant: Occupant) -> bool:
+        """One plan for ``occupant``: True once it was granted room, False to look again later."""
+        others = [self.resident(o) for o in self._on(device) if o.name != occupant.name]
+        outcome = plan(device, self.resident(occupant), others)
+        if isinstance(outcome, Fits):
+            occupant.grant_room()
+            return True
+        if isinstance(outcome, NeverFits):
+            self._events.emit(occupant.name, "switch_failed", device=device.name, reason=outcome.reason)
+            raise InsufficientMemory(occupant.name, outcome.reason, self._retry_after(occupant.name))
+        if isinstance(outcome, NotNow):
+            return False
+        assert isinstance(outcome, SwitchPlan)
+        await self._switch(device, outcome)
+        return False  # planned again at once: it should fit now
+
+    async def _switch(self, device: Device, switch: SwitchPlan) -> None:
+        began = self._clock.monotonic()
+        described = switch.describe()
+        self._events.emit(switch.target, "switch_planned", device=device.name, **described)
+        by_name = {o.name: o for o in self._occupants()}
+        victims = [by_name[v.name] for v in switch.victims if v.name in by_name]
+        outcomes: dict[str, Gate] = {}
+        async with anyio.create_task_group() as tg:
+            for victim in victims:
+                tg.start_soon(self._drain, victim, began, outcomes)
+        if any(outcome is Gate.TIMED_OUT for outcome in outcomes.values()):
+            for victim in victims:  # they keep serving: nothing of theirs was cut
+                self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]
+            slow = [name for name, outcome in outcomes.items() if outcome is Gate.TIMED_OUT]
+            reason = (f"{', '.join(slow)} did not finish its requests within switching.drain_timeout "
+                      f"({self._switching.drain_timeout:.0f} s); it keeps serving")
+            self.last_switch[device.name] = {**described, "outcome": "failed", "reason": reason}
+            self._events.emit(switch.target, "switch_failed", device=device.name, reason=reason, **described)
+            raise GpuBusy(switch.target, reason, self._retry_after(slow[0]))
+        async with anyio.create_task_group() as tg:
+            for victim in victims:
+                tg.start_soon(self._give_way, victim)
+        seconds = round(self._clock.monotonic() - began, 3)
+        self.last_switch[device.name] = {**described, "outcome": "completed", "seconds": seconds}
+        self._events.emit(switch.target, "switch_completed", device=device.name, seconds=seconds, **described)
+
+    async def _drain(self, victim: Occupant, began: float, outcomes: dict[str, Gate]) -> None:
+        window = Window(planned_at=began, admission_window=self._switching.admission_window,
+                        drain_timeout=self._switching.drain_timeout)
+        while True:
+            phase, window = gate(window, self._clock.monotonic(), self._admission.state.in_flight(victim.name))
+            if phase is not Gate.ADMIT:
+                self._admission.hold(victim.name)
+            if phase in (Gate.DRAINED, Gate.TIMED_OUT):
+                outcomes[victim.name] = phase
+                return
+            await anyio.sleep(LOOK_AGAIN)
+
+    async def _give_way(self, victim: Occupant) -> None:
+        try:
+            await victim.give_way()
+        finally:
+            self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]  # its waiters ask for it again
+
+    def _retry_after(self, name: str) -> int:
+        return self._admission.state.retry_after(name, 1)
+
+
+class NoSwitchboard:
+    """Room is always there: no device is accounted (unit tests of the controllers)."""
+
+    devices: dict[str, Device] = {}
+
+    async def claim(self, occupant: Occupant) -> None:
+        occupant.grant_room()
