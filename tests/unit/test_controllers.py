@@ -16,7 +16,8 @@ from capyctl.domain.deployments import Deployment, Desired, InstanceState, Step,
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DeploymentStopped, EngineRestarted, LlmUnavailable
 from capyctl.domain.fields import row_for
-from capyctl.services.controllers import ControllerSettings, ManagedController, Route
+from capyctl.domain.scheduling import Route
+from capyctl.services.controllers import ControllerSettings, ManagedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from tests.fakes.ports import FakeEngineAdapter, FakeProcessControl, FakeStore, VirtualClock, virtual_time
