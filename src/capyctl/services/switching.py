@@ -109,7 +109,9 @@ class Switchboard:
             holding=Holding.AWAKE if occupant.holds else Holding.NONE,
             movable=occupant.ready,
             waiting=self._admission.state.waiting(name),
-            last_used=self._admission.last_used.get(name, 0.0),
+            # a model with requests at its engine is in use now
+            last_used=self._clock.monotonic() if self._admission.state.in_flight(name)
+            else self._admission.last_used.get(name, 0.0),
             unsettled_before_output=occupant.unsettled_before_output(),
         )
 
