@@ -98,7 +98,13 @@ written on receipt, before it is acted on: ``method``, ``path``, ``query`` exact
 ``aborted`` (one per request the engine aborted: ``request_id``, ``reason`` such as
 ``sleep_mode_abort``), ``queued`` (a chat arrived that cannot start yet), ``client_gone``,
 and ``stopped`` with ``reason`` ``sigterm``, ``exit``, ``crash_on_wake`` or ``error``.
-``read_timeline`` and ``intervals`` (below) read it back.
+A state line is written when its change is complete (``asleep`` after ``STANDIN_SLEEP_S``,
+``awake`` after ``STANDIN_WAKE_S``), a ``call`` line when the request arrives: to ask
+"did B begin waking before A was asleep", compare B's ``/wake_up`` call line with A's
+``slept`` line. The pure helpers ``read_timeline``, ``intervals`` (``(name, pid, state,
+start, end)`` stretches), ``overlaps`` (stretches of two processes in one state at the
+same time) and ``calls`` (``(path, query)`` in order) read it back; ``expected_text(body)``
+and ``answer_text(...)`` give the answers.
 
 Choices where ENGINES.md is silent
 ----------------------------------
@@ -133,6 +139,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -526,7 +533,10 @@ Answer = tuple[int, bytes, "str | None"]
 class Chat:
     """One chat request inside the engine."""
 
+    _keys = itertools.count()
+
     def __init__(self, rid: str, body: dict[str, Any]) -> None:
+        self.key = next(self._keys)  # ``rid`` may repeat (a client's X-Request-Id); this never does
         self.rid = rid
         self.body = body
         self.aborted: str | None = None
@@ -550,8 +560,9 @@ class Engine:
         self.wrong = False
         self.hold_new = False  # a sleep is draining, or SGLang generation is paused
         self.frozen = False  # running requests hold where they are (vLLM keep mode, SGLang retract/in_place)
-        self.running: dict[str, Chat] = {}
-        self.waiting: dict[str, Chat] = {}
+        self.running: dict[int, Chat] = {}
+        self.waiting: dict[int, Chat] = {}
+        self.stopping = False
         self.op_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -658,18 +669,19 @@ class Engine:
             stream and ("--enable-force-include-usage" in self.opts.flags
                         or "--stream-response-default-include-usage" in self.opts.flags))
         chat = Chat(self.request_id(request, body), body)
-        self.waiting[chat.rid] = chat
+        self.waiting[chat.key] = chat
         try:
             if not self.can_start():
                 self.mark("queued", request_id=chat.rid)
                 await self.wait_for(lambda: chat.aborted is not None or self.can_start())
         except BaseException:
-            self.waiting.pop(chat.rid, None)
+            self.waiting.pop(chat.key, None)
             self.notify()
-            self.mark("client_gone", request_id=chat.rid)
+            if not self.stopping:
+                self.mark("client_gone", request_id=chat.rid)
             raise
-        del self.waiting[chat.rid]
-        self.running[chat.rid] = chat
+        del self.waiting[chat.key]
+        self.running[chat.key] = chat
         chat.scheduled = time.monotonic()
         self.notify()
         finished = False
@@ -680,9 +692,9 @@ class Engine:
                 await self.whole(conn, chat)
             finished = True
         finally:
-            self.running.pop(chat.rid, None)
+            self.running.pop(chat.key, None)
             self.notify()
-            if not finished:
+            if not finished and not self.stopping:
                 self.mark("client_gone", request_id=chat.rid)
         return True
 
@@ -721,9 +733,9 @@ class Engine:
                 return self.error(400, f"max_tokens={n} cannot be greater than max_model_len={limit}. Please "
                                        f"request fewer output tokens. (parameter=max_tokens, value={n})",
                                   "BadRequestError", "max_tokens"), None
-        elif self.opts.max_len is not None and max_tokens_of(body) + prompt_tokens(body["messages"]) > self.opts.max_len:
+        elif (limit := self.opts.max_len) is not None and max_tokens_of(body) + prompt_tokens(body["messages"]) > limit:
             return self.error(400, "Requested token count exceeds the model's maximum context length of "
-                                   f"{self.opts.max_len} tokens."), None
+                                   f"{limit} tokens."), None
         return None, body
 
     async def generate(self, chat: Chat) -> Any:
@@ -1219,6 +1231,7 @@ async def serve(opts: Options, settings: Settings) -> int:
         print(f"standin {opts.family} {opts.version} serving {opts.name} on http://{opts.host}:{port}", flush=True)
         await stop.wait()
         reason = "sigterm"
+        engine.stopping = True
         server.close()
         for task in list(engine.tasks):
             task.cancel()
