@@ -138,6 +138,8 @@ class FakeEngineAdapter:
     def __init__(self) -> None:
         self.healthy = True
         self.probed: list[Path] = []
+        self.calls: list[str] = []
+        self.sleeping: bool | None = False
 
     def recognises(self, path: Path) -> bool:
         return True
@@ -160,3 +162,15 @@ class FakeEngineAdapter:
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
         return (0, 0)
+
+    # parking: each call is recorded in ``calls``; ``sleeping`` is what the engine says of itself
+    async def park(self, base_url: str, residency: Any) -> None:
+        self.calls.append(f"park {residency}")
+        self.sleeping = True
+
+    async def wake(self, base_url: str, residency: Any, model: str) -> None:
+        self.calls.append(f"wake {residency}")
+        self.sleeping = False
+
+    async def parked(self, base_url: str) -> bool | None:
+        return self.sleeping

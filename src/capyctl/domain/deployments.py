@@ -161,6 +161,9 @@ class InstanceState(enum.StrEnum):
     STOPPING = "stopping"
     FAILED = "failed"
     UNAVAILABLE = "unavailable"  # an attached engine that does not answer
+    PARKING = "parking"  # drained; the engine is letting go of its device memory
+    PARKED = "parked"  # the engine sleeps, holding only its parked footprint (LIFE-2)
+    WAKING = "waking"  # the engine is taking its memory back
 
 
 S = InstanceState
@@ -170,10 +173,14 @@ S = InstanceState
 TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     S.STOPPED: frozenset({S.STARTING, S.UNAVAILABLE}),
     S.STARTING: frozenset({S.READY, S.STOPPING, S.FAILED, S.STARTING}),
-    S.READY: frozenset({S.STOPPING, S.STARTING, S.UNAVAILABLE, S.STOPPED}),  # READY -> STARTING: crash, restart
+    # READY -> STARTING: a crash, and the restart; -> UNAVAILABLE, STOPPED: attached engines
+    S.READY: frozenset({S.STOPPING, S.STARTING, S.UNAVAILABLE, S.STOPPED, S.PARKING}),
     S.STOPPING: frozenset({S.STOPPED}),
     S.FAILED: frozenset({S.STARTING, S.STOPPED}),
     S.UNAVAILABLE: frozenset({S.READY, S.STOPPED}),
+    S.PARKING: frozenset({S.PARKED, S.READY, S.STOPPING, S.STARTING}),  # READY: the engine refused to sleep
+    S.PARKED: frozenset({S.WAKING, S.STOPPING, S.STARTING}),
+    S.WAKING: frozenset({S.READY, S.STOPPING, S.STARTING}),
 }
 
 
@@ -187,6 +194,7 @@ class Desired(enum.StrEnum):
 
     RUN = "run"  # keep an engine serving: an operator's start, or a request for the model
     ON_DEMAND = "on_demand"  # nothing runs until a request asks for the model
+    PARK = "park"  # keep the engine asleep until a request (or an operator's start) wakes it
     STOP = "stop"  # an operator's stop: sticky, only an operator's start undoes it
 
 
@@ -201,7 +209,9 @@ def next_step(desired: Desired, state: InstanceState, failures: int, budget: int
     """The controller's decision for a managed deployment with no engine process running.
 
     ``failures`` counts launches in a row that never became ready (or crashed
-    soon after); ``budget`` is how many of them end in FAILED.
+    soon after); ``budget`` is how many of them end in FAILED. With no engine
+    running, a deployment that should park is simply stopped: the next request
+    starts it. (Parking and waking a running engine are the watcher's.)
     """
     if desired is not Desired.RUN:
         return Step.REST if state is S.STOPPED else Step.SETTLE
@@ -229,6 +239,9 @@ LISTED_STATE = {
     "stopped": "stopped",
     "failed": "unavailable",
     "unavailable": "unavailable",
+    "parking": "stopped",
+    "parked": "stopped",
+    "waking": "starting",
 }
 _SLOT_FLAGS = {"llamacpp": ("--parallel", "-np"), "vllm": ("--max-num-seqs",), "sglang": ("--max-running-requests",)}
 

@@ -323,3 +323,14 @@ class GpuBusy(CapyError):
         super().__init__(f"model {model!r} could not be switched in: {reason}; retry in {retry_after} s",
                          model=model, reason=reason, retry_after_s=retry_after)
         self.retry_after = retry_after
+
+
+class StillServing(CapyError):
+    """An operator's park found the model still serving after the drain timeout; it keeps serving."""
+
+    code = "still_serving"
+
+    def __init__(self, model: str, in_flight: int, timeout: float) -> None:
+        super().__init__(f"deployment {model!r} still had {in_flight} requests at its engine after "
+                         f"switching.drain_timeout ({timeout:.0f} s); it keeps serving: park it again later",
+                         model=model, in_flight=in_flight)

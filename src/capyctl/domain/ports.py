@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.memory import Residency
 from capyctl.domain.streams import StreamEvent
 
 
@@ -88,6 +89,16 @@ class EngineAdapter(Protocol):
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
         """(running, waiting) requests as the engine reports them, None if unreadable."""
+
+    async def park(self, base_url: str, residency: Residency) -> None:
+        """Free the device memory the engine's residency lets go (after CapyCTL drained it); raises
+        ``EngineError`` or ``EngineUnavailable`` when the engine refuses or cannot be reached."""
+
+    async def wake(self, base_url: str, residency: Residency, model: str) -> None:
+        """Undo ``park``: the engine answers as before it parked once this returns."""
+
+    async def parked(self, base_url: str) -> bool | None:
+        """The engine's own word on whether it sleeps; None when it has no way to tell."""
 
 
 class EngineSession(Protocol):

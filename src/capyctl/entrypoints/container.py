@@ -28,6 +28,7 @@ from capyctl.adapters.process.ports import free_port
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.services.admission import AdmissionService
+from capyctl.services.canary import Canary
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.events import Events
 from capyctl.services.controllers import ControllerSettings
@@ -93,11 +94,13 @@ class Container(containers.DeclarativeContainer):
     )
     switchboard = providers.Singleton(
         Switchboard, devices=config.devices, switching=config.switching, admission=admission, clock=clock,
-        events=events,
+        events=events, idle=config.idle,
     )
+    canary = providers.Singleton(Canary, session=engine_session)
     fleet = providers.Singleton(
         make_fleet,
         room=switchboard,
+        canary=canary,
         store=store,
         adapters=adapters,
         processes=processes,

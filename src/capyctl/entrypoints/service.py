@@ -58,7 +58,7 @@ def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container
          "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls,
          "queue_limits": settings.queue,
          "devices": read_devices() if settings.devices == "auto" else settings.devices,
-         "switching": settings.switching}
+         "switching": settings.switching, "idle": settings.idle}
     )
     return container
 

@@ -21,7 +21,7 @@ and the listings read ``status``, ``desired`` and ``settlement`` for display.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -50,6 +50,7 @@ from capyctl.domain.errors import (
     LlmUnavailable,
 )
 from capyctl.domain.fields import RowChoice
+from capyctl.domain.memory import Holding, Residency
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, ProcessHandle
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import Loading, Route
@@ -118,6 +119,7 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
     last_error: str | None = None
     log_path: str | None = None
     cold_starts: list[float] = msgspec.field(default_factory=list)  # seconds from spawn to ready, last 20
+    wake_times: list[float] = msgspec.field(default_factory=list)  # seconds from a wake's start to ready, last 20
 
 
 def initial_desire(deployment: Deployment) -> Desired:
@@ -187,10 +189,15 @@ class ManagedController(_Controller):
         settings: ControllerSettings,
         fields: RowChoice,
         room: Room | None = None,
+        canary: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> None:
         super().__init__(deployment, engine, adapter, clock, events, fields)
         self._room: Room = room or NoSwitchboard()
         self._holds = False  # granted room on its device, until its engine process is gone
+        self._wake_granted = False  # a parked engine was granted room for its awake footprint
+        self._canary = canary  # the fixed request a woken engine must answer as before it parked
+        self._reference: str | None = None  # this launch's answer to it, at its first readiness
+        self._wake_began: float | None = None
         self._asks = 0  # starts asked for (by requests or an operator); a refusal answers one of them
         self._refused: tuple[int, CapyError] | None = None
         self._processes = processes
@@ -228,29 +235,46 @@ class ManagedController(_Controller):
         self._desire(desired)
 
     def ask(self) -> None:
-        if self.desired is Desired.ON_DEMAND:
+        if self.desired in (Desired.ON_DEMAND, Desired.PARK):  # a parked model wakes for a request
             self._asks += 1
             self._desire(Desired.RUN)
 
     # --- what the switchboard asks ------------------------------------------------------------
     @property
-    def holds(self) -> bool:
-        """True from the grant of room on its device until its engine process is gone."""
-        return self._holds
+    def holding(self) -> Holding:
+        """What it holds on its device, by the evidence: awake from the grant of room until the process is
+        gone, except while the engine has confirmed it sleeps."""
+        if not self._holds:
+            return Holding.NONE
+        if self.status.state is S.PARKED and not self._wake_granted:
+            return Holding.PARKED
+        return Holding.AWAKE
 
     @property
-    def state(self) -> InstanceState:
-        return self.status.state
+    def movable(self) -> bool:
+        """Ready or parked: in no transition, so it may be parked or stopped now."""
+        return self.status.state in (S.READY, S.PARKED)
 
     def grant_room(self) -> None:
+        if self._holds:  # a parked engine may take its awake footprint back
+            self._wake_granted = True
         self._holds = True
 
     def unsettled_before_output(self) -> int:
         return sum(entry["count"] for entry in self.settlement.ledger.counts() if entry["rule"] == ENGINE_STOP)
 
-    async def give_way(self) -> None:
-        """Stop for a switch, not stickily: the next request starts it again. Returns once the process is gone."""
-        if self.desired is Desired.RUN:
+    async def give_way(self, park: bool = False) -> None:
+        """Park (``park``, when its residency can) or stop, not stickily: the next request wakes or starts it.
+
+        Returns once the engine confirmed it sleeps, or once its process is gone.
+        """
+        if park and self.spec.residency is not Residency.RESTART_ONLY and self._holds:
+            if self.desired is not Desired.STOP:
+                self._desire(Desired.PARK)
+            while self._holds and self.status.state is not S.PARKED:
+                await self._changed.wait()
+            return
+        if self.desired in (Desired.RUN, Desired.PARK):
             self._desire(Desired.ON_DEMAND)
         while self._holds:
             await self._changed.wait()
@@ -259,8 +283,8 @@ class ManagedController(_Controller):
         self.desired = desired
         if desired is Desired.RUN and self.status.state in (S.STOPPED, S.FAILED):
             self._set(S.STARTING)  # at once, so the very next look at it says it is starting
-        elif desired is not Desired.RUN and self._launch_scope is not None:
-            self._launch_scope.cancel()
+        elif desired in (Desired.ON_DEMAND, Desired.STOP) and self._launch_scope is not None:
+            self._launch_scope.cancel()  # no engine should run: the launch's cleanup terminates it
         self._notify()
 
     async def until_settled(self) -> None:
@@ -295,7 +319,7 @@ class ManagedController(_Controller):
                 state = self.status.state
                 if state is S.READY:
                     return Route(self._url, self.launch)
-                if state is S.STOPPED and self.desired is Desired.ON_DEMAND:
+                if state in (S.STOPPED, S.PARKED) and self.desired in (Desired.ON_DEMAND, Desired.PARK):
                     self.ask()  # it gave way to a switch meanwhile: ask for it again
                     attempt = self._asks
                     continue
@@ -326,6 +350,9 @@ class ManagedController(_Controller):
 
     def loading(self) -> Loading:
         status = self.status
+        if status.state in (S.PARKING, S.PARKED, S.WAKING):
+            waking_for = None if self._wake_began is None else self._clock.monotonic() - self._wake_began
+            return Loading(str(status.state), waking_for, status.wake_times)
         starting_for = None if status.started_at is None else self._clock.wall() - status.started_at
         return Loading(str(status.state), starting_for, status.cold_starts)
 
@@ -390,7 +417,7 @@ class ManagedController(_Controller):
     def _to_stopped(self) -> None:
         """No engine runs: show STOPPED (a FAILED deployment stays FAILED unless it is no longer wanted)."""
         state = self.status.state
-        if state in (S.STARTING, S.READY):
+        if state in (S.STARTING, S.READY, S.PARKING, S.PARKED, S.WAKING):
             self._set(state := S.STOPPING)
         if state is S.STOPPING or (state is S.FAILED and self.desired is not Desired.RUN):
             self._set(S.STOPPED)
@@ -424,10 +451,17 @@ class ManagedController(_Controller):
         try:
             if not await self._until_ready(process):
                 return False
+            self._reference = await self._first_answer() if self._parks else None
             self._set(S.READY)
             ready_at = self._clock.monotonic()
             while (code := process.returncode()) is None:
-                await anyio.sleep(self._settings.poll_interval)
+                if self.desired is Desired.PARK and self.status.state is S.READY:
+                    await self._park()
+                elif self.desired is Desired.RUN and self.status.state is S.PARKED:
+                    await self._wake()
+                else:
+                    with anyio.move_on_after(self._settings.poll_interval):
+                        await self._changed.wait()
             self.status.last_error = f"engine exited with status {code} while serving"
             self._events.emit(self.name, "engine_crashed", instance=0, status=code, log=str(log_path))
             self._set(S.STARTING)  # at once: no request may be routed to the dead engine
@@ -440,6 +474,84 @@ class ManagedController(_Controller):
                 self.status.pid = None
                 self.settlement.engine_ended()  # the process is gone: what it counted is settled
                 self._notify()
+
+    @property
+    def _parks(self) -> bool:
+        return self.spec.residency is not Residency.RESTART_ONLY
+
+    async def _park(self) -> None:
+        """Sleep (the switchboard drained it first); a park the engine does not confirm becomes a stop."""
+        began = self._clock.monotonic()
+        self._set(S.PARKING)
+        try:
+            await self.adapter.park(self.base_url, self.spec.residency)
+            confirmed = await self.adapter.parked(self.base_url)
+            why = "the engine still says it is awake"
+        except CapyError as exc:
+            confirmed, why = False, exc.message
+        if confirmed is False:  # None: the engine cannot tell, and its answer to the park is the evidence
+            self._give_up(f"the engine did not park ({why}); stopped instead", "park_failed")
+            return
+        self._set(S.PARKED)
+        self._events.emit(self.name, "parked", instance=0, residency=str(self.spec.residency),
+                          seconds=round(self._clock.monotonic() - began, 3))
+
+    async def _wake(self) -> None:
+        """Room for the awake footprint, the engine's wake, then the canary: a woken engine must answer its
+        fixed request as it did before it parked, or it is stopped (the next request starts it afresh)."""
+        self._wake_began = began = self._clock.monotonic()
+        try:
+            await self._room.claim(self)
+        except (InsufficientMemory, GpuBusy) as refusal:  # it stays parked; the requests that asked are told
+            self._refused = (self._asks, refusal)
+            self.desired = Desired.PARK
+            self._notify()
+            return
+        self._set(S.WAKING)
+        try:
+            await self.adapter.wake(self.base_url, self.spec.residency, str(self.spec.model))
+            if await self.adapter.parked(self.base_url):
+                raise EngineUnavailable("the engine still says it is asleep after its wake", model=self.name)
+            answer = await self._ask_canary()
+        except CapyError as exc:
+            self._give_up(f"the engine did not wake: {exc.message}", "wake_failed")
+            return
+        if self._reference is not None and answer != self._reference:
+            self._events.emit(self.name, "wake_mismatch", instance=0, expected=self._reference, got=answer)
+            self._give_up(f"wake_mismatch: after its wake the engine answered {answer!r} to the canary, "
+                          f"not {self._reference!r} as before it parked", None)
+            return
+        self._wake_granted = False
+        seconds = self._clock.monotonic() - began
+        self.status.wake_times = [*self.status.wake_times[-19:], seconds]
+        self._set(S.READY)
+        self._events.emit(self.name, "woken", instance=0, seconds=round(seconds, 3))
+
+    def _give_up(self, error: str, event: str | None) -> None:
+        """Stop this engine (not stickily): a failed park or wake frees its memory by the process's end."""
+        self.status.last_error = error
+        if event is not None:
+            self._events.emit(self.name, event, instance=0, reason=error)
+        self._desire(Desired.ON_DEMAND)
+
+    async def _first_answer(self) -> str | None:
+        """The canary's answer at this launch's first readiness, kept to compare after each wake."""
+        try:
+            return await self._ask_canary()
+        except CapyError as exc:
+            self._events.emit(self.name, "canary_unanswered", instance=0, reason=exc.message)
+            return None  # nothing to compare with: wakes of this launch are not checked
+
+    async def _ask_canary(self) -> str | None:
+        if self._canary is None:
+            return None
+        try:
+            with anyio.fail_after(120):
+                return await self._canary(self.base_url, self.spec.served_model)
+        except (CapyError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise EngineUnavailable("the canary request got no answer within 120 s", model=self.name) from exc
+            raise
 
     async def _until_ready(self, process: ProcessHandle) -> bool:
         deadline = self._clock.monotonic() + self._settings.startup_timeout

@@ -9,7 +9,7 @@ never leaves an engine running that no command can see.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +90,10 @@ class Fleet:
         log_root: Path,
         settings: ControllerSettings,
         room: Switchboard | None = None,
+        canary: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> None:
-        self._room = room or NoSwitchboard()
+        self._room: Switchboard | NoSwitchboard = room or NoSwitchboard()
+        self._canary = canary
         self._store = store
         self._adapters = adapters
         self._processes = processes
@@ -113,6 +115,7 @@ class Fleet:
                 self._task_group = tg
                 for deployment in self._store.list_deployments():
                     self._controller(deployment)
+                tg.start_soon(self._room.run)  # the idle timers
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -164,6 +167,7 @@ class Fleet:
             controller = ManagedController(
                 deployment, engine, adapter, self._processes, self._clock, self._events,
                 self._pick_port, self._log_root / deployment.spec.name, self._settings, fields, self._room,
+                self._canary,
             )
         assert self._task_group is not None
         controller.bind(self._task_group)
@@ -275,6 +279,11 @@ class Fleet:
                 controller.want(Desired.ON_DEMAND)  # applying it lifts an operator's stop
             return outcome, controller
 
+    @property
+    def room(self) -> Switchboard | NoSwitchboard:
+        """The switchboard: the devices, what each deployment holds there, the last switches."""
+        return self._room
+
     def get(self, name: str) -> Controller:
         controller = self._controllers.get(name)
         if controller is None:
@@ -303,6 +312,19 @@ class Fleet:
             controller = self.get(name)
             self._command(controller, Desired.STOP)
         await controller.until_settled()  # outside the lock: a start given meanwhile is not kept waiting
+        return controller
+
+    async def park(self, name: str) -> Controller:
+        """An operator's park: drain, then sleep (restart_only: stop, not stickily); the next request wakes it."""
+        async with self._changes:
+            controller = self.get(name)
+            if controller.desired is Desired.STOP:
+                raise DeploymentStopped(name)
+            if not isinstance(controller, ManagedController):
+                raise InvalidConfig(f"deployment {name!r} is attached: CapyCTL does not run its engine, so it "
+                                    "cannot park it; stop routing to it with capyctl stop deployment")
+            self._events.emit(name, "operator_park")
+            await self._room.park(controller)
         return controller
 
     async def delete(self, name: str) -> None:

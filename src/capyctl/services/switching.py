@@ -31,27 +31,31 @@ import anyio
 
 from capyctl.domain.config import Switching
 from capyctl.domain.deployments import DeploymentSpec
-from capyctl.domain.errors import GpuBusy, InsufficientMemory
+from capyctl.domain.errors import GpuBusy, InsufficientMemory, StillServing
 from capyctl.domain.memory import (
     Device,
     Fits,
     Gate,
     Holding,
+    Idle,
     NeverFits,
     NotNow,
     Resident,
     SwitchPlan,
     Window,
     gate,
+    idle_step,
     next_in_line,
     plan,
 )
+from capyctl.domain.units import seconds
 from capyctl.domain.ports import Clock
 from capyctl.services.admission import AdmissionService
 from capyctl.services.events import Events
 
 log = logging.getLogger("capyctl.switching")
 LOOK_AGAIN = 0.05  # seconds between looks while a claim waits or a victim drains
+IDLE_CHECK = 1.0  # seconds between looks at the idle timers
 
 
 class Occupant(Protocol):
@@ -62,22 +66,25 @@ class Occupant(Protocol):
     @property
     def spec(self) -> DeploymentSpec: ...
     @property
-    def holds(self) -> bool: ...
+    def holding(self) -> Holding: ...
+    @property
+    def movable(self) -> bool: ...
     @property
     def ready(self) -> bool: ...
 
     def unsettled_before_output(self) -> int: ...
     def grant_room(self) -> None: ...
-    async def give_way(self) -> None:
-        """Stop (not stickily) for a switch; returns once the engine process is gone."""
+    async def give_way(self, park: bool = False) -> None:
+        """Park (when it can) or stop, not stickily; returns once the engine sleeps or its process is gone."""
 
 
 class Switchboard:
     def __init__(
         self, devices: Sequence[Device], switching: Switching, admission: AdmissionService, clock: Clock,
-        events: Events,
+        events: Events, idle: Idle | None = None,
     ) -> None:
         self.devices = {d.name: d for d in devices}
+        self._idle = idle or Idle()
         self._switching = switching
         self._admission = admission
         self._clock = clock
@@ -90,6 +97,57 @@ class Switchboard:
     def bind(self, occupants: Callable[[], Sequence[Occupant]]) -> None:
         """Where the switchboard finds every deployment's controller (the fleet's)."""
         self._occupants = occupants
+
+    # --- an operator's park, and the idle timers --------------------------------------------------
+    async def park(self, occupant: Occupant) -> None:
+        """Drain ``occupant`` (bounded by the drain timeout), then park it (restart_only: stop it, not
+        stickily). Its waiters wait meanwhile; a drain that runs out leaves it serving."""
+        self._admission.hold(occupant.name)
+        try:
+            began = self._clock.monotonic()
+            while self._admission.state.in_flight(occupant.name):
+                if self._clock.monotonic() - began >= self._switching.drain_timeout:
+                    raise StillServing(occupant.name, self._admission.state.in_flight(occupant.name),
+                                       self._switching.drain_timeout)
+                await anyio.sleep(LOOK_AGAIN)
+            await occupant.give_way(park=True)
+        finally:
+            self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
+
+    async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Apply the idle timers (``idle.park_after``, ``idle.stop_after``) until cancelled."""
+        task_status.started()
+        while True:
+            await anyio.sleep(IDLE_CHECK)
+            for occupant in list(self._occupants()):
+                step = self._idle_step(occupant)
+                if step is not None:
+                    await self._idle_away(occupant, step)
+
+    def _idle_step(self, occupant: Occupant) -> str | None:
+        spec, name = occupant.spec, occupant.name
+        idle = Idle(
+            park_after=self._idle.park_after if spec.idle.park_after is None else seconds(spec.idle.park_after, "idle"),
+            stop_after=self._idle.stop_after if spec.idle.stop_after is None else seconds(spec.idle.stop_after, "idle"),
+        )
+        if idle.park_after is None and idle.stop_after is None or not occupant.movable:
+            return None
+        state = self._admission.state
+        busy = bool(state.in_flight(name) or state.waiting(name))
+        resident = self.resident(occupant)
+        return idle_step(idle, self._clock.monotonic(), self._admission.last_used.get(name, 0.0),
+                         resident.holding, busy, resident.can_park)
+
+    async def _idle_away(self, occupant: Occupant, step: str) -> None:
+        self._admission.hold(occupant.name)  # nothing new slips in while it goes
+        try:
+            if self._admission.state.in_flight(occupant.name):
+                return  # a request came in since the look: it is not idle after all
+            self._events.emit(occupant.name, f"idle_{step}", after_s=round(
+                self._clock.monotonic() - self._admission.last_used.get(occupant.name, 0.0), 1))
+            await occupant.give_way(park=step == "park")
+        finally:
+            self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
 
     def device_of(self, spec: DeploymentSpec) -> Device | None:
         """The device a deployment is charged against; None when it is not accounted."""
@@ -106,8 +164,8 @@ class Switchboard:
             memory=spec.resources.memory_bytes or 0,
             parked_memory=spec.resources.parked_bytes,
             residency=spec.residency,
-            holding=Holding.AWAKE if occupant.holds else Holding.NONE,
-            movable=occupant.ready,
+            holding=occupant.holding,
+            movable=occupant.movable,
             waiting=self._admission.state.waiting(name),
             # a model with requests at its engine is in use now
             last_used=self._clock.monotonic() if self._admission.state.in_flight(name)
@@ -117,7 +175,7 @@ class Switchboard:
 
     def charged(self, device: Device) -> dict[str, int]:
         """What each deployment on ``device`` holds now, in bytes."""
-        return {o.name: self.resident(o).charged for o in self._on(device) if o.holds}
+        return {o.name: self.resident(o).charged for o in self._on(device) if o.holding is not Holding.NONE}
 
     def _on(self, device: Device) -> list[Occupant]:
         return [o for o in self._occupants() if self.device_of(o.spec) is device]
@@ -183,9 +241,10 @@ class Switchboard:
             self.last_switch[device.name] = {**described, "outcome": "failed", "reason": reason}
             self._events.emit(switch.target, "switch_failed", device=device.name, reason=reason, **described)
             raise GpuBusy(switch.target, reason, self._retry_after(slow[0]))
+        actions = {v.name: v.action for v in switch.victims}
         async with anyio.create_task_group() as tg:
             for victim in victims:
-                tg.start_soon(self._give_way, victim)
+                tg.start_soon(self._give_way, victim, actions[victim.name] == "park")
         seconds = round(self._clock.monotonic() - began, 3)
         self.last_switch[device.name] = {**described, "outcome": "completed", "seconds": seconds}
         self._events.emit(switch.target, "switch_completed", device=device.name, seconds=seconds, **described)
@@ -202,9 +261,9 @@ class Switchboard:
                 return
             await anyio.sleep(LOOK_AGAIN)
 
-    async def _give_way(self, victim: Occupant) -> None:
+    async def _give_way(self, victim: Occupant, park: bool) -> None:
         try:
-            await victim.give_way()
+            await victim.give_way(park)
         finally:
             self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]  # its waiters ask for it again
 
@@ -213,9 +272,22 @@ class Switchboard:
 
 
 class NoSwitchboard:
-    """Room is always there: no device is accounted (unit tests of the controllers)."""
+    """Room is always there: no device is accounted, no timer runs (unit tests of the controllers)."""
 
     devices: dict[str, Device] = {}
+    last_switch: dict[str, dict[str, object]] = {}
 
     async def claim(self, occupant: Occupant) -> None:
         occupant.grant_room()
+
+    async def park(self, occupant: Occupant) -> None:
+        await occupant.give_way(park=True)
+
+    async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    def charged(self, device: Device) -> dict[str, int]:
+        return {}
+
+    def device_of(self, spec: DeploymentSpec) -> Device | None:
+        return None

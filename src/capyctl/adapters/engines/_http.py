@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from capyctl.domain.errors import EngineError, engine_code
+from capyctl.domain.errors import EngineError, EngineUnavailable, engine_code
 
 _decode_any = msgspec.json.decode
 
@@ -51,6 +51,17 @@ async def fetch_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | No
     except ValueError:
         return None
     return body if isinstance(body, dict) else None
+
+
+async def post_ok(client: httpx.AsyncClient, url: str, body: Any = None, timeout: float = 900.0) -> None:
+    """POST to an engine's control route (sleep, wake, release ...); raises ``EngineError`` with the engine's
+    answer when it is not 200, ``EngineUnavailable`` when the engine cannot be reached."""
+    try:
+        response = await client.post(url, json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"{url}: {exc}") from exc
+    if response.status_code != 200:
+        raise engine_error(response.status_code, response.content)
 
 
 def make_client() -> httpx.AsyncClient:

@@ -19,6 +19,7 @@ import httpx
 
 from capyctl.adapters.engines import _prom
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
+from capyctl.adapters.engines._restart_only import RestartOnly
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine
@@ -37,7 +38,7 @@ def parse_version(text: str) -> str:
     raise InvalidEngine(f"could not read a llama.cpp version from: {text.strip()[:200]!r}")
 
 
-class LlamaCppEngine(EngineAdapter):
+class LlamaCppEngine(RestartOnly, EngineAdapter):
     family = EngineFamily.LLAMACPP
     owned_env: tuple[str, ...] = ("LLAMA_ARG_",)
     owned_options = {

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
-from capyctl.adapters.engines._http import fetch_json, fetch_ok
+from capyctl.adapters.engines._http import fetch_json, fetch_ok, post_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
@@ -96,3 +96,19 @@ class SglangEngine(EngineAdapter):
     async def load(self, base_url: str) -> tuple[int, int] | None:
         response = await fetch_ok(self._client, base_url + "/metrics")
         return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+
+    # --- parking (memory saver: release and resume; deep also reloads the weights) --------------
+    async def park(self, base_url: str, residency: Residency) -> None:
+        """Release the device memory (weights, KV cache, CUDA graphs); SGLang wants an idle server, which
+        CapyCTL's drain gives it."""
+        await post_ok(self._client, f"{base_url}/release_memory_occupation", {})
+
+    async def wake(self, base_url: str, residency: Residency, model: str) -> None:
+        await post_ok(self._client, f"{base_url}/resume_memory_occupation", {})
+        if residency is Residency.DEEP:  # without the CPU backup the resumed weights must be read again
+            await post_ok(self._client, f"{base_url}/update_weights_from_disk", {"model_path": model})
+        await post_ok(self._client, f"{base_url}/flush_cache")
+
+    async def parked(self, base_url: str) -> bool | None:
+        """SGLang has no route that tells; its 200 to the release is the evidence."""
+        return None

@@ -25,6 +25,7 @@ import httpx
 
 from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
+from capyctl.adapters.engines._restart_only import RestartOnly
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.ports import EngineAdapter
@@ -35,7 +36,7 @@ _RUNNING = ["tensorfold:requests_running", "tensorfold:num_requests_running"]
 _WAITING = ["tensorfold:requests_waiting", "tensorfold:num_requests_waiting"]
 
 
-class TensorfoldEngine(EngineAdapter):
+class TensorfoldEngine(RestartOnly, EngineAdapter):
     family = EngineFamily.TENSORFOLD
     owned_env: tuple[str, ...] = ("TENSORFOLD_API_KEY",)
     owned_options = {

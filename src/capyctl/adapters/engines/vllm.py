@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
-from capyctl.adapters.engines._http import fetch_json, fetch_ok
+from capyctl.adapters.engines._http import fetch_json, fetch_ok, post_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
 from capyctl.domain.memory import Residency
@@ -109,3 +109,23 @@ class VllmEngine(EngineAdapter):
     async def load(self, base_url: str) -> tuple[int, int] | None:
         response = await fetch_ok(self._client, base_url + "/metrics")
         return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+
+    # --- parking (host_backed: sleep level 1, deep: level 2 and a reload) -----------------------
+    async def park(self, base_url: str, residency: Residency) -> None:
+        """Sleep, after CapyCTL's own drain; ``mode=wait`` so that nothing in flight is aborted (the default
+        mode, ``abort``, would cut requests)."""
+        level = 1 if residency is Residency.HOST_BACKED else 2
+        await post_ok(self._client, f"{base_url}/sleep?level={level}&mode=wait")
+
+    async def wake(self, base_url: str, residency: Residency, model: str) -> None:
+        """Weights first (reloaded from disk after a deep park), then the KV cache, then an empty prefix cache."""
+        await post_ok(self._client, f"{base_url}/wake_up?tags=weights")
+        if residency is Residency.DEEP:
+            await post_ok(self._client, f"{base_url}/collective_rpc", {"method": "reload_weights"})
+        await post_ok(self._client, f"{base_url}/wake_up?tags=kv_cache")
+        await post_ok(self._client, f"{base_url}/reset_prefix_cache")
+
+    async def parked(self, base_url: str) -> bool | None:
+        body = await fetch_json(self._client, base_url + "/is_sleeping")
+        sleeping = body.get("is_sleeping") if body is not None else None
+        return sleeping if isinstance(sleeping, bool) else None

@@ -43,6 +43,7 @@ STATUS: dict[str, int] = {
     "device_busy": 503,
     "gpu-busy": 503,
     "insufficient_memory": 503,
+    "still_serving": 409,
 }
 _OWN_TYPE = frozenset({"edge_error"})  # codes whose envelope type is the code itself (Citadel)
 

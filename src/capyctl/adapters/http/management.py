@@ -18,7 +18,7 @@ from litestar.handlers.base import BaseRouteHandler
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
-from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, engine_view
+from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, devices_view, engine_view
 from capyctl.domain.errors import InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
@@ -62,7 +62,7 @@ def remove_engine(fleet: FleetDep, name: str) -> dict[str, Any]:
 @get("/deployments", sync_to_thread=False)
 def list_deployments(fleet: FleetDep, clock: ClockDep) -> list[dict[str, Any]]:
     now = clock.wall()
-    return [deployment_view(s, now) for s in fleet.controllers()]
+    return [deployment_view(s, now, fleet.room) for s in fleet.controllers()]
 
 
 @put("/deployments", status_code=200)
@@ -71,22 +71,32 @@ async def apply_deployment(fleet: FleetDep, clock: ClockDep, data: dict[str, Any
     if not isinstance(activate, bool):
         raise InvalidRequest("'activate' must be true or false")
     outcome, controller = await fleet.apply(data.get("document"), activate)
-    return {"outcome": outcome, "deployment": deployment_view(controller, clock.wall())}
+    return {"outcome": outcome, "deployment": deployment_view(controller, clock.wall(), fleet.room)}
 
 
 @get("/deployments/{name:str}", sync_to_thread=False)
 def get_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(fleet.get(name), clock.wall())
+    return deployment_view(fleet.get(name), clock.wall(), fleet.room)
 
 
 @post("/deployments/{name:str}/start", status_code=200)
 async def start_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(await fleet.start(name), clock.wall())
+    return deployment_view(await fleet.start(name), clock.wall(), fleet.room)
 
 
 @post("/deployments/{name:str}/stop", status_code=200)
 async def stop_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(await fleet.stop(name), clock.wall())
+    return deployment_view(await fleet.stop(name), clock.wall(), fleet.room)
+
+
+@post("/deployments/{name:str}/park", status_code=200)
+async def park_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
+    return deployment_view(await fleet.park(name), clock.wall(), fleet.room)
+
+
+@get("/devices", sync_to_thread=False)
+def list_devices(fleet: FleetDep) -> list[dict[str, Any]]:
+    return devices_view(fleet.room)
 
 
 @delete("/deployments/{name:str}", status_code=200)
@@ -113,6 +123,8 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Calla
             get_deployment,
             start_deployment,
             stop_deployment,
+            park_deployment,
+            list_devices,
             delete_deployment,
             list_events,
         ],

@@ -9,7 +9,9 @@ from litestar.params import Dependency
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.ports import Clock
-from capyctl.services.controllers import Controller
+from capyctl.domain.memory import Holding
+from capyctl.services.controllers import Controller, ManagedController
+from capyctl.services.switching import NoSwitchboard, Switchboard
 from capyctl.services.fleet import Fleet
 
 
@@ -23,7 +25,37 @@ def engine_view(engine: EngineInstall) -> dict[str, Any]:
     }
 
 
-def deployment_view(controller: Controller, now: float) -> dict[str, Any]:
+def memory_view(controller: Controller, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
+    """What the deployment declares and holds on its device; ``device`` None when it is not accounted."""
+    resources = controller.spec.resources
+    device = room.device_of(controller.spec)
+    holding = controller.holding if isinstance(controller, ManagedController) else Holding.NONE
+    return {
+        "device": None if device is None else device.name,
+        "memory_bytes": resources.memory_bytes,
+        "parked_memory_bytes": resources.parked_bytes if resources.parked_memory is not None else None,
+        "holding": str(holding),
+        "charged_bytes": 0 if device is None else room.charged(device).get(controller.name, 0),
+    }
+
+
+def devices_view(room: Switchboard | NoSwitchboard) -> list[dict[str, Any]]:
+    out = []
+    for device in room.devices.values():
+        charged = room.charged(device)
+        out.append({
+            "name": device.name,
+            "capacity_bytes": device.capacity,
+            "reserve_bytes": device.reserve,
+            "charged_bytes": sum(charged.values()),
+            "free_bytes": device.usable - sum(charged.values()),
+            "holders": [{"deployment": name, "bytes": size} for name, size in sorted(charged.items())],
+            "last_switch": room.last_switch.get(device.name),
+        })
+    return out
+
+
+def deployment_view(controller: Controller, now: float, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
     spec = controller.deployment.spec
     status = controller.status
     running = status.state in (InstanceState.READY, InstanceState.STARTING) and status.started_at
@@ -38,6 +70,8 @@ def deployment_view(controller: Controller, now: float) -> dict[str, Any]:
         "state": str(status.state),
         "fields": controller.fields.describe(controller.engine.version),
         "desired": str(controller.desired),
+        "residency": str(spec.residency),
+        "memory": memory_view(controller, room),
         "operator_stopped": controller.deployment.operator_stopped,
         "engine_config": {
             "context_length": spec.engine_config.context_length,

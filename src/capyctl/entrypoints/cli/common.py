@@ -45,14 +45,16 @@ app = typer.Typer(
 )
 start_app = typer.Typer(help="Start the server, or a deployment.", no_args_is_help=True)
 stop_app = typer.Typer(help="Stop a deployment (sticky: requests will not restart it).", no_args_is_help=True)
+park_app = typer.Typer(help="Park a deployment: its engine sleeps (or stops, for restart_only) until a request "
+                        "or `capyctl start deployment` wakes it.", no_args_is_help=True)
 delete_app = typer.Typer(help="Delete a deployment (stops its engine first).", no_args_is_help=True)
 status_app = typer.Typer(help="Show a deployment's state and instances.", no_args_is_help=True)
-list_app = typer.Typer(help="List deployments or engines.", no_args_is_help=True)
+list_app = typer.Typer(help="List deployments, engines or devices.", no_args_is_help=True)
 engine_app = typer.Typer(help="Register, list and remove engine installations.", no_args_is_help=True)
 deploy_app = typer.Typer(help="Create or update deployments from files.", no_args_is_help=True)
 config_app = typer.Typer(help="The server configuration file: its schema, and checking a file.", no_args_is_help=True)
 for name, sub in [
-    ("start", start_app), ("stop", stop_app), ("delete", delete_app), ("status", status_app),
+    ("start", start_app), ("stop", stop_app), ("park", park_app), ("delete", delete_app), ("status", status_app),
     ("list", list_app), ("engine", engine_app), ("deploy", deploy_app), ("config", config_app),
 ]:
     app.add_typer(sub, name=name)

@@ -23,6 +23,7 @@ from capyctl.entrypoints.cli.common import (
     delete_app,
     deploy_app,
     list_app,
+    park_app,
     reports_errors,
     start_app,
     status_app,
@@ -106,10 +107,20 @@ def list_deployments(state_dir: StateDirOpt = None, json: JsonOpt = False) -> No
     show(deployments, json, _deployment_rows(deployments))
 
 
+def _memory_line(memory: dict[str, Any]) -> str:
+    if memory["device"] is None:
+        declared = f"declares {gib(memory['memory_bytes'])}; " if memory["memory_bytes"] else ""
+        return f"memory      {declared}not accounted (no device)"
+    return (f"memory      {gib(memory['charged_bytes'])} charged on {memory['device']} "
+            f"({memory['holding']}; declares {gib(memory['memory_bytes'])} awake, "
+            f"{gib(memory['parked_memory_bytes'] or 0)} parked)")
+
+
 _DESIRED = {
     "run": "keep an engine serving",
     "on_demand": "the first request starts it",
     "stop": "an operator's stop: only `capyctl start deployment` starts it",
+    "park": "keep it parked: the next request wakes it",
 }
 
 
@@ -120,6 +131,8 @@ def _status_text(d: dict[str, Any]) -> str:
         f"desired     {d['desired']}  ({_DESIRED[d['desired']]})",
         f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
         f"api         {d['api']}",
+        f"residency   {d['residency']}",
+        _memory_line(d["memory"]),
         f"endpoint    {d['endpoint']} (attached: CapyCTL does not start or stop it)" if d["endpoint"]
         else f"model       {d['model']}",
         f"fields      {'verified' if d['fields']['verified'] else 'UNVERIFIED'}: {d['fields']['row']} "
@@ -182,6 +195,32 @@ def stop_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = Fa
     """Stop a deployment's engine. Requests get 409 deployment_stopped until it is started again."""
     deployment = client(state_dir).call("POST", f"/deployments/{name}/stop")
     show(deployment, json, f"deployment {name} {deployment['state']}")
+
+
+@park_app.command("deployment")
+@reports_errors
+def park_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """Park a deployment after its requests finish: with residency host_backed or deep its engine sleeps and
+    keeps its parked footprint; with restart_only it stops. Not sticky: the next request wakes or starts it."""
+    deployment = client(state_dir).call("POST", f"/deployments/{name}/park")
+    show(deployment, json, f"deployment {name} {deployment['state']}")
+
+
+@list_app.command("devices")
+@reports_errors
+def list_devices(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """List the devices deployments are charged against: capacity, reserve, what each deployment holds."""
+    devices = client(state_dir).call("GET", "/devices")
+    rows = [[d["name"], gib(d["capacity_bytes"]), gib(d["reserve_bytes"]), gib(d["charged_bytes"]),
+             gib(d["free_bytes"]), ", ".join(f"{h['deployment']} {gib(h['bytes'])}" for h in d["holders"]) or "-"]
+            for d in devices]
+    text = table(["DEVICE", "CAPACITY", "RESERVE", "CHARGED", "FREE", "HELD BY"], rows) if devices else \
+        "no devices: memory.devices is not set in the server's configuration, so no memory limit applies"
+    show(devices, json, text)
+
+
+def gib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**30:.2f} GiB"
 
 
 @delete_app.command("deployment")
