@@ -16,6 +16,7 @@ from capyctl.domain.deployments import Deployment, Desired, InstanceState, Step,
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DeploymentStopped, EngineRestarted, LlmUnavailable
 from capyctl.domain.fields import row_for
+from capyctl.domain.memory import Holding
 from capyctl.domain.scheduling import Route
 from capyctl.services.controllers import ControllerSettings, ManagedController
 from capyctl.services.events import Events
@@ -244,3 +245,65 @@ async def test_a_deployment_stopped_before_capyctl_started_stays_stopped() -> No
             await w.controller.route(1)
         tg.cancel_scope.cancel()
     assert w.processes.spawned == []
+
+
+class Parks(World):
+    """A host_backed deployment whose canary answers are the test's to set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers = ["ready", "ready"]  # the first readiness, then each wake
+        spec = decode_spec({"name": "m", "engine": "e", "model": "/m.gguf", "residency": "host_backed",
+                            "resources": {"memory": "4GiB", "parked_memory": "1GiB"}})
+        old = self.controller
+        self.controller = ManagedController(
+            Deployment(spec=spec), old.engine, self.adapter, self.processes, VirtualClock(),
+            Events(self.store, VirtualClock()), lambda: 5555, Path("/tmp/capyctl-test-logs"), SETTINGS, old.fields,
+            canary=self.canary,
+        )
+
+    async def canary(self, base_url: str, model: str) -> str:
+        return self.answers.pop(0)
+
+
+@pytest.fixture
+async def parks() -> AsyncIterator[Parks]:
+    w = Parks()
+    async with anyio.create_task_group() as tg:
+        w.controller.bind(tg)
+        yield w
+        tg.cancel_scope.cancel()
+
+
+async def test_park_then_a_request_wakes_it(parks: Parks) -> None:
+    await parks.controller.route(5)
+    await parks.controller.give_way(park=True)
+    assert parks.controller.status.state is S.PARKED and parks.controller.holding is Holding.PARKED
+    assert parks.adapter.calls == ["park host_backed"] and len(parks.processes.running()) == 1
+    assert (await parks.controller.route(5)).launch == 1  # the same engine, woken
+    assert parks.adapter.calls == ["park host_backed", "wake host_backed"]
+    assert parks.controller.holding is Holding.AWAKE and len(parks.controller.status.wake_times) == 1
+    assert "parked" in parks.store.kinds() and "woken" in parks.store.kinds()
+
+
+async def test_a_wake_whose_canary_differs_stops_the_engine_and_a_fresh_one_serves(parks: Parks) -> None:
+    parks.answers = ["ready", "garbage", "ready"]
+    await parks.controller.route(5)
+    await parks.controller.give_way(park=True)
+    route = await parks.controller.route(30)  # the wake mismatches: stopped, started afresh for this request
+    assert route.launch == 2 and parks.processes.spawned[0].terminated
+    assert "wake_mismatch" in parks.store.kinds()
+    assert "wake_mismatch" in str(parks.controller.status.last_error)
+    await parks.controller.give_way(park=True)  # the new engine parks and is charged as parked
+    assert parks.controller.holding is Holding.PARKED
+
+
+async def test_a_park_the_engine_does_not_confirm_becomes_a_stop(parks: Parks) -> None:
+    async def still_awake(base_url: str, residency: object) -> None:
+        parks.adapter.calls.append("park refused")
+
+    parks.adapter.park = still_awake  # type: ignore[method-assign]  # answers, but never sleeps
+    await parks.controller.route(5)
+    await parks.controller.give_way(park=True)
+    assert parks.controller.holding is Holding.NONE and parks.processes.running() == []  # freed by the stop
+    assert parks.controller.desired is Desired.ON_DEMAND and "park_failed" in parks.store.kinds()

@@ -64,7 +64,7 @@ class World:
         try:
             async with self.admission.admit(controller, record, None):
                 await controller.route(1800)
-                assert controller.ready and controller.holds  # it is at the engine, with room held
+                assert controller.ready and controller.holding.value == "awake"  # at the engine, with room held
                 await anyio.sleep(holds_for)
             self.answered.append(name)
         except CapyError as exc:

@@ -432,7 +432,7 @@ class ManagedController(_Controller):
         try:
             return await self._run_engine()
         finally:
-            self._holds = False  # the process is gone (or never began): what it held is free
+            self._holds = self._wake_granted = False  # the process is gone (or never began): what it held is free
             self._notify()
 
     async def _run_engine(self) -> bool:

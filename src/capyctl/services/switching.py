@@ -242,10 +242,16 @@ class Switchboard:
             self._events.emit(switch.target, "switch_failed", device=device.name, reason=reason, **described)
             raise GpuBusy(switch.target, reason, self._retry_after(slow[0]))
         actions = {v.name: v.action for v in switch.victims}
+        before = sum(self.charged(device).values())
         async with anyio.create_task_group() as tg:
             for victim in victims:
                 tg.start_soon(self._give_way, victim, actions[victim.name] == "park")
         seconds = round(self._clock.monotonic() - began, 3)
+        if sum(self.charged(device).values()) >= before:  # never plan the same switch again and again
+            reason = "the victims gave back no memory (" + ", ".join(v.name for v in victims) + ")"
+            self.last_switch[device.name] = {**described, "outcome": "failed", "reason": reason}
+            self._events.emit(switch.target, "switch_failed", device=device.name, reason=reason, **described)
+            raise GpuBusy(switch.target, reason, self._retry_after(switch.target))
         self.last_switch[device.name] = {**described, "outcome": "completed", "seconds": seconds}
         self._events.emit(switch.target, "switch_completed", device=device.name, seconds=seconds, **described)
 
