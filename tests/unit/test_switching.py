@@ -14,7 +14,7 @@ import trio
 from capyctl.domain.config import Switching
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import CapyError, GpuBusy, InsufficientMemory
-from capyctl.domain.memory import Device
+from capyctl.domain.memory import Device, Idle
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
@@ -219,3 +219,31 @@ async def test_the_model_whose_request_waited_longest_goes_first(tmp_path: Path)
             tg.start_soon(first_use, "b", 0.1)  # waits second
         outer.cancel_scope.cancel()
     assert order == ["a", "c", "b"] and w.processes.most == 1
+
+
+async def test_idle_timers_park_or_stop_a_quiet_model_and_not_a_busy_one(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.board._idle = Idle(stop_after=30.0)  # the server's default
+    async with anyio.create_task_group() as outer:
+        await outer.start(w.fleet.run)
+        await w.deploy("a", "b")
+        await w.fleet.apply({"name": "quick", "engine": "e", "model": str(w.model), "idle": {"stop_after": "5s"}},
+                            activate=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.request, "a", 60.0)  # busy for a minute: never idle meanwhile
+            tg.start_soon(w.request, "b", 0.1)
+            tg.start_soon(w.request, "quick", 0.1)
+            await anyio.sleep(10)
+            assert w.fleet.get("quick").status.state.value == "stopped"  # its own 5 s
+            assert w.fleet.get("b").ready  # the server's 30 s are not up yet
+            await anyio.sleep(25)
+            assert w.fleet.get("b").status.state.value == "stopped" and w.fleet.get("a").ready
+        assert w.fleet.get("a").desired.value == "run"
+        await anyio.sleep(40)
+        assert w.fleet.get("a").status.state.value == "stopped"  # idle once its request ended
+        assert w.fleet.get("quick").desired.value == "on_demand"  # an idle stop is not sticky
+        stops = [e for e in w.store.events if e["kind"] == "idle_stop"]
+        assert sorted(e["deployment"] for e in stops) == ["a", "b", "quick"]
+        await w.request("quick")  # and the next request starts it again
+        assert w.answered[-1] == "quick"
+        outer.cancel_scope.cancel()
