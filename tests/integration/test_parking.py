@@ -160,3 +160,21 @@ def test_a_deep_park_drops_the_weights_and_the_wake_reloads_them(parking: Parkin
     assert sequence[-5:] == [("/sleep", "level=2&mode=wait"), ("/wake_up", "tags=weights"), ("/collective_rpc", ""),
                              ("/wake_up", "tags=kv_cache"), ("/reset_prefix_cache", "")]
     assert not [e for e in parking.events("wake_mismatch") if e["deployment"] == "delta"]
+
+
+def test_prometheus_counts_parks_wakes_switches_and_memory(parking: Parking) -> None:
+    text = httpx.get(parking.server.base_url + "/metrics", headers=parking.server.headers(), timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    assert samples['capyctl_parks_total{deployment="alpha",why="switch"}'] >= 1
+    assert samples['capyctl_parks_total{deployment="alpha",why="operator"}'] >= 1
+    assert samples['capyctl_wakes_total{deployment="alpha"}'] >= 2
+    assert samples['capyctl_wake_seconds_count{deployment="alpha"}'] == samples['capyctl_wakes_total{deployment="alpha"}']
+    assert samples['capyctl_switches_total{device="gpu0",outcome="completed"}'] >= 2
+    assert samples['capyctl_memory_capacity_bytes{device="gpu0",kind="capacity"}'] == CAPACITY
+    charged = sum(v for k, v in samples.items() if k.startswith("capyctl_memory_charged_bytes{"))
+    assert 0 < charged <= CAPACITY
+    assert charged == parking.server.cli_json("list", "devices")[0]["charged_bytes"]

@@ -62,6 +62,13 @@ def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
     return fleet
 
 
+def listening_stats(fleet: Fleet, admission: AdmissionService, events: Events) -> RequestStats:
+    """The Prometheus figures, counting parks, wakes and switches from the events."""
+    stats = RequestStats(fleet, admission)
+    events.listen(stats.event)
+    return stats
+
+
 class Container(containers.DeclarativeContainer):
     config = providers.Configuration(strict=True)
 
@@ -115,7 +122,7 @@ class Container(containers.DeclarativeContainer):
         admission=admission,
     )
     api_keys = providers.Singleton(key_list, state_dir)
-    request_stats = providers.Singleton(RequestStats, fleet=fleet, admission=admission)
+    request_stats = providers.Singleton(listening_stats, fleet=fleet, admission=admission, events=events)
     chat_handler = providers.Singleton(
         ChatHandler,
         service=chat_service,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from capyctl.domain.ports import Clock, Store
@@ -15,9 +16,16 @@ class Events:
     def __init__(self, store: Store, clock: Clock) -> None:
         self._store = store
         self._clock = clock
+        self._listeners: list[Callable[[str | None, str, dict[str, Any]], None]] = []
+
+    def listen(self, listener: Callable[[str | None, str, dict[str, Any]], None]) -> None:
+        """Also hand each event to ``listener`` (metrics count parks, wakes, switches this way)."""
+        self._listeners.append(listener)
 
     def emit(self, deployment: str | None, kind: str, **detail: Any) -> None:
         self._store.add_event(self._clock.wall(), deployment, kind, detail)
+        for listener in self._listeners:
+            listener(deployment, kind, detail)
         described = " ".join(f"{k}={v}" for k, v in detail.items())
         log.info("%s %s %s", kind, deployment or "-", described,
                  extra={"event": kind, "deployment": deployment, **detail})

@@ -8,6 +8,7 @@ read from the live objects when Prometheus scrapes.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter as PromCounter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metric
@@ -53,7 +54,18 @@ class _LiveCollector(Collector):
             restarts.add_metric([name], controller.status.restarts)
             for state in InstanceState:
                 states.add_metric([name, str(state)], 1.0 if controller.status.state is state else 0.0)
-        yield from (flight, queue, states, restarts, unsettled)
+        charged = GaugeMetricFamily("capyctl_memory_charged_bytes",
+                                    "Device memory CapyCTL counts as held, by device and deployment",
+                                    labels=["device", "deployment"])
+        capacity = GaugeMetricFamily("capyctl_memory_capacity_bytes", "A device's capacity and its reserve",
+                                     labels=["device", "kind"])
+        room = self._fleet.room
+        for device in room.devices.values():
+            capacity.add_metric([device.name, "capacity"], device.capacity)
+            capacity.add_metric([device.name, "reserve"], device.reserve)
+            for name, size in room.charged(device).items():
+                charged.add_metric([device.name, name], size)
+        yield from (flight, queue, states, restarts, unsettled, charged, capacity)
 
 
 class RequestStats:
@@ -77,8 +89,32 @@ class RequestStats:
         self.refusals = PromCounter("capyctl_refusals", "Chat requests refused, by code: before a request record "
                                     "exists (401, 400, 404, 413) and by the scheduler (429, 503)", ["code"],
                                     registry=self.registry)
+        self.parks = PromCounter("capyctl_parks", "Engines parked (host_backed, deep), by deployment and why "
+                                 "(switch, idle, operator)", ["deployment", "why"], registry=self.registry)
+        self.wakes = PromCounter("capyctl_wakes", "Parked engines woken, by deployment", ["deployment"],
+                                 registry=self.registry)
+        self.wake_seconds = Histogram("capyctl_wake_seconds", "Time from a wake's start to the engine ready again",
+                                      ["deployment"], buckets=_WAIT_BUCKETS, registry=self.registry)
+        self.switches = PromCounter("capyctl_switches", "Switches that made room on a device, by outcome",
+                                    ["device", "outcome"], registry=self.registry)
         self.registry.register(_LiveCollector(fleet, admission))
         admission.on_wait = self.waited
+        self._park_reason: dict[str, str] = {}
+
+    def event(self, deployment: str | None, kind: str, detail: dict[str, Any]) -> None:
+        """Counts what the events tell: parks, wakes and their durations, switches."""
+        if kind == "operator_park" or kind == "idle_park":
+            self._park_reason[str(deployment)] = kind.split("_")[0]
+        elif kind == "switch_planned":
+            for victim in detail.get("victims", ()):
+                self._park_reason[victim["name"]] = "switch"
+        elif kind == "parked":
+            self.parks.labels(deployment, self._park_reason.pop(str(deployment), "switch")).inc()
+        elif kind == "woken":
+            self.wakes.labels(deployment).inc()
+            self.wake_seconds.labels(deployment).observe(float(detail.get("seconds", 0.0)))
+        elif kind in ("switch_completed", "switch_failed") and "device" in detail:
+            self.switches.labels(detail["device"], kind.removeprefix("switch_")).inc()
 
     def answered(self, deployment: str, code: str, ttft_ms: float | None) -> None:
         self.requests.labels(deployment, code).inc()
