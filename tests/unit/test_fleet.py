@@ -152,3 +152,23 @@ async def test_an_operators_stop_is_kept_across_a_restart_of_capyctl(tmp_path: P
             again.fleet.resolve("m")
         tg.cancel_scope.cancel()
     assert again.processes.spawned == []
+
+
+async def test_measured_start_times_are_kept_with_the_deployment(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.processes.stop_takes = 0.0
+    async with anyio.create_task_group() as tg:
+        await tg.start(w.fleet.run)
+        await w.fleet.apply(w.document(), activate=True)
+        await w.settled()
+        measured = w.fleet.get("m").status.cold_starts
+        assert len(measured) == 1  # one start measured (instant here: the fake engine is ready at once)
+        await w.fleet.apply(w.document(), activate=False)  # unchanged: what was measured stays
+        tg.cancel_scope.cancel()
+    assert w.store.get_deployment("m").cold_starts == measured  # type: ignore[union-attr]
+    again = World(tmp_path)
+    again.fleet._store = w.store  # the same state directory, read by a new CapyCTL
+    async with anyio.create_task_group() as tg:
+        await tg.start(again.fleet.run)
+        assert again.fleet.get("m").status.cold_starts == measured
+        tg.cancel_scope.cancel()

@@ -224,6 +224,8 @@ class Deployment(msgspec.Struct, kw_only=True):
     spec: DeploymentSpec
     operator_stopped: bool = False
     probed_version: str | None = None  # what an attached engine said its version was
+    cold_starts: list[float] = []  # measured seconds from spawn to ready, the last 20 (MOD-2, Retry-After)
+    wake_times: list[float] = []  # measured seconds from a wake's start to ready, the last 20
 
 
 def restart_delay(consecutive_failures: int, base: float = 0.5, ceiling: float = 30.0) -> float:

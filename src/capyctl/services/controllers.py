@@ -140,7 +140,7 @@ class _Controller:
         self._clock = clock
         self._events = events
         self.desired = initial_desire(deployment)
-        self.status = InstanceStatus()
+        self.status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
         self.settlement = Settlement(self.name, adapter, clock, events, lambda: self.base_url)
 
     @property
@@ -190,11 +190,13 @@ class ManagedController(_Controller):
         fields: RowChoice,
         room: Room | None = None,
         canary: Callable[[str, str], Awaitable[str]] | None = None,
+        keep: Callable[[Deployment], None] = lambda deployment: None,
     ) -> None:
         super().__init__(deployment, engine, adapter, clock, events, fields)
         self._room: Room = room or NoSwitchboard()
         self._holds = False  # granted room on its device, until its engine process is gone
         self._wake_granted = False  # a parked engine was granted room for its awake footprint
+        self._keep = keep  # stores the deployment record (its measured times)
         self._canary = canary  # the fixed request a woken engine must answer as before it parked
         self._reference: str | None = None  # this launch's answer to it, at its first readiness
         self._wake_began: float | None = None
@@ -363,7 +365,14 @@ class ManagedController(_Controller):
         self._changed_to(state)
         if state is S.READY and self.status.started_at is not None and self.status.ready_at is not None:
             self.status.cold_starts = [*self.status.cold_starts[-19:], self.status.ready_at - self.status.started_at]
+            self._measured()
         self._notify()
+
+    def _measured(self) -> None:
+        """Keep the measured start and wake times with the deployment, so they outlive CapyCTL's restarts."""
+        self.deployment.cold_starts = self.status.cold_starts
+        self.deployment.wake_times = self.status.wake_times
+        self._keep(self.deployment)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -524,6 +533,7 @@ class ManagedController(_Controller):
         self._wake_granted = False
         seconds = self._clock.monotonic() - began
         self.status.wake_times = [*self.status.wake_times[-19:], seconds]
+        self._measured()
         self._set(S.READY)
         self._events.emit(self.name, "woken", instance=0, seconds=round(seconds, 3))
 

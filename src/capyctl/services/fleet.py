@@ -167,7 +167,7 @@ class Fleet:
             controller = ManagedController(
                 deployment, engine, adapter, self._processes, self._clock, self._events,
                 self._pick_port, self._log_root / deployment.spec.name, self._settings, fields, self._room,
-                self._canary,
+                self._canary, self._keep,
             )
         assert self._task_group is not None
         controller.bind(self._task_group)
@@ -268,10 +268,13 @@ class Fleet:
                     await current.close()  # the old engine is gone before the new deployment exists
                     del self._controllers[spec.name]
                     current = None
-            deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
+            if current is not None:  # unchanged: the same record, with what was measured of it
+                deployment = current.deployment
+                deployment.operator_stopped = False
+            else:
+                deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
             self._store.put_deployment(deployment)
             controller = current or self._controller(deployment)
-            controller.deployment.operator_stopped = False
             self._events.emit(spec.name, f"deployment_{outcome}")
             if activate:
                 controller.want(Desired.RUN)
@@ -283,6 +286,10 @@ class Fleet:
     def room(self) -> Switchboard | NoSwitchboard:
         """The switchboard: the devices, what each deployment holds there, the last switches."""
         return self._room
+
+    def _keep(self, deployment: Deployment) -> None:
+        if self._controllers.get(deployment.spec.name) is not None:  # not once it is deleted
+            self._store.put_deployment(deployment)
 
     def get(self, name: str) -> Controller:
         controller = self._controllers.get(name)

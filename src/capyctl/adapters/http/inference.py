@@ -25,9 +25,9 @@ from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.auth import check_bearer
 from capyctl.domain.errors import CapyError, InternalError, InvalidJson, MethodNotAllowed, NotFound
 from capyctl.domain.ports import Clock
-from capyctl.domain.deployments import LISTED_STATE, engine_slots
+from capyctl.domain.deployments import LISTED_STATE, InstanceState, engine_slots
 from capyctl.services.admission import AdmissionService
-from capyctl.services.controllers import Controller
+from capyctl.services.controllers import Controller, InstanceStatus
 from capyctl.services.fleet import Fleet
 
 StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
@@ -82,12 +82,22 @@ def list_models(fleet: FleetDep, started: StartedDep, admission: AdmissionDep) -
     return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
 
 
+def cold_start_estimate(status: InstanceStatus) -> float | None:
+    """Seconds the transition the model's state needs would take, by the median of its measured ones:
+    0 when it is ready, a wake when it is parked, a start otherwise; None until one was measured."""
+    if status.state is InstanceState.READY:
+        return 0.0
+    wakes = status.state in (InstanceState.PARKING, InstanceState.PARKED, InstanceState.WAKING)
+    measured = status.wake_times if wakes else status.cold_starts
+    return round(statistics.median(measured), 1) if measured else None
+
+
 def model_entry(runner: Controller, started: float, admission: AdmissionService) -> dict[str, Any]:
     """One model as GET /v1/models lists it: Citadel's top-level fields, CapyCTL's own under ``capyctl``."""
     spec, status = runner.deployment.spec, runner.status
     state = str(status.state)
     family = str(runner.engine.family)
-    cold = status.cold_starts
+    cold = cold_start_estimate(status)
     return {
         "id": runner.name,
         "object": "model",
@@ -97,7 +107,7 @@ def model_entry(runner: Controller, started: float, admission: AdmissionService)
         "state": LISTED_STATE.get(state, "unavailable"),
         "loaded": state == "ready",
         "context_length": spec.engine_config.context_length,
-        "cold_start_s": round(statistics.median(cold), 1) if cold else None,
+        "cold_start_s": cold,
         "notes": spec.notes,
         "capyctl": {
             "api": spec.api,
