@@ -55,7 +55,7 @@ ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 SRC = ROOT / "src" / "capyctl"
 RECORDINGS = ROOT / "tests" / "contract" / "recordings"
-PAGES = ["quickstart.md", "requests.md", "engines.md", "configuration.md", "cli.md", "errors.md",
+PAGES = ["quickstart.md", "requests.md", "engines.md", "configuration.md", "cli.md", "errors.md", "parking.md",
          "observability.md", "replay.md", "development.md"]
 DOC_URL = "http://127.0.0.1:8443"
 DOC_STATE = "~/.local/state/capyctl"

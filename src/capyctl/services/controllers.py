@@ -499,7 +499,9 @@ class ManagedController(_Controller):
         except CapyError as exc:
             confirmed, why = False, exc.message
         if confirmed is False:  # None: the engine cannot tell, and its answer to the park is the evidence
-            self._give_up(f"the engine did not park ({why}); stopped instead", "park_failed")
+            error = f"the engine did not park ({why}); stopped instead"
+            self._events.emit(self.name, "park_failed", instance=0, reason=error)
+            self._give_up(error)
             return
         self._set(S.PARKED)
         self._events.emit(self.name, "parked", instance=0, residency=str(self.spec.residency),
@@ -523,12 +525,14 @@ class ManagedController(_Controller):
                 raise EngineUnavailable("the engine still says it is asleep after its wake", model=self.name)
             answer = await self._ask_canary()
         except CapyError as exc:
-            self._give_up(f"the engine did not wake: {exc.message}", "wake_failed")
+            error = f"the engine did not wake: {exc.message}"
+            self._events.emit(self.name, "wake_failed", instance=0, reason=error)
+            self._give_up(error)
             return
         if self._reference is not None and answer != self._reference:
             self._events.emit(self.name, "wake_mismatch", instance=0, expected=self._reference, got=answer)
             self._give_up(f"wake_mismatch: after its wake the engine answered {answer!r} to the canary, "
-                          f"not {self._reference!r} as before it parked", None)
+                          f"not {self._reference!r} as before it parked")
             return
         self._wake_granted = False
         seconds = self._clock.monotonic() - began
@@ -537,11 +541,9 @@ class ManagedController(_Controller):
         self._set(S.READY)
         self._events.emit(self.name, "woken", instance=0, seconds=round(seconds, 3))
 
-    def _give_up(self, error: str, event: str | None) -> None:
+    def _give_up(self, error: str) -> None:
         """Stop this engine (not stickily): a failed park or wake frees its memory by the process's end."""
         self.status.last_error = error
-        if event is not None:
-            self._events.emit(self.name, event, instance=0, reason=error)
         self._desire(Desired.ON_DEMAND)
 
     async def _first_answer(self) -> str | None:

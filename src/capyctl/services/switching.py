@@ -143,8 +143,11 @@ class Switchboard:
         try:
             if self._admission.state.in_flight(occupant.name):
                 return  # a request came in since the look: it is not idle after all
-            self._events.emit(occupant.name, f"idle_{step}", after_s=round(
-                self._clock.monotonic() - self._admission.last_used.get(occupant.name, 0.0), 1))
+            quiet = round(self._clock.monotonic() - self._admission.last_used.get(occupant.name, 0.0), 1)
+            if step == "park":
+                self._events.emit(occupant.name, "idle_park", after_s=quiet)
+            else:
+                self._events.emit(occupant.name, "idle_stop", after_s=quiet)
             await occupant.give_way(park=step == "park")
         finally:
             self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
