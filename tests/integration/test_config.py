@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,22 @@ def test_a_bad_file_stops_the_server_before_it_starts_with_the_line(tmp_path: Pa
                    "--listen", "127.0.0.1:0", "--management", "127.0.0.1:0")
     assert done.returncode == 6
     assert f"error [invalid_config]: {config}: line 3: Object contains unknown field `max_pending`" in done.stderr
+
+
+def test_devices_auto_without_a_gpu_stops_the_server_and_says_what_to_do(tmp_path: Path) -> None:
+    config = tmp_path / "server.yaml"
+    config.write_text("memory:\n  devices: auto\n")
+    empty = tmp_path / "bin"
+    empty.mkdir()  # a PATH with no nvidia-smi; NVML finds no driver on a machine without a GPU
+    done = subprocess.run([sys.executable, "-m", "capyctl", "start", "standalone", "--config", str(config),
+                           "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--management",
+                           "127.0.0.1:0"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": str(empty)})
+    if "NVML did not load" not in done.stderr:
+        pytest.skip("this machine has an NVIDIA driver: auto finds its GPUs")
+    assert done.returncode == 6
+    assert "error [invalid_config]: memory.devices: auto found no GPU" in done.stderr
+    assert "declare the devices in the file" in done.stderr
 
 
 def test_config_check_and_schema(tmp_path: Path) -> None:
