@@ -104,6 +104,7 @@ class ControllerSettings(msgspec.Struct, kw_only=True, frozen=True):
     startup_timeout: float = 600.0
     stop_grace: float = 10.0
     poll_interval: float = 0.05
+    ready_poll: float = 0.01  # seconds between readiness checks of a starting engine (a waiting request pays it)
     max_start_failures: int = 5  # launches in a row that failed to start, or crashed soon after, before FAILED
     stable_after: float = 60.0  # seconds ready after which a crash no longer counts as a failed start
 
@@ -574,7 +575,7 @@ class ManagedController(_Controller):
                 return False
             if await self.adapter.ready(self.base_url):
                 return True
-            await anyio.sleep(0.1)
+            await anyio.sleep(self._settings.ready_poll)
         with anyio.CancelScope(shield=True):
             await process.terminate(self._settings.stop_grace)
         self.status.last_error = f"engine not ready after {self._settings.startup_timeout:.0f} s"

@@ -91,6 +91,8 @@ def deployment_view(controller: Controller, now: float, room: Switchboard | NoSw
                 "last_error": status.last_error,
                 "log": status.log_path,
                 "unsettled": controller.settlement.ledger.counts(),
+                "cold_starts_s": [round(x, 3) for x in status.cold_starts],  # measured spawn -> ready, last 20
+                "wake_times_s": [round(x, 3) for x in status.wake_times],  # measured wakes, last 20
             }
         ],
     }
