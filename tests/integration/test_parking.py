@@ -77,8 +77,6 @@ def parking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Parking]:
         yield world
     finally:
         world.server.stop()
-    # whatever ran, the engines' footprints never exceeded the device
-    assert most_charged(read_timeline(world.timeline)) <= CAPACITY
 
 
 def most_charged(lines: list[dict[str, Any]]) -> int:
@@ -178,3 +176,12 @@ def test_prometheus_counts_parks_wakes_switches_and_memory(parking: Parking) -> 
     charged = sum(v for k, v in samples.items() if k.startswith("capyctl_memory_charged_bytes{"))
     assert 0 < charged <= CAPACITY
     assert charged == parking.server.cli_json("list", "devices")[0]["charged_bytes"]
+
+
+def test_the_engines_footprints_never_exceeded_the_device(parking: Parking) -> None:
+    """Runs last in this module: everything the tests above did, read back from the stand-ins' timelines."""
+    lines = parking.lines()
+    assert len({line["pid"] for line in lines}) >= 4  # several engines came and went
+    assert AWAKE + PARKED <= most_charged(lines) <= CAPACITY
+    shown = parking.server.cli("status", "deployment", "alpha").stdout
+    assert "switch      last on gpu0: for" in shown and "memory      " in shown

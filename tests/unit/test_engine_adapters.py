@@ -20,7 +20,7 @@ from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine, has_per_request_metrics
 from capyctl.domain.deployments import DeploymentSpec, EngineConfig, check_extra_args
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import InvalidConfig, InvalidEngine
+from capyctl.domain.errors import EngineError, InvalidConfig, InvalidEngine
 from capyctl.domain.memory import Residency
 
 BASE = "http://127.0.0.1:18000"
@@ -433,3 +433,57 @@ async def test_tensorfold_ready_load_version(httpx_mock: HTTPXMock, client: http
     assert await engine.load(BASE) == (2, 1)
     assert await engine.load(BASE) == (1, 5)
     assert await engine.load(BASE) is None
+
+
+# --- parking: the exact calls, in order -------------------------------------------------------
+
+
+def sent(httpx_mock: HTTPXMock) -> list[tuple[str, str, bytes]]:
+    return [(r.method, str(r.url).removeprefix(BASE), r.content) for r in httpx_mock.get_requests()]
+
+
+async def test_vllm_parks_with_mode_wait_and_wakes_in_order(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
+    engine = VllmEngine(client)
+    httpx_mock.add_response(status_code=200, json={"status": "sleeping"}, is_reusable=True)
+    await engine.park(BASE, Residency.HOST_BACKED)
+    await engine.park(BASE, Residency.DEEP)
+    await engine.wake(BASE, Residency.HOST_BACKED, "/models/tiny")
+    await engine.wake(BASE, Residency.DEEP, "/models/tiny")
+    assert [(m, u) for m, u, _ in sent(httpx_mock)] == [
+        ("POST", "/sleep?level=1&mode=wait"), ("POST", "/sleep?level=2&mode=wait"),
+        ("POST", "/wake_up?tags=weights"), ("POST", "/wake_up?tags=kv_cache"), ("POST", "/reset_prefix_cache"),
+        ("POST", "/wake_up?tags=weights"), ("POST", "/collective_rpc"), ("POST", "/wake_up?tags=kv_cache"),
+        ("POST", "/reset_prefix_cache"),
+    ]
+    assert sent(httpx_mock)[6][2] == b'{"method":"reload_weights"}'
+
+
+async def test_vllm_parked_reads_is_sleeping_and_a_refusal_is_an_engine_error(
+    httpx_mock: HTTPXMock, client: httpx.AsyncClient
+) -> None:
+    engine = VllmEngine(client)
+    httpx_mock.add_response(url=BASE + "/is_sleeping", json={"is_sleeping": True})
+    httpx_mock.add_response(url=BASE + "/is_sleeping", status_code=404, json={"detail": "Not Found"})
+    assert await engine.parked(BASE) is True
+    assert await engine.parked(BASE) is None  # no dev mode: it cannot tell
+    httpx_mock.add_response(url=BASE + "/sleep?level=1&mode=wait", status_code=404, json={"detail": "Not Found"})
+    with pytest.raises(EngineError) as caught:
+        await engine.park(BASE, Residency.HOST_BACKED)
+    assert caught.value.status == 404
+
+
+async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
+    engine = SglangEngine(client)
+    httpx_mock.add_response(status_code=200, content=b"null", is_reusable=True)
+    await engine.park(BASE, Residency.DEEP)
+    await engine.wake(BASE, Residency.DEEP, "/models/tiny")
+    await engine.wake(BASE, Residency.HOST_BACKED, "/models/tiny")
+    assert sent(httpx_mock) == [
+        ("POST", "/release_memory_occupation", b"{}"),
+        ("POST", "/resume_memory_occupation", b"{}"),
+        ("POST", "/update_weights_from_disk", b'{"model_path":"/models/tiny"}'),
+        ("POST", "/flush_cache", b""),
+        ("POST", "/resume_memory_occupation", b"{}"),
+        ("POST", "/flush_cache", b""),
+    ]
+    assert await engine.parked(BASE) is None  # SGLang has no route that tells: the release's 200 is the evidence

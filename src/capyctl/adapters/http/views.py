@@ -36,6 +36,7 @@ def memory_view(controller: Controller, room: Switchboard | NoSwitchboard) -> di
         "parked_memory_bytes": resources.parked_bytes if resources.parked_memory is not None else None,
         "holding": str(holding),
         "charged_bytes": 0 if device is None else room.charged(device).get(controller.name, 0),
+        "last_switch": None if device is None else room.last_switch.get(device.name),  # on its device
     }
 
 

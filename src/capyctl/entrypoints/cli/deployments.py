@@ -111,9 +111,14 @@ def _memory_line(memory: dict[str, Any]) -> str:
     if memory["device"] is None:
         declared = f"declares {gib(memory['memory_bytes'])}; " if memory["memory_bytes"] else ""
         return f"memory      {declared}not accounted (no device)"
-    return (f"memory      {gib(memory['charged_bytes'])} charged on {memory['device']} "
+    line = (f"memory      {gib(memory['charged_bytes'])} charged on {memory['device']} "
             f"({memory['holding']}; declares {gib(memory['memory_bytes'])} awake, "
             f"{gib(memory['parked_memory_bytes'] or 0)} parked)")
+    switch = memory.get("last_switch")
+    if switch:
+        victims = ", ".join(f"{v['name']} {v['action']}" for v in switch["victims"]) or "none"
+        line += f"\nswitch      last on {memory['device']}: for {switch['target']}, {victims}: {switch['outcome']}"
+    return line
 
 
 _DESIRED = {
