@@ -43,10 +43,11 @@ from typing import Any
 import httpx
 import msgspec
 
+from tests.fakes import http1
+from tests.fakes.http1 import READ as _READ, PeerGone
+
 _encode = msgspec.json.encode
-_MAX_HEAD = 64 * 1024
 _MAX_BODY = 16 * 1024 * 1024
-_READ = 64 * 1024
 _JSON = "application/json"
 _SSE = "text/event-stream"
 _CHAT = "/v1/chat/completions"
@@ -67,10 +68,6 @@ class Stats:
                         "closed_by_peer": self.closed_by_peer, "by_case": dict(self.by_case)})
 
 
-class PeerGone(Exception):
-    """The client closed its connection (end of file, reset or broken pipe)."""
-
-
 class Request(msgspec.Struct):
     method: str
     path: str
@@ -82,76 +79,17 @@ class Request(msgspec.Struct):
         return self.headers.get("connection", "").lower() != "close"
 
 
-class Conn:
-    """One client connection, with its own read buffer.
-
-    The buffer is ours (not the StreamReader's) so that whatever the watcher
-    reads while a case runs (a pipelined request) is kept for the next one.
-    """
-
+class Conn(http1.Conn):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.buffer = bytearray()
-        self.eof = False
-
-    async def fill(self) -> bool:
-        """Read what has arrived into the buffer; False at end of file."""
-        try:
-            data = await self.reader.read(_READ)
-        except ConnectionError:
-            data = b""
-        if not data:
-            self.eof = True
-            return False
-        self.buffer += data
-        return True
-
-    async def until_eof(self) -> None:
-        while await self.fill():
-            pass
+        super().__init__(reader, writer, _MAX_BODY)
 
     async def read_request(self) -> Request | None:
         """The next request, or None when the peer closed (or sent something unreadable)."""
-        while (end := self.buffer.find(b"\r\n\r\n")) < 0:
-            if len(self.buffer) > _MAX_HEAD or not await self.fill():
-                return None
-        head = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
-        del self.buffer[: end + 4]
-        parts = head[0].split(" ")
-        if len(parts) != 3:
-            return None
-        headers = {}
-        for line in head[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "transfer-encoding" in headers:
-            return None  # CapyCTL frames its requests with Content-Length; nothing else is expected
-        length = content_length(headers)
-        if length is None:
-            return None
-        while len(self.buffer) < length:
-            if not await self.fill():
-                return None
-        body = bytes(self.buffer[:length])
-        del self.buffer[:length]
-        return Request(parts[0], parts[1].split("?", 1)[0], headers, body)
-
-    async def write(self, data: bytes) -> None:
-        if self.eof or self.writer.is_closing():
-            raise PeerGone()
-        self.writer.write(data)
-        try:
-            await self.writer.drain()
-        except ConnectionError as exc:
-            raise PeerGone() from exc
-
-    async def close(self) -> None:
-        self.writer.close()
-        try:
-            await self.writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
+        message = await self.read_message()
+        if not isinstance(message, tuple):
+            return None  # a chunked body: CapyCTL frames its requests with Content-Length, nothing else is expected
+        method, target, headers, body = message
+        return Request(method, target.split("?", 1)[0], headers, body)
 
 
 def content_length(headers: dict[str, str]) -> int | None:

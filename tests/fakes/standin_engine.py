@@ -150,6 +150,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
+from tests.fakes import http1
+from tests.fakes.http1 import PeerGone
+
 DEFAULT_VERSIONS = {"vllm": "0.32.0", "sglang": "0.5.23"}
 MODES = ("normal", "crash_on_wake", "wrong_after_wake")
 DEFAULT_MAX_TOKENS = 16
@@ -396,9 +399,7 @@ def _version_key(version: str) -> tuple[int, ...]:
 
 
 # -- HTTP/1.1 ------------------------------------------------------------------------------------------
-_MAX_HEAD = 64 * 1024
 _MAX_BODY = 32 * 1024 * 1024
-_READ = 64 * 1024
 JSON = "application/json"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
             413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
@@ -406,10 +407,6 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-class PeerGone(Exception):
-    """The client closed its connection."""
 
 
 class Request:
@@ -433,71 +430,18 @@ class Request:
         return parse_qs(self.query, keep_blank_values=True).get(name)
 
 
-class Conn:
+class Conn(http1.Conn):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.buffer = bytearray()
-        self.eof = False
-
-    async def fill(self) -> bool:
-        try:
-            data = await self.reader.read(_READ)
-        except (ConnectionError, OSError):
-            data = b""
-        if not data:
-            self.eof = True
-            return False
-        self.buffer += data
-        return True
-
-    async def until_eof(self) -> None:
-        while await self.fill():
-            pass
+        super().__init__(reader, writer, _MAX_BODY)
 
     async def read_request(self) -> Request | None:
-        while (end := self.buffer.find(b"\r\n\r\n")) < 0:
-            if len(self.buffer) > _MAX_HEAD or not await self.fill():
-                return None
-        lines = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
-        del self.buffer[: end + 4]
-        parts = lines[0].split(" ")
-        if len(parts) != 3:
-            return None
-        headers = {}
-        for line in lines[1:]:
-            key, _, value = line.partition(":")
-            headers[key.strip().lower()] = value.strip()
-        if "transfer-encoding" in headers:
+        message = await self.read_message()
+        if message == "chunked":
             await self.write(response(411, b"", None, close=True))
             return None
-        try:
-            length = int(headers.get("content-length", "0") or 0)
-        except ValueError:
+        if not isinstance(message, tuple):
             return None
-        if not 0 <= length <= _MAX_BODY:
-            return None
-        while len(self.buffer) < length:
-            if not await self.fill():
-                return None
-        body = bytes(self.buffer[:length])
-        del self.buffer[:length]
-        return Request(parts[0], parts[1], headers, body)
-
-    async def write(self, data: bytes) -> None:
-        if self.eof or self.writer.is_closing():
-            raise PeerGone()
-        self.writer.write(data)
-        try:
-            await self.writer.drain()
-        except (ConnectionError, OSError) as exc:
-            raise PeerGone() from exc
-
-    async def close(self) -> None:
-        self.writer.close()
-        try:
-            await self.writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
+        return Request(*message)
 
 
 def response(status: int, body: bytes, content_type: str | None = JSON, close: bool = False) -> bytes:
