@@ -134,6 +134,32 @@ def test_an_operators_park_then_start_wakes_it(parking: Parking) -> None:
         {"model": "alpha", **QUESTION})
 
 
+def test_a_park_waits_for_the_requests_at_the_engine_and_aborts_none(parking: Parking) -> None:
+    import threading
+
+    assert parking.ask("alpha").status_code == 200
+    got: dict[str, Any] = {}
+
+    def long_stream() -> None:  # about a second of tokens at the stand-in's 5 ms a token
+        with httpx.stream("POST", parking.server.base_url + "/v1/chat/completions", headers=parking.server.headers(),
+                          json={"model": "alpha", **QUESTION, "max_tokens": 200, "stream": True}, timeout=60) as r:
+            got["status"] = r.status_code
+            got["body"] = "".join(r.iter_text())
+            got["ended"] = time.time()
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    until(lambda: "status" in got)
+    parking.server.cli("park", "deployment", "alpha")
+    parked_at = time.time()
+    reader.join(60)
+    assert got["status"] == 200 and got["body"].rstrip().endswith("data: [DONE]")
+    assert '"finish_reason":"length"' in got["body"]  # the whole answer: nothing was cut
+    assert got["ended"] <= parked_at  # the park came back only after the stream had ended
+    assert not [line for line in parking.lines() if line.get("event") == "aborted"]  # the engine aborted nothing
+    assert parking.status("alpha")["state"] == "parked"
+
+
 def test_a_woken_engine_that_answers_differently_is_stopped_with_wake_mismatch(parking: Parking) -> None:
     assert parking.ask("gamma").status_code == 200
     pid = parking.status("gamma")["instances"][0]["pid"]

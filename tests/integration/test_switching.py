@@ -145,3 +145,14 @@ def test_a_model_larger_than_the_device_is_refused_with_the_figures(switching: C
     assert error["code"] == "insufficient_memory" and error["model"] == "big"
     assert "needs 3.00 GiB" in error["reason"] and "2.50 GiB" in error["reason"]
     assert switching.cli_json("status", "deployment", "big")["instances"][0]["pid"] is None  # nothing started
+
+
+def test_a_residency_the_engine_cannot_do_is_refused_when_applied(switching: CapyServer, tmp_path: Path,
+                                                                    llama: LlamaPaths) -> None:
+    path = tmp_path / "sleepy.yaml"
+    path.write_bytes(msgspec.yaml.encode({"name": "sleepy", "engine": "llama-server", "model": str(llama.model),
+                                          "residency": "host_backed"}))
+    done = switching.cli("deploy", "model", "--file", str(path), check=False)
+    assert done.returncode != 0
+    assert "residency host_backed is not something llamacpp can do; it can: restart_only" in done.stderr
+    assert "sleepy" not in [d["name"] for d in switching.cli_json("list", "deployments")]
