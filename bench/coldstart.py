@@ -6,9 +6,12 @@ Cold start (real llama-server with SmolLM2, residency restart_only): each
 round parks the deployment (which stops it), then times one streamed request
 from its send to its first token through CapyCTL. In the same run, alternating
 with those rounds, the same llama-server command line (read from the engine
-CapyCTL ran) is spawned directly and timed from its spawn to the first token
-of the same request sent the moment ``/health`` answers 200 (polled every 2 ms).
-CapyCTL's cost is the difference of the medians.
+CapyCTL ran) is spawned directly, while CapyCTL's engine is stopped, and timed
+from its spawn to the first token of the same request sent the moment
+``/health`` answers 200 (polled every 2 ms). CapyCTL's cost is the difference
+of the medians; a second figure subtracts, per round, that launch's own
+spawn-to-ready as CapyCTL timed it (10 ms polls) and the direct ready-to-first-
+token.
 
 Wake (the stand-in engine as vLLM 0.32.0, residency host_backed): each round
 parks the deployment (the engine sleeps), then times one streamed request to
@@ -118,9 +121,10 @@ def cold_starts(work: Path, rounds: int) -> float:
         print("   round   through CapyCTL:   request -> 1st token   its spawn -> ready   |   direct: spawn -> "
               "ready   spawn -> 1st token")
         for i in range(rounds):
+            server.cli("park", "deployment", "cold")  # CapyCTL's engine gone: the direct one has the cores alone
+            ready, first = direct(argv, "cold")
             capy.append(through_capyctl(server, "cold"))
             seen.append(server.cli_json("status", "deployment", "cold")["instances"][0]["cold_starts_s"][-1])
-            ready, first = direct(argv, "cold")
             own.append(first)
             rest.append(first - ready)
             print(f"   {i + 1:5d}   {ms(capy[-1])}               {ms(seen[-1])}           |   {ms(ready)}"
