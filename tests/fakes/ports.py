@@ -157,6 +157,9 @@ class FakeEngineAdapter:
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         return [engine.path, "--port", str(port), *spec.engine_config.extra_args]
 
+    def serves_decisions(self, engine: EngineInstall) -> bool:
+        return True
+
     async def ready(self, base_url: str) -> bool:
         return self.healthy
 

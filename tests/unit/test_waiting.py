@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import trio
 
-from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
@@ -105,7 +105,7 @@ async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> 
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     engine_session = SilentAfterOneChunk()
     service = ChatService(fleet, engine_session, clock, events, settings, admission)  # type: ignore[arg-type]
-    handler = ChatHandler(service, lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = FrontDoor([ChatEndpoint(service, Stats())], lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
 
     holder = Client({"model": "m", "messages": [], "stream": True})
     waiter = Client({"model": "m", "messages": []})

@@ -334,3 +334,13 @@ class StillServing(CapyError):
         super().__init__(f"deployment {model!r} still had {in_flight} requests at its engine after "
                          f"switching.drain_timeout ({timeout:.0f} s); it keeps serving: park it again later",
                          model=model, in_flight=in_flight)
+
+
+class EngineRejected(CapyError):
+    """DEC-2: the engine refused a decision request (too many options, instructions missing ...)."""
+
+    code = "engine_rejected"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"the engine refused the decision request: {message}", status=status)
+        self.status = status

@@ -90,6 +90,9 @@ class EngineAdapter(Protocol):
     async def load(self, base_url: str) -> tuple[int, int] | None:
         """(running, waiting) requests as the engine reports them, None if unreadable."""
 
+    def serves_decisions(self, engine: EngineInstall) -> bool:
+        """True when this installation answers ``POST /v1/systemone`` (no process started)."""
+
     async def park(self, base_url: str, residency: Residency) -> None:
         """Free the device memory the engine's residency lets go (after CapyCTL drained it); raises
         ``EngineError`` or ``EngineUnavailable`` when the engine refuses or cannot be reached."""
@@ -112,4 +115,11 @@ class EngineSession(Protocol):
         cannot be reached. Leaving the context, normally or by cancellation,
         closes the engine connection at once: that is how CapyCTL asks an
         engine to stop work on a request.
+        """
+
+    async def decide(self, base_url: str, body: bytes) -> bytes:
+        """POST a decision request (``/v1/systemone``); the engine's whole 200 answer.
+
+        Raises ``EngineError`` when the engine refuses it, ``EngineUnavailable``
+        when it cannot be reached. A cancellation closes the engine connection.
         """

@@ -21,7 +21,8 @@ from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine
-from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
+from capyctl.adapters.http.decisions import DecisionEndpoint
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.adapters.process.ports import free_port
@@ -32,6 +33,7 @@ from capyctl.services.canary import Canary
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.events import Events
 from capyctl.services.controllers import ControllerSettings
+from capyctl.services.decisions import DecisionService
 from capyctl.services.fleet import Fleet
 from capyctl.services.switching import Switchboard
 
@@ -123,9 +125,16 @@ class Container(containers.DeclarativeContainer):
     )
     api_keys = providers.Singleton(key_list, state_dir)
     request_stats = providers.Singleton(listening_stats, fleet=fleet, admission=admission, events=events)
+    decision_service = providers.Singleton(
+        DecisionService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
+        admission=admission,
+    )
     chat_handler = providers.Singleton(
-        ChatHandler,
-        service=chat_service,
+        FrontDoor,
+        endpoints=providers.List(
+            providers.Singleton(ChatEndpoint, service=chat_service, stats=request_stats),
+            providers.Singleton(DecisionEndpoint, service=decision_service),
+        ),
         api_keys=api_keys,
         max_body=config.max_body,
         stats=request_stats,

@@ -97,7 +97,9 @@ def failure_error(error: dict[str, Any]) -> EngineError:
     return EngineError(status, str(error.get("message") or "the engine failed"), engine_code(error), extra)
 
 
-class ChatService:
+class RequestService:
+    """What every API's requests share: the deadline and idle watch, settlement of cut requests."""
+
     def __init__(
         self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
         admission: AdmissionService | None = None,
@@ -108,7 +110,6 @@ class ChatService:
         self._session = session
         self._clock = clock
         self._settings = settings
-        self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self.live: dict[str, RequestRecord] = {}  # requests being served, read by the metrics endpoint
         self._meters: dict[str, Meter] = {}  # the engine activity of requests being relayed
 
@@ -147,6 +148,15 @@ class ChatService:
 
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)
+
+
+class ChatService(RequestService):
+    def __init__(
+        self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
+        admission: AdmissionService | None = None,
+    ) -> None:
+        super().__init__(fleet, session, clock, events, settings, admission)
+        self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
 
     @asynccontextmanager
     async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> AsyncIterator[EngineCall]:

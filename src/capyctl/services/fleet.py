@@ -237,6 +237,12 @@ class Fleet:
             )
         self._check_device(spec)
         adapter = self._adapters[engine.family]
+        if spec.api == "decisions" and not adapter.serves_decisions(engine):
+            raise InvalidConfig(
+                f"api: decisions needs an engine that answers POST /v1/systemone; {engine.name} "
+                f"({engine.family} {engine.version}) does not (vLLM 0.32 and later, SGLang 0.5.21 and later, "
+                "and llama.cpp builds with the route do)"
+            )
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)
         if not local_path(str(spec.model), "model", InvalidConfig).exists():

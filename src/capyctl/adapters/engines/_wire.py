@@ -27,6 +27,7 @@ from capyctl.domain.streams import Done, StreamEvent
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
 _IDLE_PER_ENGINE = 64
+_MAX_DECISION = 16 << 20  # bytes of one decision answer
 
 
 class _Response(asyncio.Protocol):
@@ -136,10 +137,10 @@ class WireEngineSession(EngineSession):
             raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
         return conn, False
 
-    async def _send(self, host: str, port: int, path: str, body: bytes) -> _Response:
+    async def _send(self, host: str, port: int, path: str, body: bytes, accept: str = "text/event-stream") -> _Response:
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+            f"Accept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
             conn, reused = await self._connection(host, port)
@@ -181,6 +182,35 @@ class WireEngineSession(EngineSession):
                 while not conn.complete and conn.lost is None:
                     await conn.wait()
         self._release(conn, (host, port))
+
+    async def decide(self, base_url: str, body: bytes) -> bytes:
+        """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
+        ``EngineUnavailable`` when the engine cannot be reached; a cut closes the connection."""
+        url = urlsplit(base_url)
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        conn = await self._send(host, port, url.path.rstrip("/") + "/v1/systemone", body, "application/json")
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                if conn.body:
+                    parts.append(conn.take())
+                    size += len(parts[-1])
+                    if size > _MAX_DECISION:
+                        raise EdgeError(f"the engine's decision answer is larger than {_MAX_DECISION} bytes")
+                    continue
+                if conn.complete:
+                    break
+                if conn.lost is not None:
+                    raise EngineUnavailable(f"the engine connection broke before its decision ended: {conn.lost!r}")
+                await conn.wait()
+            if conn.status != 200:
+                raise engine_error(conn.status, b"".join(parts))
+        except BaseException:
+            conn.close()  # cut short (client gone, deadline): closing tells the engine to stop
+            raise
+        self._release(conn, (host, port))
+        return b"".join(parts)
 
     def _release(self, conn: _Response, key: tuple[str, int]) -> None:
         """Keep a finished connection for the next request to this engine."""

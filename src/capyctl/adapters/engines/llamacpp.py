@@ -19,7 +19,7 @@ import httpx
 
 from capyctl.adapters.engines import _prom
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
-from capyctl.adapters.engines._restart_only import RestartOnly
+from capyctl.adapters.engines._capabilities import RestartOnly
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine
@@ -102,3 +102,10 @@ class LlamaCppEngine(RestartOnly, EngineAdapter):
     async def load(self, base_url: str) -> tuple[int, int] | None:
         response = await fetch_ok(self._client, base_url + "/metrics")
         return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+
+    def serves_decisions(self, engine: EngineInstall) -> bool:
+        """Only some builds have ``POST /v1/systemone``: the route's path is in the binary when they do."""
+        try:
+            return b"/v1/systemone" in Path(engine.path).read_bytes()
+        except OSError:
+            return False

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines._capabilities import DecisionsByVersion
 from capyctl.adapters.engines._http import fetch_json, fetch_ok, post_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -52,7 +53,7 @@ _OWNED = {
 }
 
 
-class SglangEngine(EngineAdapter):
+class SglangEngine(DecisionsByVersion, EngineAdapter):
     family = EngineFamily.SGLANG
     owned_env: tuple[str, ...] = ()
     # also refuses abbreviations argparse would expand to one of these (--enable-cache-rep)

@@ -25,7 +25,7 @@ import httpx
 
 from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._http import fetch_json, fetch_ok
-from capyctl.adapters.engines._restart_only import RestartOnly
+from capyctl.adapters.engines._capabilities import DecisionsByVersion, RestartOnly
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.ports import EngineAdapter
@@ -36,7 +36,7 @@ _RUNNING = ["tensorfold:requests_running", "tensorfold:num_requests_running"]
 _WAITING = ["tensorfold:requests_waiting", "tensorfold:num_requests_waiting"]
 
 
-class TensorfoldEngine(RestartOnly, EngineAdapter):
+class TensorfoldEngine(DecisionsByVersion, RestartOnly, EngineAdapter):
     family = EngineFamily.TENSORFOLD
     owned_env: tuple[str, ...] = ("TENSORFOLD_API_KEY",)
     owned_options = {

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines._capabilities import DecisionsByVersion
 from capyctl.adapters.engines._http import fetch_json, fetch_ok, post_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
@@ -73,7 +74,7 @@ def has_per_request_metrics(version: str) -> bool:
     return low <= version_key(version)[:2] <= high
 
 
-class VllmEngine(EngineAdapter):
+class VllmEngine(DecisionsByVersion, EngineAdapter):
     family = EngineFamily.VLLM
     owned_env: tuple[str, ...] = ("VLLM_API_KEY", "HF_HUB_OFFLINE", "VLLM_SERVER_DEV_MODE")
     # also refuses --disable_log_stats and abbreviations such as --no-enable-per-request

@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -44,7 +44,7 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
-from capyctl.services.chat import ChatService, failure_error, read_target
+from capyctl.services.chat import ChatService, RequestService, failure_error, read_target
 from capyctl.services.context import caller_request_id
 
 log = logging.getLogger("capyctl.chat")
@@ -57,8 +57,10 @@ _DONE = b"data: [DONE]\n\n"
 _STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
 # Answers that refused a request before any engine saw it, counted in capyctl_refusals_total.
 _REFUSALS = frozenset({"model_not_found", "deployment_stopped", "api_mismatch", "cache_salt_unsupported",
-                       "invalid_request", "invalid_json", "queue_full", "model_loading", "queued", "device_busy"})
+                       "invalid_request", "invalid_json", "queue_full", "model_loading", "queued", "device_busy",
+                       "insufficient_memory", "gpu-busy"})
 Headers = list[tuple[bytes, bytes]]
+CHAT_PATH = "/v1/chat/completions"
 
 
 def llm_wait(values: list[str]) -> float | None:
@@ -79,8 +81,6 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise InvalidJson(str(exc)) from exc
     except RecursionError as exc:
         raise InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)") from exc
-    if "return_hidden_states" in obj:
-        raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
     return obj
 
 
@@ -105,11 +105,29 @@ _TIMEOUTS = {
 }
 
 
-class ChatHandler:
-    def __init__(
-        self, service: ChatService, api_keys: Callable[[], list[str]], max_body: int, stats: RequestStats
-    ) -> None:
-        self._service = service
+class Endpoint(Protocol):
+    """One API behind the front door: how it reads its target, and how it answers."""
+
+    path: str
+    service: RequestService
+
+    def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
+        """The model named and whether the client wants a stream; raises for what cannot be served."""
+
+    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any,
+                     headers: Headers, outcome: Outcome, received_at: float) -> None: ...
+
+    async def late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None: ...
+
+
+class FrontDoor:
+    """What every API's requests go through, written once: the ULID, the method, the key, the caller's
+    X-Request-Id, X-LLM-Wait, the body limit and its decoding, the hang-up and deadline watcher, the cut
+    requests' settlement and the outcome counters. The endpoint for the path does the rest."""
+
+    def __init__(self, endpoints: list[Endpoint], api_keys: Callable[[], list[str]], max_body: int,
+                 stats: RequestStats) -> None:
+        self.endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._api_keys = api_keys
         self._max_body = max_body
         self._stats = stats
@@ -119,15 +137,17 @@ class ChatHandler:
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         reply = Reply(send)
         try:
-            await self._handle(scope, receive, reply, request_id, headers)
+            await self._handle(scope, receive, reply, request_id, headers, self.endpoints[scope["path"]])
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
             log.exception("request %s: internal error", request_id)
             await reply.internal_error(request_id, headers)
 
-    async def _handle(self, scope: Scope, receive: Any, send: Any, request_id: str, headers: Headers) -> None:
+    async def _handle(self, scope: Scope, receive: Any, send: Any, request_id: str, headers: Headers,
+                      endpoint: Endpoint) -> None:
+        service = endpoint.service
         try:
             if scope["method"] != "POST":
-                raise MethodNotAllowed(f"{scope['method']} is not allowed on /v1/chat/completions; use POST")
+                raise MethodNotAllowed(f"{scope['method']} is not allowed on {endpoint.path}; use POST")
             check_bearer(header(scope, b"authorization"), self._api_keys())
             caller_values = header_values(scope, b"x-request-id")
             if caller_values:  # handed back as given, once it is known to be valid
@@ -136,7 +156,7 @@ class ChatHandler:
                 caller_request_id.set(caller)
             wait = llm_wait(header_values(scope, b"x-llm-wait"))
             obj = decode_body(await read_body(receive, scope, self._max_body))
-            model, stream = read_target(obj, self._service.default_model)
+            model, stream = endpoint.target(obj)
         except ClientGone:
             return
         except CapyError as error:
@@ -146,29 +166,49 @@ class ChatHandler:
         record = RequestRecord(id=request_id, deployment=model, stream=stream)
         outcome = Outcome()
         async with anyio.create_task_group() as tg:
-            received_at = self._service.now()
-            overdue = functools.partial(self._service.overdue, record, received_at)
-            tg.start_soon(watch, receive, tg.cancel_scope, overdue, self._service.check_every)
-            if stream:
-                await self._stream(record, obj, wait, send, headers, outcome)
-            else:
-                await self._complete(record, obj, wait, send, headers, outcome)
+            received_at = service.now()
+            overdue = functools.partial(service.overdue, record, received_at)
+            tg.start_soon(watch, receive, tg.cancel_scope, overdue, service.check_every)
+            await endpoint.answer(record, obj, wait, send, headers, outcome, received_at)
             tg.cancel_scope.cancel()
         if tg.cancel_scope.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
             if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
                 error = _TIMEOUTS[record.cause](record)
                 outcome.code = error.code
-                await self._late_error(error, send, headers, outcome)
+                await endpoint.late_error(error, send, headers, outcome)
             else:
                 record.cancelled(CancelCause.CLIENT_GONE)
-            self._service.cut(record)
+            service.cut(record)
             log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
-        if self._service.knows(model):  # unknown names must not become label values
+        if service.knows(model):  # unknown names must not become label values
             self._stats.answered(model, outcome.code, outcome.ttft_ms)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
 
-    async def _late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None:
+
+class ChatEndpoint:
+    """``POST /v1/chat/completions``: streamed answers relayed as SSE, others assembled."""
+
+    path = CHAT_PATH
+
+    def __init__(self, service: ChatService, stats: RequestStats) -> None:
+        self.service = service
+        self._service = service
+        self._stats = stats
+
+    def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
+        if "return_hidden_states" in obj:
+            raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
+        return read_target(obj, self._service.default_model)
+
+    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any,
+                     headers: Headers, outcome: Outcome, received_at: float) -> None:
+        if record.stream:
+            await self._stream(record, obj, wait, send, headers, outcome)
+        else:
+            await self._complete(record, obj, wait, send, headers, outcome)
+
+    async def late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:
             await send({"type": "http.response.body", "body": sse_error_event(error), "more_body": False})
         else:

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from capyctl.domain.errors import CapyError, EngineError
+from capyctl.domain.errors import CapyError, EngineError, EngineRejected
 
 STATUS: dict[str, int] = {
     "invalid_json": 400,
@@ -44,13 +44,14 @@ STATUS: dict[str, int] = {
     "gpu-busy": 503,
     "insufficient_memory": 503,
     "still_serving": 409,
+    "engine_rejected": 400,  # answered with the engine's own status
 }
 _OWN_TYPE = frozenset({"edge_error"})  # codes whose envelope type is the code itself (Citadel)
 
 
 def status_of(error: CapyError) -> int:
-    if isinstance(error, EngineError):
-        return error.status
+    if isinstance(error, EngineError | EngineRejected):
+        return error.status if 400 <= error.status <= 599 else 502
     return STATUS.get(error.code, 500)
 
 

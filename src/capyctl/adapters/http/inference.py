@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from litestar import Litestar, Request, Response, get
+from litestar import Litestar, Request, Response, get, route
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -16,7 +16,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import Dependency
 
 from capyctl.adapters.http.asgi import REQUEST_ID_KEY, Scope, with_request_ids
-from capyctl.adapters.http.chat import ChatHandler
+from capyctl.adapters.http.chat import FrontDoor
 from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.http.views import FleetDep
@@ -33,7 +33,6 @@ from capyctl.services.fleet import Fleet
 StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 StartedDep = Annotated[float, Dependency(skip_validation=True)]
 AdmissionDep = Annotated[AdmissionService, Dependency(skip_validation=True)]
-CHAT_PATH = "/v1/chat/completions"
 log = logging.getLogger("capyctl.http")
 
 
@@ -133,13 +132,21 @@ def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@route("/v1/{rest:path}", http_method=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+       guards=[require_key], sync_to_thread=False)
+def unknown_v1(rest: str) -> None:
+    """Any other /v1/ path: the key is checked first (a caller without one learns nothing), then 404."""
+    raise NotFound(f"no endpoint /v1{rest}; CapyCTL answers POST /v1/chat/completions, POST /v1/systemone "
+                   "and GET /v1/models")
+
+
 def create_inference_app(
-    fleet: Fleet, clock: Clock, chat: ChatHandler, api_keys: Callable[[], list[str]], stats: RequestStats,
+    fleet: Fleet, clock: Clock, door: FrontDoor, api_keys: Callable[[], list[str]], stats: RequestStats,
     admission: AdmissionService,
 ) -> Callable[..., Any]:
     started = clock.wall()  # "created" of every model: when this server started
     models = Litestar(
-        route_handlers=[list_models, prometheus_metrics, health],
+        route_handlers=[list_models, prometheus_metrics, health, unknown_v1],
         dependencies={
             "fleet": Provide(lambda: fleet, sync_to_thread=False),
             "clock": Provide(lambda: clock, sync_to_thread=False),
@@ -155,9 +162,11 @@ def create_inference_app(
 
     others = with_request_ids(models)
 
+    paths = door.endpoints
+
     async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == CHAT_PATH:
-            await chat(scope, receive, send)  # the hot path gives its own IDs and has its own last resort
+        if scope["type"] == "http" and scope["path"] in paths:
+            await door(scope, receive, send)  # the hot path gives its own IDs and has its own last resort
         else:
             await others(scope, receive, send)
 

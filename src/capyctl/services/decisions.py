@@ -1,0 +1,67 @@
+"""A decision request's way through CapyCTL (DEC-1 … DEC-4): check, resolve, wait, ask the engine once.
+
+A decision is never streamed, and the engine has nothing to show before its
+whole answer, so a cut decision is counted by the ``engine_stop`` rule until
+the engine's next stop or restart (CAN-2). It waits, starts or wakes its
+model through the same admission and controller as chat.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from capyctl.domain.decisions import decision_metrics, read_decision, refuse_dropped
+from capyctl.domain.errors import ApiMismatch, EdgeError, EngineError, EngineRejected, EngineUnavailable, InvalidJson
+from capyctl.domain.requests import Phase, RequestRecord
+from capyctl.services.chat import RequestService
+from capyctl.services.controllers import Serving
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+class DecisionService(RequestService):
+    def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
+        """The model named, and False: a decision is never streamed."""
+        return read_decision(obj), False
+
+    async def decide(self, record: RequestRecord, obj: dict[str, Any], received_at: float,
+                     wait: float | None = None) -> dict[str, Any]:
+        controller: Serving = self._fleet.resolve(record.deployment)
+        if controller.spec.api != "decisions":
+            raise ApiMismatch(record.deployment, "chat", "/v1/systemone", "POST /v1/chat/completions")
+        engine = controller.engine
+        refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes
+        try:
+            body = _encode({**obj, "model": controller.spec.served_model})
+        except RecursionError as exc:
+            raise InvalidJson("JSON nested too deeply (CapyCTL relays up to several hundred levels)") from exc
+        self.live[record.id] = record
+        try:
+            record.phase = Phase.WAITING
+            async with self._admission.admit(controller, record, wait):
+                route = await controller.route(self._settings.request_deadline)
+                record.sent(instance=0)
+                self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
+                sent_at = self._clock.monotonic()
+                try:
+                    raw = await self._session.decide(route.url, body)
+                except EngineError as exc:
+                    raise EngineRejected(exc.status, exc.message) from exc
+                except EngineUnavailable as exc:
+                    gone = await controller.lost(route, self._settings.crash_notice)
+                    if gone is not None:
+                        raise gone from exc
+                    raise
+                done = self._clock.monotonic()
+        finally:
+            del self.live[record.id]
+        try:
+            answer = _decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise EdgeError(f"the engine's decision answer is not a JSON object: {raw[:200]!r}") from exc
+        answer["model"] = record.deployment
+        answer["capyctl"] = {"metrics": decision_metrics(answer, (done - received_at) * 1000, (done - sent_at) * 1000)}
+        return answer
