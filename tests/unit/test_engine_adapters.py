@@ -15,6 +15,7 @@ import pytest
 from pytest_httpx import HTTPXMock
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine, has_per_request_metrics
@@ -487,3 +488,17 @@ async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(httpx_mock: H
         ("POST", "/flush_cache", b""),
     ]
     assert await engine.parked(BASE) is None  # SGLang has no route that tells: the release's 200 is the evidence
+
+
+def test_which_installations_serve_decisions(tmp_path: Path, client: httpx.AsyncClient) -> None:
+    llama = LlamaCppEngine(client)
+    with_route, without = tmp_path / "a", tmp_path / "b"
+    for folder in (with_route, without):
+        folder.mkdir()
+        (folder / "llama-server").write_bytes(b"\x7fELF ... /v1/chat/completions ...")
+    (with_route / "libllama-server-impl.so").write_bytes(b"... /v1/systemone ...")  # the route in a library
+    assert llama.serves_decisions(install(EngineFamily.LLAMACPP, with_route / "llama-server", "0.6.0"))
+    assert not llama.serves_decisions(install(EngineFamily.LLAMACPP, without / "llama-server", "0.6.0"))
+    assert VllmEngine(client).serves_decisions(install(EngineFamily.VLLM, tmp_path, "0.32.0"))
+    assert not VllmEngine(client).serves_decisions(install(EngineFamily.VLLM, tmp_path, "0.31.0"))
+    assert not TensorfoldEngine(client).serves_decisions(install(EngineFamily.TENSORFOLD, tmp_path, "0.6.3"))

@@ -237,7 +237,7 @@ class Fleet:
             )
         self._check_device(spec)
         adapter = self._adapters[engine.family]
-        if spec.api == "decisions" and not adapter.serves_decisions(engine):
+        if spec.api == "decisions" and not await anyio.to_thread.run_sync(adapter.serves_decisions, engine):
             raise InvalidConfig(
                 f"api: decisions needs an engine that answers POST /v1/systemone; {engine.name} "
                 f"({engine.family} {engine.version}) does not (vLLM 0.32 and later, SGLang 0.5.21 and later, "

@@ -104,8 +104,13 @@ class LlamaCppEngine(RestartOnly, EngineAdapter):
         return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
 
     def serves_decisions(self, engine: EngineInstall) -> bool:
-        """Only some builds have ``POST /v1/systemone``: the route's path is in the binary when they do."""
-        try:
-            return b"/v1/systemone" in Path(engine.path).read_bytes()
-        except OSError:
-            return False
+        """Only some builds have ``POST /v1/systemone``: the route's path is in the server's code when they do,
+        in the binary or in a library beside it (``libllama-server-impl.so`` in some packagings)."""
+        binary = Path(engine.path)
+        for path in (binary, *sorted(binary.parent.glob("*.so*"))):
+            try:
+                if path.is_file() and b"/v1/systemone" in path.read_bytes():
+                    return True
+            except OSError:
+                continue
+        return False
