@@ -55,7 +55,8 @@ ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 SRC = ROOT / "src" / "capyctl"
 RECORDINGS = ROOT / "tests" / "contract" / "recordings"
-PAGES = ["quickstart.md", "requests.md", "engines.md", "configuration.md", "cli.md", "errors.md", "parking.md",
+PAGES = ["quickstart.md", "requests.md", "decisions.md", "engines.md", "configuration.md", "cli.md", "errors.md",
+         "parking.md",
          "observability.md", "replay.md", "development.md"]
 DOC_URL = "http://127.0.0.1:8443"
 DOC_STATE = "~/.local/state/capyctl"
@@ -186,6 +187,33 @@ def test_curl_examples_answer_as_documented(served: CapyServer) -> None:
     assert len(examples) >= 11
     for block in examples:
         run_curl_block(block, served)
+
+
+def test_decision_examples_run_as_documented(capy: CapyServer, tmp_path: Path) -> None:
+    """decisions.md: its curl and typesafe-sdk examples against a decisions deployment named as in the page,
+    on the stand-in engine as vLLM 0.32 (it answers decisions in vLLM's shape)."""
+    from tests.fakes.standin_venv import make_standin_venv
+
+    (tmp_path / "model").mkdir()
+    capy.cli("engine", "add", str(make_standin_venv(tmp_path / "vllm-venv", "vllm", "0.32.0")), "--name", "vllm")
+    (file,) = [b for b in blocks("yaml", "decisions.md") if b.mark == "needs"]
+    document = load_yaml(file.text, "decisions.md")
+    document["model"] = str(tmp_path / "model")
+    path = tmp_path / "decider.yaml"
+    path.write_bytes(msgspec.yaml.encode(document))
+    capy.cli("deploy", "model", "--file", str(path))
+    (curl,) = [b for b in blocks("sh", "decisions.md") if "curl " in b.text]
+    answer = msgspec.json.decode(run_curl_block(curl, capy))
+    assert set(answer["answers"]) == {"route", "angry", "urgency"} and answer["model"] == "my-decider"
+    assert set(answer["capyctl"]["metrics"]) >= {"total_ms", "time_to_response_ms", "input_tokens"}
+    (python,) = blocks("python", "decisions.md")
+    code = on_server(python.text, capy).replace('Path.home() / ".local/state/capyctl/identity/credentials"',
+                                                 f'Path("{capy.state_dir}/identity/credentials")')
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    choice, noul, score = done.stdout.splitlines()[0].split()
+    assert choice in ("billing", "shipping", "technical") and 0 <= float(noul) <= 1 and 0 <= float(score) <= 2
+    assert len(done.stdout.splitlines()[1]) == 26
 
 
 def test_replay_demo_runs_as_documented(capy: CapyServer, tmp_path: Path) -> None:
