@@ -133,12 +133,16 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
     live: CapyServer,
 ) -> None:
     port = port_of(live, "tiny-decider")
-    state = "My parcel was lost, then found, then lost again. " * 60  # a long prompt: seconds of work in all
-    body = msgspec.json.encode({"model": "tiny-decider", "state": state, "questions": QUESTIONS})
+    # 64 questions of 26 options each (the most vLLM takes): about 0.3 s of engine work per decision here
+    state = "My parcel was lost, then found, then lost again. " * 30
+    many = {f"q{i}": {"type": "choice", "instructions": "Pick one " * 20,
+                      "criteria": {chr(65 + j): "an option described at some length " * 3 for j in range(26)}}
+            for i in range(64)}
+    body = msgspec.json.encode({"model": "tiny-decider", "state": state, "questions": many})
 
     async def hang_up_once_at_the_engine() -> None:
         streams = []
-        for _ in range(160):  # far more than the engine's 2 slots: a queue builds at the engine
+        for _ in range(20):  # seconds of work in all, more than the engine's 2 slots: a queue builds there
             reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
             writer.write(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + live.api_key.encode()
                          + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
