@@ -149,7 +149,7 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
             raise EngineUnavailable("could not reach the engine")
             yield
 
-    fleet = SimpleNamespace(resolve=lambda name: controller)
+    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller)
     events = SimpleNamespace(selection=lambda *args: None)
     settings = ChatSettings(crash_notice=3600.0)  # were it waited for, the bound below would fail the test
     service = ChatService(fleet, Session(), FakeClock(), events, settings)  # type: ignore[arg-type]

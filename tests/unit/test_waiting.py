@@ -100,7 +100,7 @@ async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> 
     controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events,
                                     row_for(engine.family, engine.version))
     controller.want(Desired.RUN)
-    fleet = SimpleNamespace(resolve=lambda name: controller, has=lambda name: True, get=lambda name: controller)
+    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True, get=lambda name: controller)
     settings = ChatSettings(request_deadline=30.0, stream_idle_timeout=120.0)
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     engine_session = SilentAfterOneChunk()

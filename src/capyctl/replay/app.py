@@ -8,6 +8,9 @@ pace). Error cases answer their recorded
 status and body. A client that hangs up mid-answer is noticed at once (an ``http.disconnect``
 watcher) and counted; ``GET /replay/stats`` reports the counts. While the engine "sleeps", chat
 requests wait (counted as waiting) until it is woken.
+
+``POST /v1/systemone`` serves the folder's recorded decisions (``decisions.py``), when it has any:
+the case's recorded status, headers and body; every request is logged for ``/replay/stats``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from typing import Any
 
 import msgspec
 
+from capyctl.replay.asgi import Client, answer, pieces, read_body, resolve
 from capyctl.replay.assemble import assemble
+from capyctl.replay.decisions import DecisionLog
 from capyctl.replay.dialects import Dialect
 from capyctl.replay.recordings import Case, Recording
 
 _CHAT = "/v1/chat/completions"
+_DECIDE = "/v1/systemone"
 _JSON = b"application/json"
 
 
@@ -53,6 +59,7 @@ class ReplayApp:
         # the last 1,000: with one slot and a queue, CapyCTL's hand-over time to the next waiter
         self.idle_gaps_ms: deque[float] = deque(maxlen=1000)
         self._idle_since: float | None = None
+        self.decision_log = DecisionLog()  # every decision request: what reached the engine, for tests
         self._asleep = False
         self._sleepers: set[asyncio.Future[None]] = set()
         stream_type = self.dialect.stream_content_type
@@ -71,11 +78,12 @@ class ReplayApp:
     def wake(self) -> None:
         self._asleep = False
         for future in self._sleepers:
-            _resolve(future)
+            resolve(future)
 
     def stats(self) -> dict[str, Any]:
         return {"running": self.running, "completed": self.completed, "disconnected": self.disconnected,
-                "requests": self.requests, "last_request": self.last_request, "idle_gaps_ms": list(self.idle_gaps_ms)}
+                "requests": self.requests, "last_request": self.last_request, "idle_gaps_ms": list(self.idle_gaps_ms),
+                "decisions": self.decision_log.stats()}
 
     # -- ASGI -------------------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -92,13 +100,16 @@ class ReplayApp:
             self.last_request["headers"] = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in scope["headers"]]
             await self._chat(receive, send)
             return
-        if path == "/replay/stats" and method == "GET":
-            await _answer(send, 200, _JSON, msgspec.json.encode(self.stats()))
+        if path == _DECIDE and method == "POST" and self.recording.decisions.cases:
+            await self._decide(scope["headers"], receive, send)
             return
-        answer = self.dialect.route(method, path, scope.get("query_string", b""), self)
-        if answer is None:
-            answer = (404, _JSON, self.dialect.error(404, f"no route {method} {path}"))
-        await _answer(send, *answer)
+        if path == "/replay/stats" and method == "GET":
+            await answer(send, 200, _JSON, msgspec.json.encode(self.stats()))
+            return
+        routed = self.dialect.route(method, path, scope.get("query_string", b""), self)
+        if routed is None:
+            routed = (404, _JSON, self.dialect.error(404, f"no route {method} {path}"))
+        await answer(send, *routed)
 
     async def _chat(self, receive: Any, send: Any) -> None:
         self.requests += 1
@@ -106,33 +117,28 @@ class ReplayApp:
         if self.running == 0 and self._idle_since is not None:  # the engine was idle: how long since its last answer
             self.idle_gaps_ms.append((arrived - self._idle_since) * 1000)
             self._idle_since = None
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.disconnected += 1
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        self.last_request["body"] = bytes(body).decode("utf-8", "replace")
+        body = await read_body(receive)
+        if body is None:
+            self.disconnected += 1
+            return
+        self.last_request["body"] = body.decode("utf-8", "replace")
         try:
             request = _decode_request(body)
         except msgspec.DecodeError as exc:
-            await _answer(send, 400, _JSON, self.dialect.error(400, f"invalid request body: {exc}"))
+            await answer(send, 400, _JSON, self.dialect.error(400, f"invalid request body: {exc}"))
             self.completed += 1
             return
         name = request.replay_case or self.default_case
         case = self.recording.cases.get(name)
         if case is None:
-            await _answer(send, 404, _JSON, self.dialect.error(404, f"replay case {name!r} not found"))
+            await answer(send, 404, _JSON, self.dialect.error(404, f"replay case {name!r} not found"))
             self.completed += 1
             return
         if case.kind == "error":
-            await _answer(send, case.status, case.content_type, case.body)
+            await answer(send, case.status, case.content_type, case.body)
             self.completed += 1
             return
-        client = _Client(receive)
+        client = Client(receive)
         try:
             if await self._wait_awake(client):
                 waits = self._waits(request)
@@ -155,6 +161,24 @@ class ReplayApp:
         else:
             self.completed += 1
 
+    async def _decide(self, headers: list[tuple[bytes, bytes]], receive: Any, send: Any) -> None:
+        """The recorded answer to this decision request, once awake; the request is logged first."""
+        body = await read_body(receive)
+        if body is None:
+            return
+        case, how = self.recording.decisions.match(body)
+        self.decision_log.add(headers, body, case.name if case else None, case.status if case else 404)
+        client = Client(receive)
+        try:
+            if not await self._wait_awake(client):
+                return
+        finally:
+            client.close()
+        if case is None:
+            await answer(send, 404, _JSON, self.dialect.error(404, how))
+            return
+        await answer(send, case.status, None, case.body, case.headers)
+
     def _waits(self, request: ChatRequest) -> tuple[float, float]:
         """(before the first event, between events) in seconds."""
         if request.replay_interval_ms is not None:
@@ -164,7 +188,7 @@ class ReplayApp:
             return self.recording.first_chunk_s, self.recording.interval_s
         return 0.0, 0.0
 
-    async def _wait_awake(self, client: _Client) -> bool:
+    async def _wait_awake(self, client: Client) -> bool:
         """False if the client left while the engine slept."""
         if not self._asleep:
             return True
@@ -178,15 +202,15 @@ class ReplayApp:
             self._sleepers.discard(woken)
 
     async def _stream(self, send: Any, case: Case, chunk: int | None, waits: tuple[float, float],
-                      client: _Client) -> bool:
+                      client: Client) -> bool:
         """Write the case's bytes; True if the client hung up before the last one."""
         await send({"type": "http.response.start", "status": 200, "headers": self._stream_headers})
         first, interval = waits
         paced = first > 0 or interval > 0
         if paced:  # a write never spans two events
-            groups = [_pieces(e, chunk) for e in case.events]
+            groups = [pieces(e, chunk) for e in case.events]
         else:  # fast: chunks may span events
-            groups = [_pieces(case.body, chunk)] if chunk else [[e] for e in case.events]
+            groups = [pieces(case.body, chunk)] if chunk else [[e] for e in case.events]
         loop = asyncio.get_running_loop()
         next_at = loop.time() + first
         writes = 0
@@ -209,73 +233,11 @@ class ReplayApp:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return False
 
-    async def _whole(self, send: Any, case: Case, waits: tuple[float, float], client: _Client) -> bool:
+    async def _whole(self, send: Any, case: Case, waits: tuple[float, float], client: Client) -> bool:
         """The assembled chat.completion, after the stream's duration when paced."""
         total = waits[0] + waits[1] * max(len(case.events) - 1, 0)
         if await client.wait_until(asyncio.get_running_loop().time() + total):
             return True
         status, body = assemble(case.events)
-        await _answer(send, status, _JSON, body)
+        await answer(send, status, _JSON, body)
         return False
-
-
-class _Client:
-    """One request's connection: ``gone`` turns true on ``http.disconnect`` and ends any wait at once."""
-
-    __slots__ = ("gone", "_waiter", "_task")
-
-    def __init__(self, receive: Any):
-        self.gone = False
-        self._waiter: asyncio.Future[None] | None = None
-        self._task = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive: Any) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone = True
-        if self._waiter is not None:
-            _resolve(self._waiter)
-
-    async def wait(self, future: asyncio.Future[None]) -> bool:
-        """Wait for ``future`` or a hang-up; True if the client is gone."""
-        if self.gone:
-            return True
-        self._waiter = future
-        try:
-            await future
-        finally:
-            self._waiter = None
-        return self.gone
-
-    async def wait_until(self, deadline: float) -> bool:
-        loop = asyncio.get_running_loop()
-        if deadline <= loop.time() or self.gone:
-            return self.gone
-        future = loop.create_future()
-        timer = loop.call_at(deadline, _resolve, future)
-        try:
-            return await self.wait(future)
-        finally:
-            timer.cancel()
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _pieces(data: bytes, size: int | None) -> list[bytes]:
-    if not size or size <= 0 or size >= len(data):
-        return [data]
-    return [data[i : i + size] for i in range(0, len(data), size)]
-
-
-async def _answer(send: Any, status: int, content_type: bytes | None, body: bytes) -> None:
-    headers = [(b"content-length", str(len(body)).encode())]
-    if content_type is not None:
-        headers.append((b"content-type", content_type))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,7 +1,8 @@
 """Loading one recording folder: its cases (``.sse`` streams, ``.json`` + ``.headers`` error answers),
 their metadata and the pace to serve them at.
 
-A folder's ``metadata.json`` lists the cases and the pace.
+A folder's ``metadata.json`` lists the cases and the pace; its ``systemone/`` subfolder, when there is one,
+holds the decision cases (``capyctl.replay.decisions``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from capyctl.replay.decisions import Decisions, load_decisions
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,7 @@ class Recording:
     first_chunk_s: float
     interval_s: float
     model: str
+    decisions: Decisions = field(default_factory=Decisions)  # the systemone/ subfolder's cases, if any
 
     @property
     def engine(self) -> str:
@@ -123,4 +126,5 @@ def load(folder: Path) -> Recording:
         first_chunk_s=float(pace.get("first_chunk_ms") or 0) / 1000,
         interval_s=float(pace.get("interval_ms") or 0) / 1000,
         model=model or "replay",
+        decisions=load_decisions(folder),
     )

@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.errors import (
-    ApiMismatch,
     CapyError,
     CacheSaltUnsupported,
     EdgeError,
@@ -165,9 +164,7 @@ class ChatService(RequestService):
         Raises domain errors before anything is yielded (unknown model, engine
         refusal ...). Leaving the context closes the engine connection.
         """
-        controller: Serving = self._fleet.resolve(record.deployment)
-        if controller.spec.api != "chat":
-            raise ApiMismatch(record.deployment, "decisions", "/v1/chat/completions", "POST /v1/systemone")
+        controller: Serving = self._fleet.resolve(record.deployment, "chat")
         check_cache_salt(obj, controller.engine.family)
         self.live[record.id] = record
         try:

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.decisions import decision_metrics, read_decision, refuse_dropped
-from capyctl.domain.errors import ApiMismatch, EdgeError, EngineError, EngineRejected, EngineUnavailable, InvalidJson
+from capyctl.domain.errors import EdgeError, EngineError, EngineRejected, EngineUnavailable, InvalidJson
 from capyctl.domain.requests import Phase, RequestRecord
 from capyctl.services.chat import RequestService
 from capyctl.services.controllers import Serving
@@ -29,9 +29,7 @@ class DecisionService(RequestService):
 
     async def decide(self, record: RequestRecord, obj: dict[str, Any], received_at: float,
                      wait: float | None = None) -> dict[str, Any]:
-        controller: Serving = self._fleet.resolve(record.deployment)
-        if controller.spec.api != "decisions":
-            raise ApiMismatch(record.deployment, "chat", "/v1/systemone", "POST /v1/chat/completions")
+        controller: Serving = self._fleet.resolve(record.deployment, "decisions")
         engine = controller.engine
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes
         try:

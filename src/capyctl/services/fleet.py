@@ -23,11 +23,13 @@ from capyctl.domain.deployments import (
     check_env,
     check_extra_args,
 )
+from capyctl.domain.decisions import serves_decisions
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
 from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
     AlreadyExists,
+    ApiMismatch,
     CapyError,
     DeploymentNotFound,
     DeploymentStopped,
@@ -218,15 +220,21 @@ class Fleet:
     async def _check(self, spec: DeploymentSpec) -> str | None:
         """Refuse a deployment that cannot work; an attached engine's probed version."""
         if spec.attached:
-            if spec.engine_version:
-                return None
-            version = await self._adapters[spec.engine].probe_version(str(spec.endpoint).rstrip("/"))
-            if version is None:
+            probed = None
+            if not spec.engine_version:
+                probed = await self._adapters[spec.engine].probe_version(str(spec.endpoint).rstrip("/"))
+                if probed is None:
+                    raise InvalidConfig(
+                        f"could not read the engine version from {spec.endpoint}; "
+                        "declare it in the deployment file with engine_version"
+                    )
+            version = spec.engine_version or str(probed)
+            if spec.api == "decisions" and serves_decisions(spec.engine, version) is False:
                 raise InvalidConfig(
-                    f"could not read the engine version from {spec.endpoint}; "
-                    "declare it in the deployment file with engine_version"
+                    f"api: decisions needs an engine that answers POST /v1/systemone; {spec.engine} {version} "
+                    "does not (vLLM 0.32 and later, SGLang 0.5.21 and later, and llama.cpp builds with the route do)"
                 )
-            return version
+            return probed
         engine = self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
@@ -357,11 +365,18 @@ class Fleet:
     def events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
         return self._store.list_events(deployment, after_id, limit)
 
-    def resolve(self, model: str) -> Controller:
-        """The controller serving ``model`` for a request (it may still need starting)."""
+    def resolve(self, model: str, api: str = "chat") -> Controller:
+        """The controller serving ``model`` for a request of ``api`` (it may still need starting).
+
+        The wrong API is answered before an operator's stop: starting the model would not help.
+        """
         controller = self._controllers.get(model)
         if controller is None:
             raise ModelNotFound(model, self.names())
+        if controller.spec.api != api:
+            if api == "chat":
+                raise ApiMismatch(model, "decisions", "/v1/chat/completions", "POST /v1/systemone")
+            raise ApiMismatch(model, "chat", "/v1/systemone", "POST /v1/chat/completions")
         if controller.desired is Desired.STOP:  # sticky in every window: stopping, stopped, failed
             raise DeploymentStopped(model)
         return controller

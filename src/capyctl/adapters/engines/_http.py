@@ -21,6 +21,8 @@ def engine_error(status: int, body: bytes) -> EngineError:
         obj: Any = _decode_any(body)
     except msgspec.DecodeError:
         obj = None
+    if isinstance(obj, dict) and "detail" in obj and "error" not in obj:  # FastAPI's shape (SGLang's 422, a 404)
+        return EngineError(status, _detail(obj["detail"]) or f"engine answered {status}", None, {})
     error = obj.get("error", obj) if isinstance(obj, dict) else None
     if not isinstance(error, dict):
         text = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
@@ -28,6 +30,20 @@ def engine_error(status: int, body: bytes) -> EngineError:
     message = str(error.get("message") or f"engine answered {status}")
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "code", "object")}
     return EngineError(status, message, engine_code(error), extra)
+
+
+def _detail(detail: Any) -> str:
+    """The reason in a FastAPI error: a string, or a list of {loc, msg} (validation errors)."""
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        parts = []
+        for item in detail[:10]:
+            if isinstance(item, dict) and isinstance(item.get("msg"), str):
+                where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+                parts.append(f"{where}: {item['msg']}" if where else item["msg"])
+        return "; ".join(parts)
+    return ""
 
 
 async def fetch_ok(client: httpx.AsyncClient, url: str) -> httpx.Response | None:
