@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
@@ -103,6 +103,22 @@ _TIMEOUTS = {
         f"the answer from {record.deployment!r} went silent for longer than the stream idle timeout; "
         "the request was cut and the engine told to stop", model=record.deployment),
 }
+
+
+async def send_one_answer(
+    answering: Awaitable[dict[str, Any]], record: RequestRecord, send: Any, headers: Headers, outcome: Outcome
+) -> None:
+    """A whole answer as one JSON body (a non-streamed chat answer, a decision), or its error with its status."""
+    try:
+        answer = await answering
+    except CapyError as error:
+        record.phase = Phase.FAILED
+        outcome.code = error.code
+        await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
+        return
+    record.phase = Phase.DONE
+    outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
+    await send_json(send, 200, _encode(answer), headers)
 
 
 class Endpoint(Protocol):
@@ -218,16 +234,7 @@ class ChatEndpoint:
         self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any, headers: Headers,
         outcome: Outcome,
     ) -> None:
-        try:
-            answer = await self._service.complete(record, obj, wait)
-        except CapyError as error:
-            record.phase = Phase.FAILED
-            outcome.code = error.code
-            await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
-            return
-        record.phase = Phase.DONE
-        outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
-        await send_json(send, 200, _encode(answer), headers)
+        await send_one_answer(self._service.complete(record, obj, wait), record, send, headers, outcome)
 
     async def _stream(
         self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any, headers: Headers,
