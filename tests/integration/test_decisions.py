@@ -2,7 +2,8 @@
 
 The real llama-server here has the route but SmolLM2 is no decision model, so
 its answer is a refusal (501), relayed as engine_rejected with that status.
-Answers from a decision engine are tested on the stand-in (test_decisions_standin).
+Answers from a decision engine: test_typesafe_sdk.py (the stand-in as vLLM), test_vllm_live.py (real
+vLLM) and the contract suite (tests/contract/test_decisions.py, from recordings).
 """
 
 from __future__ import annotations
