@@ -12,6 +12,7 @@ import trio.testing
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.keys import ApiKey
 
 
 class FakeClock:
@@ -51,6 +52,34 @@ class FakeStore:
         self.engines: dict[str, EngineInstall] = {}
         self.deployments: dict[str, Deployment] = {}
         self.events: list[dict[str, Any]] = []
+        self.keys: dict[str, tuple[ApiKey, float | None]] = {}
+        self.usage: dict[tuple[str, str], int] = {}
+        self.meta: dict[str, str] = {}
+
+    def list_keys(self) -> list[tuple[ApiKey, float | None]]:
+        return sorted(self.keys.values(), key=lambda entry: entry[0].name)
+
+    def add_key(self, key: ApiKey) -> None:
+        assert all(k.name != key.name for k, _ in self.keys.values())
+        self.keys[key.id] = (key, None)
+
+    def delete_key(self, key_id: str) -> None:
+        self.keys.pop(key_id, None)
+        self.usage = {k: v for k, v in self.usage.items() if k[0] != key_id}
+
+    def key_usage(self, day: str) -> dict[str, int]:
+        return {key_id: used for (key_id, on), used in self.usage.items() if on == day}
+
+    def note_key_use(self, key_id: str, day: str, used: int, last_used: float | None) -> None:
+        if key_id in self.keys:
+            self.usage[(key_id, day)] = used
+            self.keys[key_id] = (self.keys[key_id][0], last_used)
+
+    def get_meta(self, name: str) -> str | None:
+        return self.meta.get(name)
+
+    def set_meta(self, name: str, value: str) -> None:
+        self.meta[name] = value
 
     def put_engine(self, engine: EngineInstall) -> None:
         self.engines[engine.name] = engine
@@ -177,3 +206,15 @@ class FakeEngineAdapter:
 
     async def parked(self, base_url: str) -> bool | None:
         return self.sleeping
+
+
+def keyring_with(token: str, clock: Any = None) -> Any:
+    """A keyring on a fake store whose key named default is ``token`` (as if read from identity/credentials)."""
+    from capyctl.services.events import Events
+    from capyctl.services.keys import Keyring
+
+    store = FakeStore()
+    clock = clock or FakeClock()
+    keyring = Keyring(store, clock, Events(store, clock))
+    keyring.bootstrap(token, lambda _: None)
+    return keyring

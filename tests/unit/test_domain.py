@@ -4,10 +4,9 @@ import msgspec
 import pytest
 
 from capyctl.adapters.config_files import load_yaml
-from capyctl.domain.auth import check_bearer
 from capyctl.domain.deployments import InstanceState as S
 from capyctl.domain.deployments import check_extra_args, check_transition, parse_duration, restart_delay
-from capyctl.domain.errors import InvalidApiKey, InvalidConfig, MissingApiKey
+from capyctl.domain.errors import InvalidConfig
 from capyctl.services.fleet import decode_spec
 
 OWNED = {"--port": "the port CapyCTL picks", "-m": "the model file"}
@@ -54,16 +53,6 @@ def test_transitions() -> None:
 def test_restart_backoff_grows_and_is_capped() -> None:
     assert [restart_delay(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
     assert restart_delay(50) == 30.0
-
-
-def test_bearer_check() -> None:
-    check_bearer("Bearer k1", ["k0", "k1"])
-    check_bearer("bearer k1", ["k1"])
-    for missing in (None, "", "Bearer ", "Basic abc"):
-        with pytest.raises(MissingApiKey):
-            check_bearer(missing, ["k1"])
-    with pytest.raises(InvalidApiKey):
-        check_bearer("Bearer k2", ["k1"])
 
 
 def test_strict_config_struct_is_frozen() -> None:

@@ -22,7 +22,7 @@ from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
-from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore
+from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore, keyring_with
 
 KEY = "k" * 32
 
@@ -44,6 +44,9 @@ class BrokenService:
 
     def knows(self, name: str) -> bool:
         return True
+
+    def names(self) -> list[str]:
+        return ["m"]
 
     async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None) -> dict[str, Any]:
         raise RuntimeError("a bug in the assembler")
@@ -94,7 +97,7 @@ def header(start: dict[str, Any], name: bytes) -> str:
 
 
 async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(caplog: pytest.LogCaptureFixture) -> None:
-    handler = FrontDoor([ChatEndpoint(BrokenService(None), Stats())], lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = FrontDoor([ChatEndpoint(BrokenService(None), Stats())], keyring_with(KEY), 1 << 20, Stats())  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, "capyctl.http"):
         sent = await call(handler, chat_scope(), b'{"model": "m", "messages": []}')
     start, body = sent[0], msgspec.json.decode(sent[1]["body"])
@@ -108,7 +111,7 @@ async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(capl
 
 
 async def test_a_bug_during_a_stream_ends_it_with_an_error_event() -> None:
-    handler = FrontDoor([ChatEndpoint(BrokenService(1), Stats())], lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = FrontDoor([ChatEndpoint(BrokenService(1), Stats())], keyring_with(KEY), 1 << 20, Stats())  # type: ignore[arg-type]
     sent = await call(handler, chat_scope(), b'{"model": "m", "messages": [], "stream": true}')
     assert sent[0]["status"] == 200
     assert sent[1]["body"] == b'data: {"choices":[]}\n\n'  # what came before the bug was relayed

@@ -28,7 +28,7 @@ from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
-from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, virtual_time
+from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, keyring_with, virtual_time
 
 pytestmark = pytest.mark.anyio
 anyio_backend = pytest.fixture(virtual_time)
@@ -100,12 +100,13 @@ async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> 
     controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events,
                                     row_for(engine.family, engine.version))
     controller.want(Desired.RUN)
-    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True, get=lambda name: controller)
+    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True, get=lambda name: controller,
+                            names=lambda: ["m"])
     settings = ChatSettings(request_deadline=30.0, stream_idle_timeout=120.0)
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     engine_session = SilentAfterOneChunk()
     service = ChatService(fleet, engine_session, clock, events, settings, admission)  # type: ignore[arg-type]
-    handler = FrontDoor([ChatEndpoint(service, Stats())], lambda: [KEY], 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = FrontDoor([ChatEndpoint(service, Stats())], keyring_with(KEY), 1 << 20, Stats())  # type: ignore[arg-type]
 
     holder = Client({"model": "m", "messages": [], "stream": True})
     waiter = Client({"model": "m", "messages": []})

@@ -54,6 +54,23 @@ class InvalidApiKey(CapyError):
         super().__init__("the API key is not valid")
 
 
+class DailyLimit(CapyError):
+    """ID-5 (Citadel): the key has used its calls for this UTC day; it may call again after 00:00 UTC."""
+
+    code = "daily_limit"
+
+    def __init__(self, name: str, limit: int, used: int, retry_after: int) -> None:
+        super().__init__(f"the key {name!r} has used its {limit} calls for today (UTC); "
+                         f"it may call again in {retry_after} s, after 00:00 UTC", limit=limit, used=used)
+        self.retry_after = retry_after
+
+
+class Forbidden(CapyError):
+    """A valid key that may not use this endpoint."""
+
+    code = "forbidden"
+
+
 class ModelNotFound(CapyError):
     code = "model_not_found"
 
@@ -83,6 +100,13 @@ class DeploymentNotFound(CapyError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"no deployment named {name!r}; see: capyctl list deployments")
+
+
+class KeyNotFound(CapyError):
+    code = "key_not_found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no API key named {name!r}; see: capyctl list keys")
 
 
 class EngineNotFound(CapyError):
@@ -177,11 +201,18 @@ class ApiMismatch(CapyError):
 class CacheSaltUnsupported(CapyError):
     code = "cache_salt_unsupported"
 
-    def __init__(self) -> None:
-        super().__init__(
-            "this deployment's engine does not keep prompt caches apart by cache_salt; "
-            "send the request without cache_salt, or use a vLLM or SGLang deployment"
-        )
+    def __init__(self, key: str | None = None) -> None:
+        if key is None:
+            super().__init__(
+                "this deployment's engine does not keep prompt caches apart by cache_salt; "
+                "send the request without cache_salt, or use a vLLM or SGLang deployment"
+            )
+        else:  # the salt is the key's, the client cannot leave it out
+            super().__init__(
+                f"the key {key!r} is bound to a cache salt, and this deployment's engine does not keep prompt "
+                "caches apart by cache_salt, so the isolation the key promises cannot be given; use a "
+                "deployment on vLLM (or SGLang, for chat), or a key without a cache salt"
+            )
 
 
 class UnverifiedStream(CapyError):

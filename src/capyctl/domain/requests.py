@@ -39,6 +39,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     instance: int | None = None
     answered: bool = False
     cause: CancelCause | None = None
+    key: str | None = None  # the name of the API key it came with (never its secret)
+    salt_bound: bool = False  # that key binds a cache salt: it is the key's, not the client's
 
     def sent(self, instance: int) -> None:
         self.instance = instance

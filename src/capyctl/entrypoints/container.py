@@ -8,7 +8,7 @@ imports this module or dependency-injector.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from capyctl.services.events import Events
 from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
 from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring
 from capyctl.services.switching import Switchboard
 
 
@@ -51,10 +52,12 @@ def log_root(state_dir: StateDir) -> Path:
     return state_dir.root / "logs"
 
 
-def key_list(state_dir: StateDir) -> Callable[[], list[str]]:
-    """The accepted API keys (today the one in identity/credentials, written on first start)."""
-    keys = [state_dir.api_key()]
-    return lambda: keys
+def open_keyring(store: SqliteStore, clock: SystemClock, events: Events, state_dir: StateDir) -> Keyring:
+    """The named keys; on the first start the key named default is made and written to identity/credentials,
+    and a state directory from before named keys keeps its key as the key named default."""
+    keyring = Keyring(store, clock, events, forget_default=state_dir.forget_api_key)
+    keyring.bootstrap(state_dir.read_api_key(), state_dir.write_api_key)
+    return keyring
 
 
 def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
@@ -119,15 +122,15 @@ class Container(containers.DeclarativeContainer):
         log_root=providers.Callable(log_root, state_dir),
         settings=controller_settings,
     )
+    keyring = providers.Singleton(open_keyring, store=store, clock=clock, events=events, state_dir=state_dir)
     chat_service = providers.Singleton(
         ChatService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
-        admission=admission,
+        admission=admission, keys=keyring,
     )
-    api_keys = providers.Singleton(key_list, state_dir)
     request_stats = providers.Singleton(listening_stats, fleet=fleet, admission=admission, events=events)
     decision_service = providers.Singleton(
         DecisionService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
-        admission=admission,
+        admission=admission, keys=keyring,
     )
     chat_handler = providers.Singleton(
         FrontDoor,
@@ -135,7 +138,7 @@ class Container(containers.DeclarativeContainer):
             providers.Singleton(ChatEndpoint, service=chat_service, stats=request_stats),
             providers.Singleton(DecisionEndpoint, service=decision_service),
         ),
-        api_keys=api_keys,
+        keys=keyring,
         max_body=config.max_body,
         stats=request_stats,
     )

@@ -96,15 +96,15 @@ async def _serve(
     state: StateDir = container.state_dir()
     state.prepare()
     admin_token = state.admin_token()
-    api_keys = container.api_keys()
+    keys = container.keyring()
     fleet = container.fleet()
     stats = container.request_stats()
     protocol = guarded_protocol(limits, stats.client_cut)
     inference = _uvicorn(
-        create_inference_app(fleet, container.clock(), container.chat_handler(), api_keys, stats,
+        create_inference_app(fleet, container.clock(), container.chat_handler(), keys, stats,
                              container.admission()), protocol
     )
-    manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token), protocol)
+    manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token, keys), protocol)
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])

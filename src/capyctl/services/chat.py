@@ -44,6 +44,7 @@ from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring
 
 _encode = msgspec.json.encode
 SALTED_FAMILIES = frozenset({EngineFamily.VLLM, EngineFamily.SGLANG})  # engines that honour cache_salt
@@ -97,13 +98,15 @@ def failure_error(error: dict[str, Any]) -> EngineError:
 
 
 class RequestService:
-    """What every API's requests share: the deadline and idle watch, settlement of cut requests."""
+    """What every API's requests share: admission (and the key's count), the deadline and idle watch,
+    settlement of cut requests."""
 
     def __init__(
         self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
-        admission: AdmissionService | None = None,
+        admission: AdmissionService | None = None, keys: Keyring | None = None,
     ) -> None:
         self._fleet = fleet
+        self._keys = keys
         self._admission = admission or AdmissionService(QueueLimits(), clock, settings.request_deadline)
         self._events = events
         self._session = session
@@ -148,13 +151,28 @@ class RequestService:
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)
 
+    def names(self) -> list[str]:
+        return self._fleet.names()
+
+    @asynccontextmanager
+    async def _admitted(self, controller: Serving, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
+        """Admission's lease for ``record``; once granted, the call counts against its key's day (ID-5)."""
+        async with self._admission.admit(controller, record, wait):
+            if self._keys is not None:
+                self._keys.admitted(record.id)
+            yield
+
+    def _selected(self, record: RequestRecord) -> None:
+        record.sent(instance=0)
+        self._events.selection(record.id, record.deployment, self._settings.host_name, 0, record.key)
+
 
 class ChatService(RequestService):
     def __init__(
         self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
-        admission: AdmissionService | None = None,
+        admission: AdmissionService | None = None, keys: Keyring | None = None,
     ) -> None:
-        super().__init__(fleet, session, clock, events, settings, admission)
+        super().__init__(fleet, session, clock, events, settings, admission, keys)
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
 
     @asynccontextmanager
@@ -165,12 +183,12 @@ class ChatService(RequestService):
         refusal ...). Leaving the context closes the engine connection.
         """
         controller: Serving = self._fleet.resolve(record.deployment, "chat")
-        check_cache_salt(obj, controller.engine.family)
+        check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
         self.live[record.id] = record
         try:
             body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
             record.phase = Phase.WAITING
-            async with self._admission.admit(controller, record, wait), self._engine_call(controller, record, body) as call:
+            async with self._admitted(controller, record, wait), self._engine_call(controller, record, body) as call:
                 yield call
         finally:
             del self.live[record.id]
@@ -179,8 +197,7 @@ class ChatService(RequestService):
     async def _engine_call(self, controller: Serving, record: RequestRecord, body: bytes) -> AsyncIterator[EngineCall]:
         engine = controller.engine
         route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
-        record.sent(instance=0)
-        self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
+        self._selected(record)
         meter = Meter(self._clock.monotonic)
         # The verifier runs first: nothing of a chunk with an unverified key is sent.
         stages: list[Stage] = [
@@ -236,15 +253,16 @@ class EngineCall:
         return self._meter.figures(self._row)
 
 
-def check_cache_salt(obj: dict[str, Any], family: str) -> None:
-    """SALT-1/SALT-2: a valid salt, and only for engines that partition their cache by it."""
+def check_cache_salt(obj: dict[str, Any], family: str, bound_by: str | None = None) -> None:
+    """SALT-1/SALT-2: a valid salt, and only for engines that partition their cache by it
+    (``bound_by``: the key whose salt it is, when a key binds one)."""
     if "cache_salt" not in obj:
         return
     salt = obj["cache_salt"]
     if not isinstance(salt, str) or not salt or len(salt.encode()) > 1024:
         raise InvalidRequest("'cache_salt' must be a non-empty string of at most 1024 bytes", param="cache_salt")
     if family not in SALTED_FAMILIES:
-        raise CacheSaltUnsupported()
+        raise CacheSaltUnsupported(bound_by)
 
 
 async def _relay(

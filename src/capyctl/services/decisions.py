@@ -13,12 +13,16 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.decisions import decision_metrics, read_decision, refuse_dropped
-from capyctl.domain.errors import EdgeError, EngineError, EngineRejected, EngineUnavailable, InvalidJson
+from capyctl.domain.errors import CacheSaltUnsupported, EdgeError, EngineError, EngineRejected, EngineUnavailable, InvalidJson
+from capyctl.domain.engines import EngineFamily
 from capyctl.domain.requests import Phase, RequestRecord
 from capyctl.services.chat import RequestService
 from capyctl.services.controllers import Serving
 
 _encode = msgspec.json.encode
+# Engines whose decision route keeps prompt caches apart by cache_salt: vLLM's takes the field; SGLang's
+# ignores fields it does not know, so a salted key's decisions there would not be isolated.
+DECISION_SALTED = frozenset({EngineFamily.VLLM})
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 
@@ -32,6 +36,8 @@ class DecisionService(RequestService):
         controller: Serving = self._fleet.resolve(record.deployment, "decisions")
         engine = controller.engine
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes
+        if "cache_salt" in obj and engine.family not in DECISION_SALTED:  # only a salted key adds it
+            raise CacheSaltUnsupported(record.key)
         try:
             body = _encode({**obj, "model": controller.spec.served_model})
         except RecursionError as exc:
@@ -39,10 +45,9 @@ class DecisionService(RequestService):
         self.live[record.id] = record
         try:
             record.phase = Phase.WAITING
-            async with self._admission.admit(controller, record, wait):
+            async with self._admitted(controller, record, wait):
                 route = await controller.route(self._settings.request_deadline)
-                record.sent(instance=0)
-                self._events.selection(record.id, record.deployment, self._settings.host_name, 0)
+                self._selected(record)
                 sent_at = self._clock.monotonic()
                 try:
                     raw = await self._session.decide(route.url, body)

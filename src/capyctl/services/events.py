@@ -30,16 +30,17 @@ class Events:
         log.info("%s %s %s", kind, deployment or "-", described,
                  extra={"event": kind, "deployment": deployment, **detail})
 
-    def selection(self, request_id: str, deployment: str, host: str, instance: int) -> None:
-        """A request routed to an instance: stored without the caller's ID, logged with it."""
+    def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None) -> None:
+        """A request routed to an instance: stored without the caller's ID, logged with it; both name the
+        API key it came with (its name, never its secret)."""
         self._store.add_event(
             self._clock.wall(), deployment, "router_selection",
-            {"capyctl_request_id": request_id, "host": host, "instance": instance},
+            {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key},
         )
         caller = caller_request_id.get()
         log.info(
-            "request %s%s %s -> %s instance %d",
-            request_id, f" (caller {caller})" if caller else "", deployment, host, instance,
+            "request %s%s %s -> %s instance %d key %s",
+            request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-",
             extra={"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
-                   "deployment": deployment, "host": host, "instance": instance},
+                   "deployment": deployment, "host": host, "instance": instance, "key": key},
         )

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions`` as a bare ASGI handler: the relay's hot path.
 
-Per request: authenticate, give it a ULID, check the caller's X-Request-Id,
-read and decode the body once, then let ``ChatService`` drive the engine.
+Per request: give it a ULID, authenticate its key, check the caller's
+X-Request-Id, read and decode the body once, apply the key's scope, salt and
+daily limit, then let ``ChatService`` drive the engine.
 While CapyCTL waits for or relays the engine's answer, a watcher task
 listens for the client's hang-up and cancels the scope that owns the engine
 connection, streamed or not. Before a stream's 200 is sent, errors are JSON
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import anyio
@@ -33,7 +34,7 @@ from capyctl.adapters.http.asgi import (
 )
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
-from capyctl.domain.auth import check_bearer
+from capyctl.domain.keys import bind_salt, check_scope
 from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
@@ -46,6 +47,7 @@ from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_cal
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
 from capyctl.services.chat import ChatService, RequestService, failure_error, read_target
 from capyctl.services.context import caller_request_id
+from capyctl.services.keys import Keyring
 
 log = logging.getLogger("capyctl.chat")
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
@@ -56,7 +58,7 @@ _DONE = b"data: [DONE]\n\n"
 # Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
 _STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
 # Answers that refused a request before any engine saw it, counted in capyctl_refusals_total.
-_REFUSALS = frozenset({"model_not_found", "deployment_stopped", "api_mismatch", "cache_salt_unsupported",
+_REFUSALS = frozenset({"daily_limit", "model_not_found", "deployment_stopped", "api_mismatch", "cache_salt_unsupported",
                        "invalid_request", "invalid_json", "queue_full", "model_loading", "queued", "device_busy",
                        "insufficient_memory", "gpu-busy"})
 Headers = list[tuple[bytes, bytes]]
@@ -137,14 +139,14 @@ class Endpoint(Protocol):
 
 
 class FrontDoor:
-    """What every API's requests go through, written once: the ULID, the method, the key, the caller's
-    X-Request-Id, X-LLM-Wait, the body limit and its decoding, the hang-up and deadline watcher, the cut
-    requests' settlement and the outcome counters. The endpoint for the path does the rest."""
+    """What every API's requests go through, written once: the ULID, the method, the key (its scope, salt
+    and daily limit), the caller's X-Request-Id, X-LLM-Wait, the body limit and its decoding, the hang-up
+    and deadline watcher, the cut requests' settlement and the outcome counters. The endpoint for the
+    path does the rest."""
 
-    def __init__(self, endpoints: list[Endpoint], api_keys: Callable[[], list[str]], max_body: int,
-                 stats: RequestStats) -> None:
+    def __init__(self, endpoints: list[Endpoint], keys: Keyring, max_body: int, stats: RequestStats) -> None:
         self.endpoints = {endpoint.path: endpoint for endpoint in endpoints}
-        self._api_keys = api_keys
+        self._keys = keys
         self._max_body = max_body
         self._stats = stats
 
@@ -164,7 +166,7 @@ class FrontDoor:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"{scope['method']} is not allowed on {endpoint.path}; use POST")
-            check_bearer(header(scope, b"authorization"), self._api_keys())
+            key = self._keys.authenticate(header(scope, b"authorization"))
             caller_values = header_values(scope, b"x-request-id")
             if caller_values:  # handed back as given, once it is known to be valid
                 caller = check_caller_id(caller_values)
@@ -173,20 +175,27 @@ class FrontDoor:
             wait = llm_wait(header_values(scope, b"x-llm-wait"))
             obj = decode_body(await read_body(receive, scope, self._max_body))
             model, stream = endpoint.target(obj)
+            check_scope(key, model, service.names())
+            bind_salt(key, obj)
+            self._keys.let_in(key, request_id)
         except ClientGone:
             return
         except CapyError as error:
             self._stats.refused(error.code)
             await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
             return
-        record = RequestRecord(id=request_id, deployment=model, stream=stream)
+        record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
+                               salt_bound=key.cache_salt is not None)
         outcome = Outcome()
-        async with anyio.create_task_group() as tg:
-            received_at = service.now()
-            overdue = functools.partial(service.overdue, record, received_at)
-            tg.start_soon(watch, receive, tg.cancel_scope, overdue, service.check_every)
-            await endpoint.answer(record, obj, wait, send, headers, outcome, received_at)
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                received_at = service.now()
+                overdue = functools.partial(service.overdue, record, received_at)
+                tg.start_soon(watch, receive, tg.cancel_scope, overdue, service.check_every)
+                await endpoint.answer(record, obj, wait, send, headers, outcome, received_at)
+                tg.cancel_scope.cancel()
+        finally:
+            self._keys.done(request_id)  # a place it took and never used for an engine is given back
         if tg.cancel_scope.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
             if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
                 error = _TIMEOUTS[record.cause](record)
@@ -197,7 +206,7 @@ class FrontDoor:
             service.cut(record)
             log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
         if service.knows(model):  # unknown names must not become label values
-            self._stats.answered(model, outcome.code, outcome.ttft_ms)
+            self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
 

@@ -22,13 +22,14 @@ from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.http.views import FleetDep
 
 from capyctl.adapters.http.errors import envelope, status_of
-from capyctl.domain.auth import check_bearer
-from capyctl.domain.errors import CapyError, InternalError, InvalidJson, MethodNotAllowed, NotFound
+from capyctl.domain.errors import CapyError, Forbidden, InternalError, InvalidJson, MethodNotAllowed, NotFound
+from capyctl.domain.keys import ApiKey
 from capyctl.domain.ports import Clock
 from capyctl.domain.deployments import LISTED_STATE, InstanceState, engine_slots
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Controller, InstanceStatus
 from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring
 
 StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
 StartedDep = Annotated[float, Dependency(skip_validation=True)]
@@ -71,13 +72,26 @@ def error_handlers() -> dict[Any, Any]:
 
 
 def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    check_bearer(connection.headers.get("authorization"), connection.app.state.api_keys())
+    """The request's API key, checked (401 otherwise) and kept for the handler; listing never counts."""
+    connection.state.key = connection.app.state.keyring.authenticate(connection.headers.get("authorization"))
+
+
+def require_unscoped_key(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """A key limited to some models may not read what concerns the others (CapyCTL's metrics)."""
+    require_key(connection, handler)
+    key: ApiKey = connection.state.key
+    if key.models is not None:
+        raise Forbidden(f"the key {key.name!r} is limited to some models and may not read {connection.url.path}; "
+                        "use a key without a model scope (such as the key named default)")
 
 
 @get("/v1/models", guards=[require_key], sync_to_thread=False)
-def list_models(fleet: FleetDep, started: StartedDep, admission: AdmissionDep) -> Response[dict[str, Any]]:
-    """Lists deployments with their state, queue and measured start time; never starts, wakes or loads anything."""
-    data = [model_entry(s, started, admission) for s in fleet.controllers()]
+def list_models(request: Request, fleet: FleetDep, started: StartedDep,
+                admission: AdmissionDep) -> Response[dict[str, Any]]:
+    """Lists deployments with their state, queue and measured start time; never starts, wakes or loads
+    anything. A key limited to some models sees only them."""
+    key: ApiKey = request.state.key
+    data = [model_entry(s, started, admission) for s in fleet.controllers() if key.sees(s.name)]
     return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
 
 
@@ -121,7 +135,7 @@ def model_entry(runner: Controller, started: float, admission: AdmissionService)
     }
 
 
-@get("/metrics", guards=[require_key], sync_to_thread=False)
+@get("/metrics", guards=[require_unscoped_key], sync_to_thread=False)
 def prometheus_metrics(stats: StatsDep) -> Response[bytes]:
     """CapyCTL's own metrics in Prometheus text format (scrape with the API key as bearer token)."""
     return Response(stats.exposition(), media_type=PROMETHEUS_TYPE, headers={"cache-control": "no-store"})
@@ -141,7 +155,7 @@ def unknown_v1(rest: str) -> None:
 
 
 def create_inference_app(
-    fleet: Fleet, clock: Clock, door: FrontDoor, api_keys: Callable[[], list[str]], stats: RequestStats,
+    fleet: Fleet, clock: Clock, door: FrontDoor, keys: Keyring, stats: RequestStats,
     admission: AdmissionService,
 ) -> Callable[..., Any]:
     started = clock.wall()  # "created" of every model: when this server started
@@ -157,7 +171,7 @@ def create_inference_app(
         exception_handlers=error_handlers(),
         openapi_config=None,
         logging_config=None,
-        state=State({"api_keys": api_keys}),
+        state=State({"keyring": keys}),
     )
 
     others = with_request_ids(models)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Litestar, delete, get, post, put
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.handlers.base import BaseRouteHandler
+from litestar.params import Dependency
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
@@ -22,6 +23,10 @@ from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, dev
 from capyctl.domain.errors import InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring, key_view
+
+KeysDep = Annotated[Keyring, Dependency(skip_validation=True)]
+_KEY_FIELDS = ("name", "daily_limit", "models", "cache_salt")
 
 
 def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -112,7 +117,33 @@ def list_events(fleet: FleetDep, deployment: str | None = None, after: int = 0, 
     return fleet.events(deployment, after, min(max(limit, 1), 1000))
 
 
-def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Callable[..., Any]:
+@post("/keys", status_code=201, sync_to_thread=False)
+def create_key(keys: KeysDep, data: dict[str, Any]) -> dict[str, Any]:
+    """A new named key; the answer is the only place its secret is ever shown."""
+    for field in data:
+        if field not in _KEY_FIELDS:
+            raise InvalidRequest(f"{field!r} is not a field of a key; it takes {', '.join(_KEY_FIELDS)}", param=field)
+    key, secret = keys.create(data.get("name"), data.get("daily_limit"), data.get("models"), data.get("cache_salt"))
+    return {**key_view(*keys.get(key.name)), "secret": secret}
+
+
+@get("/keys", sync_to_thread=False)
+def list_keys(keys: KeysDep) -> list[dict[str, Any]]:
+    return [key_view(key, usage) for key, usage in keys.keys()]
+
+
+@get("/keys/{name:str}", sync_to_thread=False)
+def get_key(keys: KeysDep, name: str) -> dict[str, Any]:
+    return key_view(*keys.get(name))
+
+
+@delete("/keys/{name:str}", status_code=200, sync_to_thread=False)
+def revoke_key(keys: KeysDep, name: str) -> dict[str, Any]:
+    key = keys.revoke(name)
+    return {"revoked": key.name, "id": key.id}
+
+
+def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Keyring) -> Callable[..., Any]:
     return with_request_ids(Litestar(
         route_handlers=[
             list_engines,
@@ -127,11 +158,16 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str) -> Calla
             list_devices,
             delete_deployment,
             list_events,
+            create_key,
+            list_keys,
+            get_key,
+            revoke_key,
         ],
         guards=[require_admin],
         dependencies={
             "fleet": Provide(lambda: fleet, sync_to_thread=False),
             "clock": Provide(lambda: clock, sync_to_thread=False),
+            "keys": Provide(lambda: keys, sync_to_thread=False),
         },
         exception_handlers=error_handlers(),
         openapi_config=None,

@@ -73,8 +73,9 @@ class RequestStats:
 
     def __init__(self, fleet: Fleet, admission: AdmissionService) -> None:
         self.registry = CollectorRegistry()
-        self.requests = PromCounter("capyctl_requests", "Chat requests answered, by deployment and code",
-                                    ["deployment", "code"], registry=self.registry)
+        self.requests = PromCounter("capyctl_requests", "Chat and decision requests answered, by deployment, "
+                                    "code and the name of the API key", ["deployment", "code", "key"],
+                                    registry=self.registry)
         self.ttft = Histogram("capyctl_time_to_first_token_seconds", "Time to first token of completed answers",
                               ["deployment"], buckets=_TTFT_BUCKETS, registry=self.registry)
         self.relay = Histogram("capyctl_relay_latency_seconds",
@@ -116,8 +117,8 @@ class RequestStats:
         elif kind in ("switch_completed", "switch_failed") and "device" in detail:
             self.switches.labels(detail["device"], kind.removeprefix("switch_")).inc()
 
-    def answered(self, deployment: str, code: str, ttft_ms: float | None) -> None:
-        self.requests.labels(deployment, code).inc()
+    def answered(self, deployment: str, code: str, ttft_ms: float | None, key: str = "-") -> None:
+        self.requests.labels(deployment, code, key).inc()
         if ttft_ms is not None:
             self.ttft.labels(deployment).observe(ttft_ms / 1000)
 

@@ -1,4 +1,4 @@
-"""SQLite store for engines, deployments and events.
+"""SQLite store for engines, deployments, events and API keys.
 
 Rows hold msgspec-encoded JSON so the schema follows the domain types.
 Engine and deployment calls are short and run on the caller's thread.
@@ -8,6 +8,11 @@ event loop, and
 keeps the table within its retention (a count and an age), pruning as it
 goes. A read of events first waits for what was queued before it, so a
 reader always sees its own writes.
+
+API keys are stored as their digests (never a secret). Their use (calls
+counted today, when last used) changes with every request, so it is kept
+the same way as events: the newest figures per key are written by the
+writer thread with the events, and on close.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import msgspec
 
 from capyctl.domain.deployments import Deployment
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.keys import ApiKey
 from capyctl.domain.ports import Store
 
 _SCHEMA = """
@@ -38,7 +44,15 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_by_deployment ON events (deployment, id);
 CREATE INDEX IF NOT EXISTS events_by_time ON events (at);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, body BLOB NOT NULL, last_used REAL
+);
+CREATE TABLE IF NOT EXISTS key_usage (
+    key_id TEXT NOT NULL, day TEXT NOT NULL, used INTEGER NOT NULL, PRIMARY KEY (key_id, day)
+);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+KEY_USAGE_DAYS = 31  # days of per-key counts kept
 MAX_EVENTS = 100_000  # stored events kept at most; the oldest go first
 MAX_EVENT_AGE = 30 * 86400.0  # seconds an event is kept
 _PRUNE_EVERY = 1000  # inserts between two prunes
@@ -49,6 +63,7 @@ _encode = msgspec.json.encode
 _engine = msgspec.json.Decoder(EngineInstall)
 _deployment = msgspec.json.Decoder(Deployment)
 _detail = msgspec.json.Decoder(dict[str, Any])
+_key = msgspec.json.Decoder(ApiKey)
 
 
 class SqliteStore(Store):
@@ -62,6 +77,7 @@ class SqliteStore(Store):
         self._max_events = max_events
         self._max_age = max_event_age
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._key_uses: dict[str, tuple[str, int, float | None]] = {}  # key id -> (day, used, last used)
         self._since_prune = 0
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_events, name="capyctl-events", daemon=True)
@@ -89,6 +105,9 @@ class SqliteStore(Store):
                     rows.append(self._pending.popleft())
                 if rows:
                     self._insert(rows)
+                if self._key_uses:
+                    uses, self._key_uses = self._key_uses, {}
+                    self._write_uses(uses)
                 self._since_prune += len(rows)
                 prune = self._since_prune >= _PRUNE_EVERY
                 if prune:
@@ -102,6 +121,19 @@ class SqliteStore(Store):
         self._db.execute("BEGIN")
         try:
             self._db.executemany("INSERT INTO events (at, deployment, kind, detail) VALUES (?, ?, ?, ?)", rows)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _write_uses(self, uses: dict[str, tuple[str, int, float | None]]) -> None:
+        self._db.execute("BEGIN")
+        try:
+            self._db.executemany(
+                "INSERT INTO key_usage VALUES (?, ?, ?) ON CONFLICT (key_id, day) DO UPDATE SET used = excluded.used",
+                [(key_id, day, used) for key_id, (day, used, _) in uses.items()])
+            self._db.executemany("UPDATE api_keys SET last_used = ? WHERE id = ?",
+                                 [(last, key_id) for key_id, (_, _, last) in uses.items() if last is not None])
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
@@ -164,3 +196,37 @@ class SqliteStore(Store):
             {"id": r[0], "at": r[1], "deployment": r[2], "kind": r[3], "detail": _detail.decode(r[4])}
             for r in self._execute(query, args)
         ]
+
+    # --- API keys -----------------------------------------------------------------------------------
+    def list_keys(self) -> list[tuple[ApiKey, float | None]]:
+        """Every key with when it was last used (None: never)."""
+        self._flush()
+        return [(_key.decode(r[0]), r[1]) for r in self._execute("SELECT body, last_used FROM api_keys ORDER BY name")]
+
+    def add_key(self, key: ApiKey) -> None:
+        self._execute("INSERT INTO api_keys (id, name, body) VALUES (?, ?, ?)", (key.id, key.name, _encode(key)))
+
+    def delete_key(self, key_id: str) -> None:
+        with self._lock:
+            self._key_uses.pop(key_id, None)
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM api_keys WHERE id = ?", (key_id,))
+            self._db.execute("DELETE FROM key_usage WHERE key_id = ?", (key_id,))
+            self._db.execute("COMMIT")
+
+    def key_usage(self, day: str) -> dict[str, int]:
+        """Calls counted on ``day`` per key id; forgets counts older than a month."""
+        self._flush()
+        self._execute("DELETE FROM key_usage WHERE day < date(?, ?)", (day, f"-{KEY_USAGE_DAYS} days"))
+        return dict(self._execute("SELECT key_id, used FROM key_usage WHERE day = ?", (day,)))
+
+    def note_key_use(self, key_id: str, day: str, used: int, last_used: float | None) -> None:
+        """Queue a key's newest figures for the writer thread (only the newest per key is written)."""
+        self._key_uses[key_id] = (day, used, last_used)
+
+    def get_meta(self, name: str) -> str | None:
+        rows = self._execute("SELECT value FROM meta WHERE name = ?", (name,))
+        return rows[0][0] if rows else None
+
+    def set_meta(self, name: str, value: str) -> None:
+        self._execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))

@@ -2,10 +2,10 @@
 
 Layout::
 
-    <state>/identity/credentials     api_key: <key>          (0600, directory 0700)
+    <state>/identity/credentials     api_key: <key>          (0600, directory 0700): the key named default
     <state>/identity/admin-token     management API token    (0600)
     <state>/management.json          where the management API listens
-    <state>/capyctl.db               SQLite: engines, deployments, events
+    <state>/capyctl.db               SQLite: engines, deployments, events, API key digests
     <state>/logs/<deployment>/...    one log file per engine launch
 """
 
@@ -59,16 +59,24 @@ class StateDir:
     def log_dir(self, deployment: str) -> Path:
         return self.root / "logs" / deployment
 
-    def api_key(self) -> str:
-        """The API key, created (>= 128 random bits) on first use and reused afterwards."""
+    def read_api_key(self) -> str | None:
+        """The key in identity/credentials (the key named ``default``), None when there is none."""
         path = self.root / CREDENTIALS
         if path.exists():
             for line in path.read_text().splitlines():
                 if line.startswith("api_key: ") and line[9:].strip():
                     return line[9:].strip()
-        key = "capy-" + secrets.token_urlsafe(32)
-        _write_secret(path, f"api_key: {key}\n")
-        return key
+        return None
+
+    def write_api_key(self, key: str) -> None:
+        """Write the first start's key (ID-1), in the form the seed's ``sed`` one-liner reads."""
+        _write_secret(self.root / CREDENTIALS, f"api_key: {key}\n")
+
+    def forget_api_key(self) -> None:
+        """The key named default was revoked: its line goes, a note says what to do instead."""
+        if (self.root / CREDENTIALS).exists():
+            _write_secret(self.root / CREDENTIALS, "# the key named default was revoked; "
+                          "create a key with: capyctl create key NAME\n")
 
     def admin_token(self) -> str:
         path = self.root / ADMIN_TOKEN

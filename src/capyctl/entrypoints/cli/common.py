@@ -49,13 +49,16 @@ park_app = typer.Typer(help="Park a deployment: its engine sleeps (or stops, for
                         "or `capyctl start deployment` wakes it.", no_args_is_help=True)
 delete_app = typer.Typer(help="Delete a deployment (stops its engine first).", no_args_is_help=True)
 status_app = typer.Typer(help="Show a deployment's state and instances.", no_args_is_help=True)
-list_app = typer.Typer(help="List deployments, engines or devices.", no_args_is_help=True)
+list_app = typer.Typer(help="List deployments, engines, devices or API keys.", no_args_is_help=True)
+create_app = typer.Typer(help="Create a named API key.", no_args_is_help=True)
+revoke_app = typer.Typer(help="Revoke a named API key (its next request is refused).", no_args_is_help=True)
 engine_app = typer.Typer(help="Register, list and remove engine installations.", no_args_is_help=True)
 deploy_app = typer.Typer(help="Create or update deployments from files.", no_args_is_help=True)
 config_app = typer.Typer(help="The server configuration file: its schema, and checking a file.", no_args_is_help=True)
 for name, sub in [
     ("start", start_app), ("stop", stop_app), ("park", park_app), ("delete", delete_app), ("status", status_app),
     ("list", list_app), ("engine", engine_app), ("deploy", deploy_app), ("config", config_app),
+    ("create", create_app), ("revoke", revoke_app),
 ]:
     app.add_typer(sub, name=name)
 
