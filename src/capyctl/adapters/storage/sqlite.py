@@ -68,6 +68,8 @@ _key = msgspec.json.Decoder(ApiKey)
 
 class SqliteStore(Store):
     def __init__(self, path: Path, max_events: int = MAX_EVENTS, max_event_age: float = MAX_EVENT_AGE) -> None:
+        path.touch(mode=0o600)  # API key digests and request events: for CapyCTL's user only (so are WAL files)
+        path.chmod(0o600)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         # WAL + NORMAL: no fsync per event; a power cut may lose the last events, never corrupt the file
