@@ -29,6 +29,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,19 +50,20 @@ from capyctl.domain.fields import FIELD_TABLE
 from capyctl.entrypoints.cli.app import app
 from capyctl.entrypoints.cli.output import EXIT_CODES
 from capyctl.services.fleet import decode_spec
-from tests.integration.harness import CapyServer, LlamaPaths
+from tests.integration.harness import CapyServer, LlamaPaths, deployment_file
 
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 SRC = ROOT / "src" / "capyctl"
 RECORDINGS = ROOT / "tests" / "contract" / "recordings"
-PAGES = ["quickstart.md", "requests.md", "decisions.md", "engines.md", "configuration.md", "cli.md", "errors.md",
-         "parking.md",
+PAGES = ["quickstart.md", "requests.md", "decisions.md", "engines.md", "configuration.md", "cli.md", "keys.md",
+         "errors.md", "parking.md",
          "observability.md", "replay.md", "development.md"]
 DOC_URL = "http://127.0.0.1:8443"
 DOC_STATE = "~/.local/state/capyctl"
 DOC_MODEL = "/path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
 DOC_REPLAY = "http://127.0.0.1:8100"  # where replay.md's demo runs its replay engine
+DOC_MANAGEMENT = "http://127.0.0.1:7443"
 SED_KEY = "KEY=$(sed -n 's/^api_key: //p' ~/.local/state/capyctl/identity/credentials)"
 # a fence may be indented (a code block inside a list item): its closing ``` is then indented too
 FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other|config): (.+?) -->\n)?```(\w+)\n(.*?)^ *```", re.S | re.M)
@@ -76,13 +78,14 @@ class Block(NamedTuple):
     expect: str | None  # the text the mark expects
 
 
+def page_blocks(page: str) -> list[Block]:
+    """Every code block of a page, in order."""
+    return [Block(page, lang, textwrap.dedent(text), mark or None, expect or None)
+            for mark, expect, lang, text in FENCE.findall((DOCS / page).read_text())]
+
+
 def blocks(lang: str, *pages: str) -> list[Block]:
-    found = []
-    for page in pages or PAGES:
-        for mark, expect, block_lang, text in FENCE.findall((DOCS / page).read_text()):
-            if block_lang == lang:
-                found.append(Block(page, lang, textwrap.dedent(text), mark or None, expect or None))
-    return found
+    return [block for page in pages or PAGES for block in page_blocks(page) if block.lang == lang]
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +190,135 @@ def test_curl_examples_answer_as_documented(served: CapyServer) -> None:
     assert len(examples) >= 11
     for block in examples:
         run_curl_block(block, served)
+
+
+KEY_FORM = re.compile(r"capy_([a-z2-7]{10})_[A-Za-z0-9_-]{43}")
+
+
+def run_keys_block(block: Block, server: CapyServer, kept: dict[str, str],
+                   tmp: Path) -> subprocess.CompletedProcess[str]:
+    """Run one shell example of keys.md for real: `capyctl` is this checkout's, talking to `server`, and a
+    variable a block sets (`APP_KEY=$(capyctl create key ...)`) is set for the blocks after it."""
+    names = re.findall(r"^(\w+)=\$\(", block.text, re.M)
+    script = on_server(block.text, server).replace(DOC_MANAGEMENT, f"http://127.0.0.1:{server.management_port}")
+    script += "".join(f'\nprintf %s "${name}" > {shlex.quote(str(tmp / name))}' for name in names)
+    done = bash(script, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                CAPYCTL_STATE_DIR=str(server.state_dir), **kept)
+    where = f"{block.page}:\n{block.text}\n--- output:\n{done.stdout}{done.stderr}"
+    assert done.returncode == 0, where
+    kept.update({name: (tmp / name).read_text() for name in names})
+    if block.mark == "error":
+        assert f'"code":"{block.expect}"' in done.stdout, where
+    else:
+        assert '"error":' not in done.stdout, where
+    return done
+
+
+def test_keys_examples_run_as_documented(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
+    """keys.md's shell examples, in the page's order, against a fresh CapyCTL serving the quick start's
+    smollm2 (and a deployment named gpt-4o, never started, which a key scoped to smollm2 must not see):
+    create a key, use it, list the keys, revoke it and be refused; a daily limit reached; a model scope;
+    a bound salt on llama.cpp; the management API; the key's name in the log, the events and the metrics.
+    The documented outputs are compared with what the commands printed."""
+    capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
+    (quickstart,) = blocks("yaml", "quickstart.md")
+    (tmp_path / "smollm2.yaml").write_text(quickstart.text.replace(DOC_MODEL, str(llama.model)))
+    capy.cli("deploy", "model", "--file", str(tmp_path / "smollm2.yaml"), "--wait")
+    capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "gpt-4o", "llama-server", llama.model)))
+
+    page = page_blocks("keys.md")
+    examples = [b for b in page if b.lang == "sh"]
+    assert len(examples) >= 12 and SED_KEY in examples[0].text
+    kept: dict[str, str] = {}
+    (tmp_path / "kept").mkdir()
+    runs = [(block, run_keys_block(block, capy, kept, tmp_path / "kept")) for block in examples]
+
+    def ran(fragment: str) -> subprocess.CompletedProcess[str]:
+        (done,) = [done for block, done in runs if fragment in block.text]
+        return done
+
+    def shown(fragment: str) -> str:
+        (block,) = [b for b in page if b.lang in ("text", "json") and fragment in b.text]
+        return block.text
+
+    def key_id(key: str) -> str:
+        found = KEY_FORM.fullmatch(key)
+        assert found, key
+        return found.group(1)
+
+    assert kept["KEY"] == capy.api_key
+    app_id = key_id(kept["APP_KEY"])
+    # created: the key alone on stdout, the documented summary on stderr
+    create = ran("APP_KEY=$(capyctl create key app1")
+    assert create.stdout == "" and create.stderr == shown("key app1 created")
+    (used,) = [done for block, done in runs if "Bearer $APP_KEY" in block.text and block.mark is None]
+    assert msgspec.json.decode(used.stdout)["object"] == "chat.completion"
+    # --json: the documented record, its secret a key
+    record, documented = (msgspec.json.decode(ran("create key batch --json").stdout),
+                          msgspec.json.decode(shown('"name": "batch"')))
+    assert record.keys() == documented.keys() and key_id(record["secret"]) == record["id"]
+    assert {k: v for k, v in record.items() if k not in ("id", "created", "secret")} == {
+        k: v for k, v in documented.items() if k not in ("id", "created", "secret")}
+    # the list: the same header, and the same rows but for the times
+    listed, table_shown = ran("capyctl list keys").stdout.splitlines(), shown("NAME     CREATED").splitlines()
+    assert listed[0] == table_shown[0]
+
+    def untimed(row: str) -> list[str]:
+        cells = re.split(r"\s{2,}", row.strip())
+        return cells[:1] + cells[3:]
+
+    assert [untimed(row) for row in listed[1:]] == [untimed(row) for row in table_shown[1:]]
+    # revoked: the next request with it is 401 invalid_api_key
+    assert ran("capyctl revoke key app1").stdout == shown("key app1 revoked")
+    (refused,) = [done for block, done in runs if block.expect == "invalid_api_key"]
+    assert msgspec.json.decode(refused.stdout) == msgspec.json.decode(shown('"code":"invalid_api_key"'))
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Hello"}]}
+    answer = httpx.post(capy.base_url + "/v1/chat/completions", json=chat,
+                        headers={"authorization": f"Bearer {kept['APP_KEY']}"}, timeout=30)
+    assert answer.status_code == 401
+    # a daily limit of 2: two answers, then 429 daily_limit with Retry-After to 00:00 UTC
+    assert ran("for i in 1 2").stdout == shown("200\n200")
+    head, _, body = ran("curl -si").stdout.replace("\r\n", "\n").partition("\n\n")
+    doc_head, _, doc_body = shown("HTTP/1.1 429").partition("\n\n")
+    assert head.splitlines()[0] == doc_head.splitlines()[0] == "HTTP/1.1 429 Too Many Requests"
+    headers = dict(line.split(": ", 1) for line in head.splitlines()[1:])
+    assert {line.split(": ", 1)[0] for line in doc_head.splitlines()[1:]} <= headers.keys()
+    assert abs(int(headers["retry-after"]) - (86400 - time.time() % 86400)) < 5
+    limited, doc_limited = msgspec.json.decode(body), msgspec.json.decode(doc_body)
+    assert limited["error"].keys() == doc_limited["error"].keys()
+    assert {k: v for k, v in limited["error"].items() if k != "message"} == {
+        k: v for k, v in doc_limited["error"].items() if k != "message"}
+    assert f"it may call again in {headers['retry-after']} s" in limited["error"]["message"]
+    # a key scoped to smollm2: gpt-4o (deployed here) is not found, and /metrics is forbidden
+    assert [m["id"] for m in msgspec.json.decode(ran("/v1/models").stdout)["data"]] == ["smollm2"]
+    assert "gpt-4o" in capy.cli("list", "deployments").stdout
+    for code in ("model_not_found", "forbidden", "cache_salt_unsupported", "invalid_request"):
+        (done,) = [done for block, done in runs if block.expect == code]
+        assert msgspec.json.decode(done.stdout) == msgspec.json.decode(shown(f'"code":"{code}"')), code
+    assert httpx.get(capy.base_url + "/metrics", headers={"authorization": f"Bearer {kept['BOT_KEY']}"},
+                     timeout=10).status_code == 403
+    # the management API: created with its secret, then revoked
+    made, doc_made = msgspec.json.decode(ran("-d '{\"name\": \"ci-runner\"").stdout), msgspec.json.decode(
+        shown('"name":"ci-runner"'))
+    assert made.keys() == doc_made.keys() and key_id(made["secret"]) == made["id"]
+    assert {k: v for k, v in made.items() if k not in ("id", "created", "secret")} == {
+        k: v for k, v in doc_made.items() if k not in ("id", "created", "secret")}
+    assert msgspec.json.decode(ran("-X DELETE").stdout) == {"revoked": "ci-runner", "id": made["id"]}
+    # the key's name in the log line (never its secret), its events, the metrics' key label
+    line = r"\d\d:\d\d:\d\d request [0-9A-Z]{26} smollm2 -> \S+ instance 0 key app1"
+    assert re.fullmatch(line, shown("instance 0 key app1").strip())
+    assert re.search(line + "$", capy.log(), re.M)
+    secrets_shown = [kept[name].split("_", 2)[2] for name in ("APP_KEY", "TRIAL_KEY", "BOT_KEY", "TENANT_KEY")]
+    stored = b"".join(p.read_bytes() for p in capy.state_dir.glob("capyctl.db*"))
+    assert not [s for s in secrets_shown if s in capy.log() or s.encode() in stored]
+    events = [msgspec.json.decode(line) for line in ran("capyctl events --json").stdout.splitlines()]
+    doc_events = [msgspec.json.decode(line) for line in shown('"kind":"key_created"').splitlines()]
+    assert [e["kind"] for e in events] == [e["kind"] for e in doc_events] == ["key_created", "key_revoked"]
+    for event, doc_event in zip(events, doc_events, strict=True):
+        assert event["deployment"] is None and event["detail"]["key_id"] == app_id
+        assert {**event["detail"], "key_id": None} == {**doc_event["detail"], "key_id": None}
+    assert set(ran("grep '^capyctl_requests_total'").stdout.splitlines()) == set(
+        shown('capyctl_requests_total{code="ok",deployment="smollm2",key="app1"}').splitlines())
 
 
 def test_decision_examples_run_as_documented(capy: CapyServer, tmp_path: Path) -> None:
@@ -344,6 +476,8 @@ def test_every_capyctl_command_line_exists_with_its_options() -> None:
         for line in block.text.replace("\\\n", " ").splitlines():
             if line.startswith("capyctl "):
                 commands.append((block.page, line))
+            # a command whose output a variable keeps: APP_KEY=$(capyctl create key app1 ...)
+            commands += [(block.page, inner) for inner in re.findall(r"\$\((capyctl [^)]*)\)", line)]
     assert len(commands) >= 15 and any(page == "cli.md" for page, _ in commands)
     for page, line in commands:
         path, options = command_path(shlex.split(line)[1:])
