@@ -28,7 +28,7 @@ def test_caller_request_id_is_handed_back_and_logged_but_never_stored(served: Ca
         r.read()
     ours = plain.headers["x-capyctl-request-id"]
     line = next(line for line in served.log().splitlines() if f"request {ours}" in line)
-    assert f"request {ours} (caller {CALLER}) smollm2 -> " in line and line.endswith("instance 0")
+    assert f"request {ours} (caller {CALLER}) smollm2 -> " in line and line.endswith("instance 0 key default")
     # reading the events first makes CapyCTL store what it had queued (its writer batches them)
     events = served.cli("events", "--deployment", "smollm2", "--json").stdout
     assert ours in events and CALLER not in events

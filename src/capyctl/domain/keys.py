@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import re
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -169,10 +170,11 @@ def bind_salt(key: ApiKey, obj: dict[str, object]) -> None:
     obj["cache_salt"] = key.cache_salt
 
 
-def check_scope(key: ApiKey, model: str, deployed: list[str]) -> None:
-    """A scoped key learns only of its own models: any other name is not found, whether deployed or not."""
+def check_scope(key: ApiKey, model: str, deployed: Callable[[], list[str]]) -> None:
+    """A scoped key learns only of its own models: any other name is not found, whether deployed or not.
+    ``deployed`` is asked only then (the names of every deployment)."""
     if not key.sees(model):
-        raise ModelNotFound(model, [name for name in deployed if key.sees(name)])
+        raise ModelNotFound(model, [name for name in deployed() if key.sees(name)])
 
 
 def utc_day(wall: float) -> str:

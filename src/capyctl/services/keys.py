@@ -62,6 +62,7 @@ class Keyring:
         self._legacy: ApiKey | None = None
         self._usage: dict[str, Usage] = {}
         self._letting: dict[str, str] = {}  # request id -> key id: let in, not yet counted
+        self._day, self._day_starts = "", float("inf")  # the UTC day now, and when it began (Unix seconds)
         self.load()
 
     def load(self) -> None:
@@ -132,7 +133,11 @@ class Keyring:
             self._usage[key_id].pending -= 1
 
     def _today(self, key_id: str, wall: float) -> Usage:
-        usage = self._usage[key_id] = today(self._usage.get(key_id), utc_day(wall))
+        if not self._day_starts <= wall < self._day_starts + 86400:  # a new UTC day (or the clock went back)
+            self._day, self._day_starts = utc_day(wall), wall - wall % 86400
+        usage = self._usage.get(key_id)
+        if usage is None or usage.day != self._day:
+            usage = self._usage[key_id] = today(usage, self._day)
         return usage
 
     # --- what operators do ------------------------------------------------------------------------

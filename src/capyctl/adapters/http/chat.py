@@ -175,7 +175,7 @@ class FrontDoor:
             wait = llm_wait(header_values(scope, b"x-llm-wait"))
             obj = decode_body(await read_body(receive, scope, self._max_body))
             model, stream = endpoint.target(obj)
-            check_scope(key, model, service.names())
+            check_scope(key, model, service.names)
             bind_salt(key, obj)
             self._keys.let_in(key, request_id)
         except ClientGone:
