@@ -212,11 +212,11 @@ def test_twenty_concurrent_calls_with_ten_left_give_exactly_ten_answers(server: 
 
 
 def test_a_scoped_key_sees_and_uses_only_its_models(server: CapyServer) -> None:
-    secret = create(server, "scoped", "--models", "vchat,vdec")
+    secret = create(server, "scoped", "--models", "vchat,vdec,later")
     assert [m["id"] for m in models(server, secret).json()["data"]] == ["vchat", "vdec"]
     assert {m["id"] for m in models(server, server.api_key).json()["data"]} == {"vchat", "lchat", "vdec", "sdec"}
     assert chat(server, secret).status_code == 200
-    for other in ("lchat", "sdec", "nope"):
+    for other in ("lchat", "sdec", "nope", "later"):  # later: on its list, not deployed
         refused = chat(server, secret, model=other)
         assert refused.status_code == 404 and code(refused) == "model_not_found"
         error = refused.json()["error"]

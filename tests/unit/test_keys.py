@@ -251,8 +251,10 @@ def test_counts_and_last_use_survive_a_restart_and_no_secret_reaches_the_databas
 # --- scopes and salts --------------------------------------------------------------------------------
 def test_a_scoped_key_learns_only_of_its_own_models() -> None:
     key = ApiKey(id="abcdefgh23", name="app", digest="", created=0.0, models=("alpha", "gone"))
-    check_scope(key, "alpha", lambda: pytest.fail("asked for the names of a model in scope"))
-    for other in ("beta", "nope"):
+    check_scope(key, "alpha", lambda: ["alpha", "beta", "gamma"])
+    check_scope(ApiKey(id="abcdefgh23", name="all", digest="", created=0.0), "beta",
+                lambda: pytest.fail("the names are read only for a scoped key"))
+    for other in ("beta", "nope", "gone"):  # gone: on its list, not deployed
         with pytest.raises(ModelNotFound) as refused:
             check_scope(key, other, lambda: ["alpha", "beta", "gamma"])
         assert refused.value.extra["available"] == ["alpha"]

@@ -171,10 +171,14 @@ def bind_salt(key: ApiKey, obj: dict[str, object]) -> None:
 
 
 def check_scope(key: ApiKey, model: str, deployed: Callable[[], list[str]]) -> None:
-    """A scoped key learns only of its own models: any other name is not found, whether deployed or not.
-    ``deployed`` is asked only then (the names of every deployment)."""
-    if not key.sees(model):
-        raise ModelNotFound(model, [name for name in deployed() if key.sees(name)])
+    """A scoped key learns only of its own models: a name outside its list, or on its list but not deployed,
+    is not found, and ``available`` holds only its own deployed models. ``deployed`` (the names of every
+    deployment) is asked only for a scoped key."""
+    if key.models is None:
+        return
+    names = deployed()
+    if model not in key.models or model not in names:
+        raise ModelNotFound(model, [name for name in names if key.sees(name)])
 
 
 def utc_day(wall: float) -> str:

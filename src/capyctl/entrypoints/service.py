@@ -116,10 +116,10 @@ async def _serve(
             await tg.start(fleet.run)
             state.write_management(management_url)
             host, port = inference_sock.getsockname()[:2]
-            log.info(
-                "capyctl %s serving http://%s:%s/v1 (API key in %s); management %s",
-                __version__, host, port, state.root / CREDENTIALS, management_url,
-            )
+            where = (f"the key named default in {state.root / CREDENTIALS}" if state.read_api_key()
+                     else "the key named default was revoked; see: capyctl list keys")
+            log.info("capyctl %s serving http://%s:%s/v1 (%s); management %s",
+                     __version__, host, port, where, management_url)
             async with anyio.create_task_group() as servers:
                 servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
                 servers.start_soon(lambda: manager.serve(sockets=[management_sock]))
