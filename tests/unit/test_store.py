@@ -26,9 +26,9 @@ def test_a_reader_sees_every_event_emitted_before_it(tmp_path: Path) -> None:
 def test_events_are_inserted_by_the_writer_thread_not_the_caller(tmp_path: Path, monkeypatch) -> None:
     store = SqliteStore(tmp_path / "db")
     inserted_on: list[str] = []
-    real_insert = store._insert
-    monkeypatch.setattr(store, "_insert", lambda rows: (inserted_on.append(threading.current_thread().name),
-                                                        real_insert(rows)))
+    real_write = store._write
+    monkeypatch.setattr(store, "_write", lambda rows, uses: (inserted_on.append(threading.current_thread().name),
+                                                             real_write(rows, uses)))
     try:
         store.add_event(time.time(), "a", "state_changed", {})
         assert inserted_on == []  # add_event only queued it

@@ -99,17 +99,16 @@ class SqliteStore(Store):
             self._flush()
 
     def _flush(self) -> None:
-        """Insert what is queued, in order; a reader calls it too, so that it sees its own writes."""
+        """Insert what is queued, in order, and the keys' newest figures, in one transaction; a reader calls
+        it too, so that it sees its own writes."""
         rows: list[tuple[Any, ...]] = []
         try:
             with self._lock:
                 while self._pending:
                     rows.append(self._pending.popleft())
-                if rows:
-                    self._insert(rows)
-                if self._key_uses:
-                    uses, self._key_uses = self._key_uses, {}
-                    self._write_uses(uses)
+                uses, self._key_uses = self._key_uses, {}
+                if rows or uses:
+                    self._write(rows, uses)
                 self._since_prune += len(rows)
                 prune = self._since_prune >= _PRUNE_EVERY
                 if prune:
@@ -119,18 +118,10 @@ class SqliteStore(Store):
         except sqlite3.Error:  # a full disk must not stop the server: the events are lost, and said so
             log.exception("could not store %d events", len(rows))
 
-    def _insert(self, rows: list[tuple[Any, ...]]) -> None:
+    def _write(self, rows: list[tuple[Any, ...]], uses: dict[str, tuple[str, int, float | None]]) -> None:
         self._db.execute("BEGIN")
         try:
             self._db.executemany("INSERT INTO events (at, deployment, kind, detail) VALUES (?, ?, ?, ?)", rows)
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
-
-    def _write_uses(self, uses: dict[str, tuple[str, int, float | None]]) -> None:
-        self._db.execute("BEGIN")
-        try:
             self._db.executemany(
                 "INSERT INTO key_usage VALUES (?, ?, ?) ON CONFLICT (key_id, day) DO UPDATE SET used = excluded.used",
                 [(key_id, day, used) for key_id, (day, used, _) in uses.items()])
