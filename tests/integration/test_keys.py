@@ -230,7 +230,9 @@ def test_a_salted_key_carries_its_salt_to_vllm_and_is_refused_where_it_cannot_be
         server: CapyServer, engines: dict[str, Replay]) -> None:
     secret = create(server, "tenant-a", "--cache-salt", "salt-of-tenant-a")
     assert chat(server, secret).status_code == 200
-    assert msgspec.json.decode(engines["vllm"].stats()["last_request"]["body"])["cache_salt"] == "salt-of-tenant-a"
+    last = engines["vllm"].stats()["last_request"]
+    assert msgspec.json.decode(last["body"])["cache_salt"] == "salt-of-tenant-a"
+    assert secret.rsplit("_", 1)[1] not in str(last)  # the key is never sent to an engine
     assert chat(server, secret, cache_salt="salt-of-tenant-a").status_code == 200
     seen = engines["vllm"].stats()["requests"]
     other = chat(server, secret, cache_salt="salt-of-tenant-b")
@@ -252,7 +254,7 @@ def test_a_salted_key_carries_its_salt_to_vllm_and_is_refused_where_it_cannot_be
     headers = {"authorization": f"Bearer {secret}"}
     httpx.post(server.base_url + "/v1/systemone", headers=headers, json=DECISION, timeout=30)
     log = engines["vllm"].stats()["decisions"]
-    assert log["requests"] == decided + 1
+    assert log["requests"] == decided + 1 and secret.rsplit("_", 1)[1] not in str(log["log"][-1])
     assert msgspec.json.decode(log["log"][-1]["body"])["cache_salt"] == "salt-of-tenant-a"
     sglang = engines["sglang"].stats()["decisions"]["requests"]
     refused = httpx.post(server.base_url + "/v1/systemone", headers=headers, json={**DECISION, "model": "sdec"})

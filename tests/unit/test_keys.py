@@ -61,6 +61,13 @@ def auth(token: str) -> str:
     return f"Bearer {token}"
 
 
+def serve(keyring: Keyring, key: ApiKey, request_id: str) -> None:
+    """One call as the front door and the service make it: let in, admitted for an engine, done."""
+    keyring.let_in(key, request_id)
+    keyring.admitted(request_id)
+    keyring.done(request_id)
+
+
 # --- the key's form ------------------------------------------------------------------------------------
 def test_a_key_splits_into_its_id_and_secret_and_nothing_else_passes() -> None:
     token = format_key("abcdefgh23", SECRET)
@@ -179,9 +186,7 @@ def test_a_limit_counts_admitted_calls_refuses_past_it_and_starts_again_at_midni
     clock.now = MIDNIGHT - 100
     key, _ = keyring.create("app", daily_limit=3)
     for n in range(3):
-        keyring.let_in(key, f"r{n}")
-        keyring.admitted(f"r{n}")
-        keyring.done(f"r{n}")
+        serve(keyring, key, f"r{n}")
     with pytest.raises(DailyLimit) as refused:
         keyring.let_in(key, "r3")
     assert refused.value.extra == {"limit": 3, "used": 3} and refused.value.retry_after == 100
@@ -202,9 +207,7 @@ def test_a_call_refused_before_admission_gives_its_place_back() -> None:
     assert refused.value.extra["used"] == 1
     keyring.done("a")  # never admitted (queue_full, model_loading, ...): not counted
     assert keyring.get("app")[1].used == 0
-    keyring.let_in(key, "c")
-    keyring.admitted("c")
-    keyring.done("c")
+    serve(keyring, key, "c")
     assert keyring.get("app")[1].used == 1
 
 
@@ -229,9 +232,7 @@ def test_counts_and_last_use_survive_a_restart_and_no_secret_reaches_the_databas
     key, token = keyring.create("app", daily_limit=10, models=["m"], cache_salt="tenant-a")
     for n in range(4):
         keyring.authenticate(auth(token))
-        keyring.let_in(key, f"r{n}")
-        keyring.admitted(f"r{n}")
-        keyring.done(f"r{n}")
+        serve(keyring, key, f"r{n}")
     store.close()
     raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
     assert split_key(token)[1].encode() not in raw  # type: ignore[index]
