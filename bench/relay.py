@@ -1,13 +1,22 @@
-"""Relay benchmark: N concurrent streams straight to the replay engine vs. through CapyCTL, in one run.
+"""Relay benchmark: N concurrent streams straight to the replay engine, through nginx and through CapyCTL, in one run.
 
     python bench/relay.py [--recording tests/contract/recordings/vllm/0.32.0] [--case chat_stream_usage]
-                          [--concurrency 1,16,64,256] [--seconds 3]
+                          [--concurrency 1,16,64,256] [--seconds 3] [--rounds 2] [--nginx PATH]
 
 The replay engine serves a recorded real stream at full speed. For each N the
-two paths are measured alternately (direct, relayed, direct, relayed) so a
-noisy machine hurts both alike. Printed per N: time to first chunk p50/p99 of
-each path and the added median, chunks per second of each path and their
-ratio, and CapyCTL's CPU seconds per 1,000 relayed chunks (from /proc).
+paths are measured in alternating rounds (direct, nginx, relayed; the next
+round starts one path later) so a noisy machine hurts all alike. Printed per N:
+time to first chunk p50/p99 of each path and the added median, chunks per
+second of each path and their ratio to direct, and the proxy's CPU seconds per
+1,000 relayed chunks (from /proc, read before and after each load: the proxy's
+own cost even when the client is the bottleneck). At the end a table of
+medians over the rounds: added time to first token at one stream (engine at
+its recorded pace; added = path minus direct in the same round), chunks/s and
+CPU µs per chunk at each N, and the ratios CapyCTL/nginx.
+
+nginx is Debian's nginx-light (apt-get install nginx-light), started by the
+bench as its child with a generated config (one worker, on a free loopback
+port, prefix in a temp dir); without it the nginx path is skipped.
 Figures are ratios against the direct baseline measured in the same run.
 """
 
@@ -17,17 +26,21 @@ import argparse
 import asyncio
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.harness import CapyServer  # noqa: E402
+from tests.integration.harness import CapyServer, free_port  # noqa: E402
 
 _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 
@@ -39,6 +52,47 @@ def request(host: str, body: bytes, key: str | None) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+class Dechunk:
+    """Incremental HTTP/1.1 chunked-body decoder: feed the bytes as read, get the payload back.
+
+    Needed since nginx re-chunks what it relays at its own read boundaries: a chunk-size line can fall
+    inside "data: ", which a count over the raw bytes would miss. Every path's body goes through it alike.
+    """
+
+    def __init__(self) -> None:
+        self.pending = b""  # an incomplete size line
+        self.left = 0  # payload bytes still due in the current chunk
+        self.skip = 0  # bytes of the CRLF after a chunk's payload still to drop
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        if self.pending:
+            data, self.pending = self.pending + data, b""
+        out = []
+        i, size = 0, len(data)
+        while i < size and not self.done:
+            if self.skip:
+                step = min(self.skip, size - i)
+                self.skip -= step
+                i += step
+            elif self.left:
+                piece = data[i:i + self.left]
+                out.append(piece)
+                self.left -= len(piece)
+                i += len(piece)
+                if not self.left:
+                    self.skip = 2
+            else:
+                end = data.find(b"\r\n", i)
+                if end < 0:
+                    self.pending = data[i:]
+                    break
+                self.left = int(data[i:end].split(b";", 1)[0], 16)
+                i = end + 2
+                self.done = self.left == 0
+        return b"".join(out)
+
+
 async def one_stream(host: str, port: int, body: bytes, key: str | None) -> tuple[float, int]:
     """(seconds to the first data chunk, data chunks received) for one streamed request."""
     started = time.perf_counter()
@@ -46,8 +100,12 @@ async def one_stream(host: str, port: int, body: bytes, key: str | None) -> tupl
     writer.write(request(host, body, key))
     first = 0.0
     chunks = 0
+    head = await reader.readuntil(b"\r\n\r\n")
+    dechunk = Dechunk().feed if b"transfer-encoding: chunked" in head.lower() else None
     tail = b""
     while data := await reader.read(65536):
+        if dechunk:
+            data = dechunk(data)
         window = tail + data
         found = window.count(b"data: ")
         if found and not first:
@@ -79,7 +137,7 @@ async def load(host: str, port: int, body: bytes, key: str | None, n: int, secon
     return {"ttfts": ttfts, "chunks": chunks, "elapsed": elapsed}
 
 
-async def hang_up_delay(host: str, port: int, body: bytes, key: str, stats_url: str) -> float:
+async def hang_up_delay(host: str, port: int, body: bytes, key: str | None, stats_url: str) -> float:
     """Seconds from a client hang-up to the engine seeing its connection closed (polled on /replay/stats)."""
     import httpx
 
@@ -114,9 +172,230 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (nginx: the master and its worker), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of ``pid`` and its descendants alive now."""
+    total = 0.0
+    for one in process_tree(pid):
+        try:
+            total += cpu_seconds(one)
+        except (OSError, IndexError, ValueError):
+            pass  # exited between the listing and the read
+    return total
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def find_nginx() -> str | None:
+    found = shutil.which("nginx")
+    if found:
+        return found
+    return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+
+
+# The nginx a careful operator would put in front of an SSE engine: HTTP/1.1 to the engine with pooled
+# keep-alive connections (Connection "" so the client's "close" is not passed on), no response buffering
+# (each chunk leaves as it arrives), no access log (CapyCTL's relay keeps none per chunk either).
+# worker_processes 1: CapyCTL relays from one process, so nginx gets one worker too (and its master, which
+# is idle while relaying; its CPU is counted all the same).
+NGINX_CONF = """\
+# generated by bench/relay.py for one run
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+{user}
+events {{
+    worker_connections {connections};
+}}
+
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+
+    upstream engine {{
+        server {engine_host}:{engine_port};
+        keepalive {keepalive};
+    }}
+
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+class Nginx:
+    """nginx in the foreground as a child process (daemon off; master + one worker), prefix in a temp dir."""
+
+    def __init__(self, binary: str, engine_host: str, engine_port: int, streams: int) -> None:
+        self.binary = binary
+        self.prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
+        self.port = free_port()
+        self.conf = self.prefix / "nginx.conf"
+        self.conf.write_text(NGINX_CONF.format(
+            prefix=self.prefix, port=self.port, engine_host=engine_host, engine_port=engine_port,
+            keepalive=max(32, streams),  # every stream's engine connection can go back to the pool
+            connections=max(1024, 4 * streams),  # a client and an engine connection per stream, plus idle ones
+            # as root the worker would switch to nobody; the prefix is root's own (mode 0700), so keep root
+            user="user root;" if os.geteuid() == 0 else "",
+        ))
+        self.process: subprocess.Popen[bytes] | None = None
+        self.workers: set[int] = set()
+
+    def log(self) -> str:
+        path = self.prefix / "error.log"
+        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+
+    def start(self, timeout: float = 10.0) -> Nginx:
+        import httpx
+
+        with open(self.prefix / "stdout.log", "ab") as out:
+            self.process = subprocess.Popen(
+                [self.binary, "-p", str(self.prefix), "-e", str(self.prefix / "error.log"),
+                 "-c", str(self.conf), "-g", "daemon off;"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nginx exited with {self.process.returncode}: {self.log().strip()}")
+            try:  # an answer relayed from the engine: the worker is up and reaches the upstream
+                if httpx.get(f"http://127.0.0.1:{self.port}/replay/stats", timeout=1).status_code == 200:
+                    self.workers = set(process_tree(self.process.pid)) - {self.process.pid}
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"nginx did not answer in {timeout} s: {self.log().strip()}")
+
+    def cpu(self) -> float:
+        assert self.process is not None
+        return tree_cpu_seconds(self.process.pid)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()  # SIGTERM: nginx's fast shutdown, the worker goes with it
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for pid in self.workers:  # a worker outliving a killed master: by its own id, if still nginx
+            try:
+                if Path(f"/proc/{pid}/exe").resolve() == Path(self.binary).resolve():
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone, as it should be
+        shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+@dataclass
+class Route:
+    """One way to the engine: straight, through nginx or through CapyCTL."""
+
+    name: str
+    host: str
+    port: int
+    body: bytes
+    key: str | None
+    cpu: Callable[[], float] | None = None  # the proxy's own CPU seconds so far; None: no proxy
+    rounds: dict[int, list[dict]] = field(default_factory=dict)  # N -> one load() result (+ "cpu") per round
+    paced: list[list[float]] = field(default_factory=list)  # paced first-token seconds, one list per round
+
+
+def measure(route: Route, n: int, seconds: float, expect: int) -> dict:
+    """One load on one route; the proxy's CPU read just before and just after it."""
+    before = route.cpu() if route.cpu else 0.0
+    got = asyncio.run(load(route.host, route.port, route.body, route.key, n, seconds, expect))
+    got["cpu"] = route.cpu() - before if route.cpu else 0.0
+    route.rounds.setdefault(n, []).append(got)
+    return got
+
+
+def rotated(routes: list[Route], round_: int) -> list[Route]:
+    """The routes in order, starting one later each round: no path is always first after the previous one."""
+    k = round_ % len(routes)
+    return routes[k:] + routes[:k]
+
+
+def pooled(results: list[dict]) -> dict:
+    return {"ttfts": [t for r in results for t in r["ttfts"]], "chunks": sum(r["chunks"] for r in results),
+            "elapsed": sum(r["elapsed"] for r in results), "cpu": sum(r["cpu"] for r in results)}
+
+
+def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], list[list[float]]], source: str) -> None:
+    """Medians over the rounds per path; added TTFT is path minus direct within each round."""
+    direct = routes[0]
+    rows: dict[str, list[float | None]] = {}
+    for route in routes:
+        row: list[float | None] = []
+        pairs = [(mine, base) for mine, base in zip(ttft_rounds(route), ttft_rounds(direct)) if mine and base]
+        for q in (.5, .99):
+            if route is direct:
+                row.append(None)
+            else:
+                row.append(statistics.median(pct(mine, q) - pct(base, q) for mine, base in pairs) if pairs else None)
+        for n in ns:
+            row.append(statistics.median(r["chunks"] / r["elapsed"] for r in route.rounds[n]))
+        for n in ns:
+            row.append(None if route.cpu is None else
+                       statistics.median(r["cpu"] / r["chunks"] * 1e6 for r in route.rounds[n]))
+        rows[route.name] = row
+
+    def cell(value: float | None, width: int, digits: int) -> str:
+        return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
+
+    ttft_head = "added TTFT p50/p99 ms (1 stream)"
+    heads = [f"chunks/s @{n}" if i == 0 else f"@{n}" for i, n in enumerate(ns)]
+    heads += [f"CPU µs/chunk @{n}" if i == 0 else f"@{n}" for i, n in enumerate(ns)]
+    widths = [max(len(h), 8) for h in heads]
+    print(f"{'path':<22} {ttft_head:>33} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, widths)))
+
+    def line(label: str, row: list[float | None], ttft_digits: int = 3, digits: list[int] | None = None) -> None:
+        ttft = ("(baseline)" if label == "direct" else
+                f"{cell(row[0], 0, ttft_digits).strip()} / {cell(row[1], 0, ttft_digits).strip()}")
+        digits = digits or [0] * len(ns) + [1] * len(ns)
+        print(f"{label:<22} {ttft:>33} " + " ".join(cell(v, w, d) for v, w, d in zip(row[2:], widths, digits)))
+
+    for name, row in rows.items():
+        line(name, row)
+    if "nginx" in rows and "capyctl" in rows:
+        ratio: list[float | None] = []
+        for mine, theirs in zip(rows["capyctl"], rows["nginx"]):
+            ratio.append(mine / theirs if mine is not None and theirs is not None and theirs > 0.0005 else None)
+        line("ratio capyctl/nginx", ratio, 2, [2] * (2 * len(ns)))
+    else:
+        print("(no nginx path this run: no capyctl/nginx ratios)")
+    print(f"(medians over the rounds; added TTFT: {source}; CPU: the proxy's own processes, /proc utime+stime)")
 
 
 def main() -> None:
@@ -125,17 +404,24 @@ def main() -> None:
     parser.add_argument("--case", default="chat_stream_usage")
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per path and round")
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of direct and relayed per N")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of direct, nginx and relayed per N")
     parser.add_argument("--hangups", type=int, default=20, help="client hang-ups to time (0: none)")
     parser.add_argument("--handoff", type=int, default=256,
                         help="streams waiting on one slot, to time a freed slot's hand-over to the next (0: none)")
     parser.add_argument("--paced", type=int, default=60,
                         help="streams per path to time to first token with the engine at its recorded pace (0: none)")
+    parser.add_argument("--nginx", default=find_nginx(),
+                        help="nginx binary for the nginx path (default: nginx on PATH, else /usr/sbin/nginx)")
     args = parser.parse_args()
     if not 0 <= args.handoff <= 1000:
         parser.error("--handoff must be within 0..1000 (the replay engine keeps its last 1,000 idle gaps)")
+    if args.rounds < 1:
+        parser.error("--rounds must be 1 or more")
     recording = Path(args.recording)
     engine, version = recording.parent.name, recording.name
+    ns = [int(x) for x in args.concurrency.split(",")]
+    # a plain kill ends the bench through its finally: the engine, CapyCTL and nginx are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     replay = subprocess.Popen(
         [sys.executable, "-m", "capyctl.replay", "--dialect", engine, "--version", version,
@@ -143,11 +429,12 @@ def main() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     tmp = Path(tempfile.mkdtemp(prefix="capyctl-bench-"))
-    most = max(int(x) for x in args.concurrency.split(","))
+    most = max(ns)
     relay_config = tmp / "relay.yaml"  # every client at the engine at once: this measures the relay, not the queue
     relay_config.write_text(f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
                             f"  max_pending_total: {most}\n")
     capy = CapyServer(tmp / "state", "--config", str(relay_config))
+    nginx: Nginx | None = None
     try:
         line = replay.stdout.readline().decode()  # type: ignore[union-attr]
         match = _LISTENING.search(line)
@@ -162,40 +449,75 @@ def main() -> None:
                 b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode())
         pid = capy.process.pid  # type: ignore[union-attr]
         expect = (recording / f"{args.case}.sse").read_bytes().count(b"data: ")
+        plain = body.replace(b'"bench"', b'"x"')  # straight to the engine, or through nginx: no CapyCTL model
+        direct = Route("direct", rhost, rport, plain, None)
+        capyctl = Route("capyctl", "127.0.0.1", capy.port, body, capy.api_key, lambda: cpu_seconds(pid))
+        routes = [direct]
+        if not (args.nginx and os.path.isfile(args.nginx) and os.access(args.nginx, os.X_OK)):
+            print(f"nginx not found ({args.nginx or 'not on PATH, not /usr/sbin/nginx'}): the nginx path is skipped; "
+                  f"install it with `apt-get install nginx-light` (Debian/Ubuntu) or pass --nginx PATH")
+        else:
+            nginx = Nginx(args.nginx, rhost, rport, most)
+            try:
+                nginx.start()
+            except (OSError, RuntimeError) as exc:
+                print(f"nginx {args.nginx} did not start ({exc}): the nginx path is skipped")
+                nginx.stop()
+                nginx = None
+        if nginx is not None:
+            routes.append(Route("nginx", "127.0.0.1", nginx.port, plain, None, nginx.cpu))
+        routes.append(capyctl)
+        for route in routes:  # warm each path (connections, first-use code paths) before anything is measured
+            asyncio.run(load(route.host, route.port, route.body, route.key, 1, 0.2, expect))
+
         print(f"relay benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores, "
-              f"{args.rounds}x{args.seconds:.0f} s per path and N")
+              f"{args.rounds}x{args.seconds:g} s per path and N")
+        if nginx is not None:
+            print(f"nginx path: {args.nginx} ({nginx_version(args.nginx)}), 1 worker, keepalive to the engine, "
+                  f"proxy_buffering off; its columns follow CapyCTL's on each line")
+            extra = f" {'ttft p50 nginx':>15} {'chunks/s nginx':>15} {'ratio':>6} {'CPU s/1k nginx':>15}"
+        else:
+            extra = ""
         print(f"{'N':>4} {'ttft p50 direct/relay ms':>26} {'added p50':>10} {'ttft p99 direct/relay ms':>26} "
-              f"{'chunks/s direct':>16} {'relay':>10} {'ratio':>6} {'CPU s/1k chunks':>16}")
-        for n in (int(x) for x in args.concurrency.split(",")):
-            direct = {"ttfts": [], "chunks": 0, "elapsed": 0.0}
-            relay = {"ttfts": [], "chunks": 0, "elapsed": 0.0}
-            cpu = 0.0
-            for _ in range(args.rounds):
-                for target, sink in (("direct", direct), ("relay", relay)):
-                    before = cpu_seconds(pid)
-                    if target == "direct":
-                        got = asyncio.run(load(rhost, rport, body.replace(b'"bench"', b'"x"'), None, n, args.seconds, expect))
-                    else:
-                        got = asyncio.run(load("127.0.0.1", capy.port, body, capy.api_key, n, args.seconds, expect))
-                        cpu += cpu_seconds(pid) - before
-                    sink["ttfts"] += got["ttfts"]
-                    sink["chunks"] += got["chunks"]
-                    sink["elapsed"] += got["elapsed"]
-            d_rate = direct["chunks"] / direct["elapsed"]
-            r_rate = relay["chunks"] / relay["elapsed"]
-            added = statistics.median(relay["ttfts"]) * 1000 - statistics.median(direct["ttfts"]) * 1000
-            print(f"{n:>4} {pct(direct['ttfts'], .5):>12.2f} / {pct(relay['ttfts'], .5):>9.2f} {added:>10.2f} "
-                  f"{pct(direct['ttfts'], .99):>12.2f} / {pct(relay['ttfts'], .99):>9.2f} "
-                  f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {cpu / relay['chunks'] * 1000:>16.3f}")
+              f"{'chunks/s direct':>16} {'relay':>10} {'ratio':>6} {'CPU s/1k chunks':>16}{extra}")
+        for n in ns:
+            for round_ in range(args.rounds):
+                for route in rotated(routes, round_):
+                    measure(route, n, args.seconds, expect)
+            d, r = pooled(direct.rounds[n]), pooled(capyctl.rounds[n])
+            d_rate = d["chunks"] / d["elapsed"]
+            r_rate = r["chunks"] / r["elapsed"]
+            added = statistics.median(r["ttfts"]) * 1000 - statistics.median(d["ttfts"]) * 1000
+            if nginx is not None:
+                x = pooled(routes[1].rounds[n])
+                x_rate = x["chunks"] / x["elapsed"]
+                extra = (f" {pct(x['ttfts'], .5):>15.2f} {x_rate:>15.0f} {x_rate / d_rate:>6.2f} "
+                         f"{x['cpu'] / x['chunks'] * 1000:>15.4f}")
+            print(f"{n:>4} {pct(d['ttfts'], .5):>12.2f} / {pct(r['ttfts'], .5):>9.2f} {added:>10.2f} "
+                  f"{pct(d['ttfts'], .99):>12.2f} / {pct(r['ttfts'], .99):>9.2f} "
+                  f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {r['cpu'] / r['chunks'] * 1000:>16.3f}"
+                  f"{extra}")
         if args.paced:
             paced_body = body[:-1] + b',"replay_pace":"recorded"}'
-            direct_t, relay_t = [], []
-            for _ in range(args.paced):
-                direct_t.append(asyncio.run(paced_ttft(rhost, rport, paced_body.replace(b'"bench"', b'"x"'), None)))
-                relay_t.append(asyncio.run(paced_ttft("127.0.0.1", capy.port, paced_body, capy.api_key)))
+            paced_plain = plain[:-1] + b',"replay_pace":"recorded"}'
+            for route in routes:
+                route.paced = [[] for _ in range(args.rounds)]
+            for i in range(args.paced):  # one stream per path in turn; the streams split evenly over the rounds
+                round_ = i * args.rounds // args.paced
+                for route in rotated(routes, i):
+                    route.paced[round_].append(asyncio.run(paced_ttft(
+                        route.host, route.port, paced_body if route is capyctl else paced_plain, route.key)))
+            direct_t = [t for r in direct.paced for t in r]
+            relay_t = [t for r in capyctl.paced for t in r]
             print(f"time to first token, engine at its recorded pace, one stream: direct p50 {pct(direct_t, .5):.2f} ms, "
                   f"relayed p50 {pct(relay_t, .5):.2f} ms, added {pct(relay_t, .5) - pct(direct_t, .5):.2f} ms "
                   f"over {args.paced} streams each")
+            if nginx is not None:
+                nginx_t = [t for r in routes[1].paced for t in r]
+                print(f"time to first token, engine at its recorded pace, one stream, through nginx: "
+                      f"p50 {pct(nginx_t, .5):.2f} ms, added {pct(nginx_t, .5) - pct(direct_t, .5):.2f} ms; "
+                      f"p99 direct {pct(direct_t, .99):.2f}, nginx {pct(nginx_t, .99):.2f}, "
+                      f"relayed {pct(relay_t, .99):.2f} ms")
         if args.hangups:
             paced = body[:-1] + b',"replay_pace":"recorded"}'
             stats_url = f"http://{rhost}:{rport}/replay/stats"
@@ -203,14 +525,38 @@ def main() -> None:
                       for _ in range(args.hangups)]
             print(f"client hang-up -> engine connection closed: p50 {pct(delays, .5):.2f} ms, "
                   f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
+            if nginx is not None:
+                paced_plain = plain[:-1] + b',"replay_pace":"recorded"}'
+                delays = [asyncio.run(hang_up_delay("127.0.0.1", nginx.port, paced_plain, None, stats_url))
+                          for _ in range(args.hangups)]
+                print(f"client hang-up -> engine connection closed, through nginx: p50 {pct(delays, .5):.2f} ms, "
+                      f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
         if args.handoff:
             gaps = handoff(tmp, f"http://{rhost}:{rport}", engine, version, body, expect, args.handoff)
             print(f"slot freed -> next waiter sent to the engine (one slot, {args.handoff} waiting): "
                   f"p50 {statistics.median(gaps):.2f} ms, p99 {pct_ms(gaps, .99):.2f} ms over {len(gaps)} hand-overs")
+        print()
+        if args.paced:
+            source = (f"engine at its recorded pace, {args.paced} streams per path split over {args.rounds} rounds")
+            summary(routes, ns, lambda route: route.paced, source)
+        elif 1 in ns:
+            summary(routes, ns, lambda route: [r["ttfts"] for r in route.rounds[1]], "the full-speed load at N=1")
+        else:
+            summary(routes, ns, lambda route: [], "not measured (--paced 0 and no N=1)")
     finally:
+        if nginx is not None:
+            nginx.stop()
         capy.stop()
         replay.terminate()
         replay.wait(10)
+
+
+def nginx_version(binary: str) -> str:
+    try:
+        out = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "version unknown"
+    return (out.stderr or out.stdout).strip().removeprefix("nginx version: ") or "version unknown"
 
 
 def pct_ms(values: list[float], q: float) -> float:
