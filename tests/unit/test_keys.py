@@ -296,7 +296,8 @@ class OneChunkEngine:
         self.gate.set()
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[list[Any]]]:
+    async def chat_stream(self, base_url: str, body: bytes,
+                          until: Any = None) -> AsyncIterator[AsyncIterator[list[Any]]]:
         self.bodies.append(msgspec.json.decode(body))
 
         async def events() -> AsyncIterator[list[Any]]:

@@ -148,7 +148,7 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
 
     class Session:
         @asynccontextmanager
-        async def chat_stream(self, base_url: str, body: bytes):
+        async def chat_stream(self, base_url: str, body: bytes, until: Any = None):
             raise EngineUnavailable("could not reach the engine")
             yield
 

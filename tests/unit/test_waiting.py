@@ -44,7 +44,8 @@ class SilentAfterOneChunk:
         self.open = 0
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[list[Any]]]:
+    async def chat_stream(self, base_url: str, body: bytes,
+                          until: Any = None) -> AsyncIterator[AsyncIterator[list[Any]]]:
         async def events() -> AsyncIterator[list[Any]]:
             yield [Chunk(msgspec.json.encode(CHUNK), CHUNK)]
             await anyio.sleep_forever()

@@ -6,7 +6,7 @@ with real technology; tests use fakes with observable state.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,9 +120,14 @@ class EngineAdapter(Protocol):
 
 class EngineSession(Protocol):
     def chat_stream(
-        self, base_url: str, body: bytes
+        self, base_url: str, body: bytes, until: Callable[[], bool] | None = None
     ) -> AbstractAsyncContextManager[AsyncIterator[list[StreamEvent]]]:
         """POST a streamed chat request to the engine; its events come in batches, one per network read.
+
+        With ``until``, the first events come one at a time until ``until()``
+        is true (the caller has its first token) or a few have come: a read
+        that holds a large part of the answer does not hold back its first
+        token while the rest is parsed and checked.
 
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it

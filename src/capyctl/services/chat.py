@@ -211,7 +211,7 @@ class ChatService(RequestService):
         self._meters[record.id] = meter
         streaming = False
         try:
-            async with self._session.chat_stream(route.url, body) as events:
+            async with self._session.chat_stream(route.url, body, lambda: record.answered) as events:
                 streaming = True
                 yield EngineCall(_relay(events, stages, record, meter), meter, row)
         except EngineUnavailable as exc:

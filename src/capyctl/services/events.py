@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +33,25 @@ class Events:
 
     def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None) -> None:
         """A request routed to an instance: stored without the caller's ID, logged with it; both name the
-        API key it came with (its name, never its secret)."""
+        API key it came with (its name, never its secret).
+
+        The log line is written at the event loop's next turn, which comes while the engine works on the
+        request it was just sent: formatting and writing it does not delay the request.
+        """
         self._store.add_event(
             self._clock.wall(), deployment, "router_selection",
             {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key},
         )
         caller = caller_request_id.get()
+        try:
+            asyncio.get_running_loop().call_soon(self._log_selection, request_id, caller, deployment, host,
+                                                 instance, key)
+        except RuntimeError:  # no asyncio loop (trio in tests): at once
+            self._log_selection(request_id, caller, deployment, host, instance, key)
+
+    @staticmethod
+    def _log_selection(request_id: str, caller: str | None, deployment: str, host: str, instance: int,
+                       key: str | None) -> None:
         log.info(
             "request %s%s %s -> %s instance %d key %s",
             request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-",

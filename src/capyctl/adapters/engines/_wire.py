@@ -11,7 +11,7 @@ is how an engine learns that its client is gone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
@@ -159,7 +159,8 @@ class WireEngineSession(EngineSession):
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
+    async def chat_stream(self, base_url: str, body: bytes,
+                          until: Callable[[], bool] | None = None) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
         url = urlsplit(base_url)
         host, port = url.hostname or "127.0.0.1", url.port or 80
         path = url.path.rstrip("/") + "/v1/chat/completions"
@@ -171,7 +172,7 @@ class WireEngineSession(EngineSession):
                 raise engine_error(conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
-            yield _batches(conn, self._max_event)
+            yield _batches(conn, self._max_event, until)
         except BaseException:
             conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
             raise
@@ -245,11 +246,27 @@ async def _not_a_stream(conn: _Response) -> EdgeError:
     return EdgeError(f"the engine answered 200 with content type {kind!r} instead of an SSE stream{hint}: {start!r}")
 
 
-async def _batches(conn: _Response, max_event: int) -> AsyncIterator[list[StreamEvent]]:
+_ONE_BY_ONE = 8  # at most this many leading events are handed over one at a time
+
+
+async def _batches(conn: _Response, max_event: int, until: Callable[[], bool] | None = None
+                   ) -> AsyncIterator[list[StreamEvent]]:
+    """The events, a batch per network read; with ``until``, the first ones come one at a time until it is
+    true (or after a few), so that the first token is relayed before the rest of a large read is parsed."""
     parser = SseParser(max_event)
+    singly = _ONE_BY_ONE if until is not None else 0
     while True:
         if conn.body:
-            batch = list(parser.feed(conn.take()))
+            events = parser.feed(conn.take())
+            while singly and not until():  # type: ignore[misc]
+                event = next(events, None)
+                if event is None:
+                    break
+                singly -= 1
+                if isinstance(event, Done):
+                    conn.saw_done = True
+                yield [event]
+            batch = list(events)
             if batch:
                 if isinstance(batch[-1], Done):
                     conn.saw_done = True
