@@ -83,3 +83,26 @@ async def test_engine_refusals_and_unreachable_engines(replay: str) -> None:
     with pytest.raises(EngineUnavailable, match="could not reach"):
         async with session.chat_stream("http://127.0.0.1:9", BODY):
             pass
+
+
+async def test_the_first_events_come_one_at_a_time_until_the_caller_has_its_first_token(replay: str) -> None:
+    session = WireEngineSession()
+    for answered_after, singles in ((2, 2), (None, 8)):  # the first token in the 2nd event; never (at most 8)
+        sizes: list[int] = []
+        seen = 0
+
+        def until() -> bool:
+            return answered_after is not None and seen >= answered_after
+
+        async with session.chat_stream(replay, BODY, until) as batches:
+            async for batch in batches:
+                sizes.append(len(batch))
+                seen += len(batch)
+        assert sizes[:singles] == [1] * singles
+        assert seen == expected_chunks() + 1  # every chunk and [DONE], nothing lost or repeated
+        assert len(sizes) < seen - singles  # past the first ones, a read's events come together again
+    whole: list[int] = []
+    async with session.chat_stream(replay, BODY) as batches:  # without until: a batch per read
+        async for batch in batches:
+            whole.append(len(batch))
+    assert whole[0] > 1
