@@ -76,7 +76,7 @@ def test_a_key_splits_into_its_id_and_secret_and_nothing_else_passes() -> None:
     assert split_key(format_key("abcdefgh23", "a_b-" + "c" * 39)) == ("abcdefgh23", "a_b-" + "c" * 39)  # _ in secret
     for bad in ["", "capy_", f"capy-{SECRET}", f"capy_ABCDEFGH23_{SECRET}", f"capy_abcdefgh2_{SECRET}",
                 f"capy_abcdefgh23_{SECRET[:-1]}", f"capy_abcdefgh23_{SECRET}x", f"xcapy_abcdefgh23_{SECRET}",
-                f"capy_abcdefgh18_{SECRET}"]:  # 1 and 8 are not base32
+                f"capy_abcdefgh18_{SECRET}", f"capy_abcdefgh23-{SECRET}"]:  # 1 and 8 are not base32
         assert split_key(bad) is None, bad
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 import time
 from collections.abc import Callable
 
@@ -34,8 +33,6 @@ PREFIX = "capy_"
 LEGACY_PREFIX = "capy-"
 ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz234567"
 ID_LENGTH = 10
-_ID = re.compile(f"[{ID_ALPHABET}]{{{ID_LENGTH}}}")
-_SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
 # A salt bound to a key must be taken by every engine that honours cache_salt: vLLM 0.30+ refuses
 # more than 128 characters and the characters @ / \ and NUL.
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
@@ -76,14 +73,22 @@ def format_key(key_id: str, secret: str) -> str:
     return f"{PREFIX}{key_id}_{secret}"
 
 
+_KEY_LENGTH = len(PREFIX) + ID_LENGTH + 1 + 43
+_ID_CHARS = frozenset(ID_ALPHABET)
+
+
 def split_key(token: str) -> tuple[str, str] | None:
-    """(id, secret) of a key in the named form, None for anything else."""
-    if not token.startswith(PREFIX):
+    """(id, secret) of a key in the named form, None for anything else.
+
+    Plain slicing, no regular expression: it runs on every request. The secret's characters need no
+    check: one that is not the key's fails the digest comparison.
+    """
+    if len(token) != _KEY_LENGTH or not token.startswith(PREFIX) or token[len(PREFIX) + ID_LENGTH] != "_":
         return None
-    key_id, sep, secret = token[len(PREFIX):].partition("_")
-    if not sep or not _ID.fullmatch(key_id) or not _SECRET.fullmatch(secret):
+    key_id = token[len(PREFIX):len(PREFIX) + ID_LENGTH]
+    if not _ID_CHARS.issuperset(key_id):
         return None
-    return key_id, secret
+    return key_id, token[len(PREFIX) + ID_LENGTH + 1:]
 
 
 def bearer(authorization: str | None) -> str:

@@ -95,8 +95,7 @@ async def _watched(work: Coroutine[Any, Any, None], watcher: Coroutine[Any, Any,
     the way to the first token); elsewhere (trio, in tests) it runs in a task group.
     """
     if sniffio.current_async_library() == "asyncio":
-        task = asyncio.get_running_loop().create_task(watcher)
-        task.add_done_callback(_watcher_done)
+        task = asyncio.get_running_loop().create_task(watcher)  # a failure of its own is logged by asyncio
         try:
             await work
         finally:
@@ -106,11 +105,6 @@ async def _watched(work: Coroutine[Any, Any, None], watcher: Coroutine[Any, Any,
         tg.start_soon(lambda: watcher)
         await work
         tg.cancel_scope.cancel()
-
-
-def _watcher_done(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the hang-up watcher failed", exc_info=task.exception())
 
 
 class Outcome:
