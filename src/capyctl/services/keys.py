@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import Any
 
 from capyctl.domain.errors import AlreadyExists, KeyNotFound
 from capyctl.domain.keys import (
@@ -193,10 +192,3 @@ class Keyring:
             if key_id not in self._by_id:
                 return key_id, secret
 
-
-def key_view(key: ApiKey, usage: Usage) -> dict[str, Any]:
-    """A key as operators see it: never its secret, nor its salt (only whether one is bound)."""
-    return {"name": key.name, "id": key.id, "created": key.created, "last_used": usage.last_used,
-            "daily_limit": key.daily_limit, "used_today": usage.used, "under_way": usage.pending,
-            "models": list(key.models) if key.models is not None else None,
-            "cache_salt": key.cache_salt is not None, "legacy": key.legacy}

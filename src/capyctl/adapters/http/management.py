@@ -19,11 +19,11 @@ from litestar.params import Dependency
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
-from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, devices_view, engine_view
+from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, devices_view, engine_view, key_view
 from capyctl.domain.errors import InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
-from capyctl.services.keys import Keyring, key_view
+from capyctl.services.keys import Keyring
 
 KeysDep = Annotated[Keyring, Dependency(skip_validation=True)]
 _KEY_FIELDS = ("name", "daily_limit", "models", "cache_salt")

@@ -8,6 +8,7 @@ from litestar.params import Dependency
 
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.keys import ApiKey, Usage
 from capyctl.domain.ports import Clock
 from capyctl.domain.memory import Holding
 from capyctl.services.controllers import Controller, ManagedController
@@ -102,3 +103,11 @@ def deployment_view(controller: Controller, now: float, room: Switchboard | NoSw
 # Handler parameters for services: Litestar must not try to validate them as data.
 FleetDep = Annotated[Fleet, Dependency(skip_validation=True)]
 ClockDep = Annotated[Clock, Dependency(skip_validation=True)]
+
+
+def key_view(key: ApiKey, usage: Usage) -> dict[str, Any]:
+    """A key as operators see it: never its secret, nor its salt (only whether one is bound)."""
+    return {"name": key.name, "id": key.id, "created": key.created, "last_used": usage.last_used,
+            "daily_limit": key.daily_limit, "used_today": usage.used, "under_way": usage.pending,
+            "models": list(key.models) if key.models is not None else None,
+            "cache_salt": key.cache_salt is not None, "legacy": key.legacy}
