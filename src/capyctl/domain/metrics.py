@@ -125,7 +125,7 @@ def metrics_row_for(family: EngineFamily | str, version: str) -> MetricsRow:
     return lower[-1] if lower else rows[0]
 
 
-_ENGINE_OBJECTS = ("usage", "metrics", "timings", "tensorfold")
+_ENGINE_OBJECTS = frozenset({"usage", "metrics", "timings", "tensorfold"})
 
 
 class Meter:
@@ -153,9 +153,10 @@ class Meter:
             self.text_chunks += 1
             if self.first_text_at is None:
                 self.first_text_at = now
-        for name in _ENGINE_OBJECTS:
-            if name in obj and obj[name] is not None:
-                self.seen[name] = obj[name]
+        if not _ENGINE_OBJECTS.isdisjoint(obj):  # most chunks carry none of them
+            for name in _ENGINE_OBJECTS:
+                if obj.get(name) is not None:
+                    self.seen[name] = obj[name]
         return chunk
 
     def router_ttft_ms(self) -> float | None:

@@ -51,37 +51,38 @@ DEFAULT_MAX_TOOL_CALLS = 256  # tool calls in one answer; an index past it is an
 class ModelRewrite:
     """Sets ``model`` to the name the client sent, touching only those bytes."""
 
-    __slots__ = ("_name", "_name_json", "_cache")
+    __slots__ = ("_name", "_replacement", "_cache")
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._name_json = _encode(name)
+        self._replacement = b'"model":' + _encode(name)
         self._cache: dict[str, bytes] = {}
 
     def __call__(self, chunk: Chunk) -> Chunk:
-        sent = chunk.obj.get("model")
-        if sent == self._name or "model" not in chunk.obj:
+        obj = chunk.obj
+        sent = obj.get("model")
+        if sent == self._name or (sent is None and "model" not in obj):
             return chunk
         pattern = self._cache.get(sent) if isinstance(sent, str) else None
         if pattern is None:
             pattern = b'"model":' + _encode(sent)
             if isinstance(sent, str):
                 self._cache[sent] = pattern
-        chunk.obj["model"] = self._name
+        obj["model"] = self._name
         if pattern in chunk.raw:
-            chunk.raw = chunk.raw.replace(pattern, b'"model":' + self._name_json, 1)
+            chunk.raw = chunk.raw.replace(pattern, self._replacement, 1)
         else:  # unusual spacing from the engine: re-encode rather than risk a wrong splice
-            chunk.raw = _encode(chunk.obj)
+            chunk.raw = _encode(obj)
         return chunk
 
 
 def has_generated_text(obj: dict[str, Any]) -> bool:
     """True when a chunk carries generated text; a role-only opening chunk does not."""
     for choice in obj.get("choices") or ():
-        delta = choice.get("delta") or {}
-        for key in GENERATED_TEXT_KEYS:
-            if delta.get(key):
-                return True
+        delta = choice.get("delta")
+        if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                      or delta.get("tool_calls")):
+            return True
     return False
 
 

@@ -109,7 +109,7 @@ class SseParser:
             block = buffer[start:end]
             start = end + 2
             if block:
-                event = parse_event(block.lstrip(b"\n"))
+                event = parse_event(block if block[0] != 10 else block.lstrip(b"\n"))  # 10: a stray LF
                 if event is not None:
                     yield event
         if start < len(buffer):
