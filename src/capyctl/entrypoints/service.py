@@ -43,8 +43,11 @@ class _Server(uvicorn.Server):
 
 
 def _uvicorn(app: object, protocol: type) -> _Server:
+    # proxy_headers off: CapyCTL reads neither the client's address nor the scheme, so uvicorn's
+    # X-Forwarded-* middleware would only cost each request a pass over its headers
     config = uvicorn.Config(
-        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5, http=protocol
+        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5, http=protocol,
+        proxy_headers=False,
     )
     return _Server(config)
 
