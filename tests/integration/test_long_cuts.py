@@ -52,9 +52,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CapyServer
     timeline = tmp / "timeline.jsonl"
     replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", str(RECORDING), "--port", "0",
                                "--default-case", "chat_stream_usage"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    server = CapyServer(tmp / "state")
+    server: CapyServer | None = None
     try:
         url = re.search(r"listening on (http://\S+)", replay.stdout.readline().decode()).group(1)  # type: ignore[union-attr]
+        server = CapyServer(tmp / "state")  # its free ports are picked once the replay engine holds its own
         server.start()
         venv = make_standin_venv(tmp / "vllm-venv", "vllm", "0.32.0")
         server.cli("engine", "add", str(venv), "--name", "vllm")
@@ -67,7 +68,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CapyServer
             server.cli("deploy", "model", "--file", str(path), "--wait")
         yield server, timeline, url
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         replay.terminate()
         replay.wait(10)
 
