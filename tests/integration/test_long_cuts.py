@@ -102,3 +102,17 @@ def test_a_stream_hung_up_before_its_first_token_after_seconds_closes_the_engine
     sock.close()
     until(lambda: httpx.get(url + "/replay/stats").json()["disconnected"] == before + 1, 10,
           "the engine connection stayed open after the client left")
+
+
+def test_a_hang_up_after_a_body_of_over_64_kib_is_noticed(world: tuple[CapyServer, Path, str]) -> None:
+    """The server stops reading a connection while more than 64 KiB of its body wait unread; once the whole
+    body is read it must read on, or the client's hang-up would never show."""
+    server, _, url = world
+    before = httpx.get(url + "/replay/stats").json()["disconnected"]
+    long_text = "a fairly long message " * 10_000  # about 220 KiB
+    sock = send(server, "/v1/chat/completions", {"model": "chat", "stream": True, "replay_interval_ms": 20000,
+                                                 "messages": [{"role": "user", "content": long_text}]})
+    until(lambda: httpx.get(url + "/replay/stats").json()["running"] == 1, 10, "the stream did not reach the engine")
+    sock.close()
+    until(lambda: httpx.get(url + "/replay/stats").json()["disconnected"] == before + 1, 10,
+          "the engine connection stayed open after the client left")

@@ -103,9 +103,10 @@ async def _serve(
     fleet = container.fleet()
     stats = container.request_stats()
     protocol = guarded_protocol(limits, stats.client_cut)
-    inference = _uvicorn(
-        create_inference_app(fleet, container.clock(), container.chat_handler(), keys, stats,
-                             container.admission()), protocol
+    door = container.chat_handler()
+    inference = _uvicorn(  # the door's own paths are answered on the wire; the rest through the ASGI app
+        create_inference_app(fleet, container.clock(), door, keys, stats, container.admission()),
+        guarded_protocol(limits, stats.client_cut, door),
     )
     manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token, keys), protocol)
     inference_sock = listen_socket(*inference_addr, "--listen")

@@ -1,4 +1,4 @@
-"""Small ASGI helpers for the hot path (no framework between client and engine)."""
+"""ASGI helpers: request IDs and a last resort for the routes served through Litestar."""
 
 from __future__ import annotations
 
@@ -6,52 +6,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 from ulid import ULID
 
 from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
-from capyctl.domain.errors import InternalError, TooLarge
+from capyctl.domain.errors import InternalError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Headers = list[tuple[bytes, bytes]]
 REQUEST_ID_KEY = "capyctl_request_id"  # the scope key under which with_request_ids keeps the ID
 log = logging.getLogger("capyctl.http")
-
-
-class ClientGone(Exception):
-    """The client hung up before CapyCTL answered."""
-
-
-def header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
-def header_values(scope: Scope, name: bytes) -> list[str]:
-    return [value.decode("latin-1") for key, value in scope["headers"] if key == name]
-
-
-async def read_body(receive: Any, scope: Scope, limit: int) -> bytes:
-    """The whole request body; ``TooLarge`` as soon as it passes ``limit`` bytes."""
-    declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(limit)
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone()
-        body = message.get("body", b"")
-        size += len(body)
-        if size > limit:
-            raise TooLarge(limit)
-        parts.append(body)
-        if not message.get("more_body", False):
-            return b"".join(parts)
 
 
 async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -67,21 +31,6 @@ async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[byt
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-async def watch(receive: Any, scope: anyio.CancelScope, overdue: Callable[[], bool], every: float) -> None:
-    """Cancel ``scope`` when the client hangs up or ``overdue()`` says so (asked every ``every`` s).
-
-    One task per request does both: the request body was read already, so the
-    only message ``receive`` can still bring is the client's disconnect.
-    """
-    while True:
-        with anyio.move_on_after(every):
-            if (await receive())["type"] == "http.disconnect":
-                break
-        if overdue():
-            break
-    scope.cancel()
 
 
 class Reply:

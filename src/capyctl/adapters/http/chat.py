@@ -3,8 +3,9 @@
 Per request: give it a ULID, authenticate its key, check the caller's
 X-Request-Id, read and decode the body once, apply the key's scope, salt and
 daily limit, then let ``ChatService`` drive the engine.
-While CapyCTL waits for or relays the engine's answer, a watcher task
-listens for the client's hang-up and cancels the scope that owns the engine
+While CapyCTL waits for or relays the engine's answer, the exchange watches
+for the client's hang-up (on the wire: the connection's loss, at once) and
+for the deadline (a timer), and cancels the scope that owns the engine
 connection, streamed or not. Before a stream's 200 is sent, errors are JSON
 answers with their status; after it, an error is one SSE error event and the
 stream ends. Nothing is logged per chunk.
@@ -15,29 +16,21 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import anyio
 import msgspec
 from ulid import ULID
 
-from capyctl.adapters.http.asgi import (
-    ClientGone,
-    Reply,
-    Scope,
-    header,
-    header_values,
-    read_body,
-    send_json,
-    watch,
-)
+from capyctl.adapters.http.exchange import AsgiExchange, ClientGone, Exchange, find_header, header_values
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.keys import bind_salt, check_scope
 from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
+    InternalError,
     InvalidJson,
     InvalidRequest,
     MethodNotAllowed,
@@ -86,19 +79,6 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
-async def _watched(work: Coroutine[Any, Any, None], watcher: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` while ``watcher`` (the hang-up and deadline watch) runs beside it in a task group,
-    stopped once ``work`` ends.
-
-    (A bare asyncio task instead of the task group would save some 40 µs per request; tried, it once
-    left 20 hung-up decisions undetected in the live vLLM test, cause not found: the task group stays.)
-    """
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: watcher)
-        await work
-        tg.cancel_scope.cancel()
-
-
 class Outcome:
     """How one request ended, for Prometheus and for errors sent after a cut."""
 
@@ -121,7 +101,8 @@ _TIMEOUTS = {
 
 
 async def send_one_answer(
-    answering: Awaitable[dict[str, Any]], record: RequestRecord, send: Any, headers: Headers, outcome: Outcome
+    answering: Awaitable[dict[str, Any]], record: RequestRecord, exchange: Exchange, headers: Headers,
+    outcome: Outcome,
 ) -> None:
     """A whole answer as one JSON body (a non-streamed chat answer, a decision), or its error with its status."""
     try:
@@ -129,11 +110,11 @@ async def send_one_answer(
     except CapyError as error:
         record.phase = Phase.FAILED
         outcome.code = error.code
-        await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
+        await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
         return
     record.phase = Phase.DONE
     outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
-    await send_json(send, 200, _encode(answer), headers)
+    await exchange.json(200, _encode(answer), headers)
 
 
 class Endpoint(Protocol):
@@ -145,10 +126,10 @@ class Endpoint(Protocol):
     def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
         """The model named and whether the client wants a stream; raises for what cannot be served."""
 
-    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any,
+    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
                      headers: Headers, outcome: Outcome, received_at: float) -> None: ...
 
-    async def late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None: ...
+    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
 
 
 class FrontDoor:
@@ -163,30 +144,35 @@ class FrontDoor:
         self._max_body = max_body
         self._stats = stats
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The door as an ASGI app (any ASGI server; the inference port's own protocol calls ``serve``)."""
+        async with anyio.create_task_group() as tasks:
+            await self.serve(AsgiExchange(scope, receive, send, tasks))
+            tasks.cancel_scope.cancel()
+
+    async def serve(self, exchange: Exchange) -> None:
         request_id = str(ULID())
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
-        reply = Reply(send)
         try:
-            await self._handle(scope, receive, reply, request_id, headers, self.endpoints[scope["path"]])
+            await self._handle(exchange, request_id, headers)
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
             log.exception("request %s: internal error", request_id)
-            await reply.internal_error(request_id, headers)
+            await internal_error(exchange, request_id, headers)
 
-    async def _handle(self, scope: Scope, receive: Any, send: Any, request_id: str, headers: Headers,
-                      endpoint: Endpoint) -> None:
+    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers) -> None:
+        endpoint = self.endpoints[exchange.path]
         service = endpoint.service
         try:
-            if scope["method"] != "POST":
-                raise MethodNotAllowed(f"{scope['method']} is not allowed on {endpoint.path}; use POST")
-            key = self._keys.authenticate(header(scope, b"authorization"))
-            caller_values = header_values(scope, b"x-request-id")
+            if exchange.method != "POST":
+                raise MethodNotAllowed(f"{exchange.method} is not allowed on {endpoint.path}; use POST")
+            key = self._keys.authenticate(find_header(exchange.headers, b"authorization"))
+            caller_values = header_values(exchange.headers, b"x-request-id")
             if caller_values:  # handed back as given, once it is known to be valid
                 caller = check_caller_id(caller_values)
                 headers.append((b"x-request-id", str(caller).encode()))
                 caller_request_id.set(caller)
-            wait = llm_wait(header_values(scope, b"x-llm-wait"))
-            obj = decode_body(await read_body(receive, scope, self._max_body))
+            wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
+            obj = decode_body(await exchange.read_body(self._max_body))
             model, stream = endpoint.target(obj)
             check_scope(key, model, service.names)
             bind_salt(key, obj)
@@ -195,7 +181,7 @@ class FrontDoor:
             return
         except CapyError as error:
             self._stats.refused(error.code)
-            await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
+            await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
             return
         record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
                                salt_bound=key.cache_salt is not None)
@@ -203,16 +189,18 @@ class FrontDoor:
         try:
             with anyio.CancelScope() as cut:
                 received_at = service.now()
-                overdue = functools.partial(service.overdue, record, received_at)
-                await _watched(endpoint.answer(record, obj, wait, send, headers, outcome, received_at),
-                               watch(receive, cut, overdue, service.check_every))
+                exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, record, received_at))
+                try:
+                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at)
+                finally:
+                    exchange.unwatch()
         finally:
             self._keys.done(request_id)  # a place it took and never used for an engine is given back
         if cut.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
             if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
                 error = _TIMEOUTS[record.cause](record)
                 outcome.code = error.code
-                await endpoint.late_error(error, send, headers, outcome)
+                await endpoint.late_error(error, exchange, headers, outcome)
             else:
                 record.cancelled(CancelCause.CLIENT_GONE)
             service.cut(record)
@@ -221,6 +209,16 @@ class FrontDoor:
             self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
+
+
+async def internal_error(exchange: Exchange, request_id: str, headers: Headers) -> None:
+    """The last resort's answer: before the status line went out, the JSON error answer; during a stream,
+    an SSE error event that ends it."""
+    error = InternalError(request_id)
+    if not exchange.started:
+        await exchange.json(status_of(error), error_body(error), headers)
+    elif not exchange.ended:
+        await exchange.end(sse_error_event(error))
 
 
 class ChatEndpoint:
@@ -238,31 +236,23 @@ class ChatEndpoint:
             raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
         return read_target(obj, self._service.default_model)
 
-    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any,
+    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
                      headers: Headers, outcome: Outcome, received_at: float) -> None:
         if record.stream:
-            await self._stream(record, obj, wait, send, headers, outcome)
+            await self._stream(record, obj, wait, exchange, headers, outcome)
         else:
-            await self._complete(record, obj, wait, send, headers, outcome)
+            await send_one_answer(self._service.complete(record, obj, wait), record, exchange, headers, outcome)
 
-    async def late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None:
+    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:
-            await send({"type": "http.response.body", "body": sse_error_event(error), "more_body": False})
+            await exchange.end(sse_error_event(error))
         else:
-            await send_json(send, status_of(error), error_body(error), headers)
-
-    async def _complete(
-        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any, headers: Headers,
-        outcome: Outcome,
-    ) -> None:
-        await send_one_answer(self._service.complete(record, obj, wait), record, send, headers, outcome)
+            await exchange.json(status_of(error), error_body(error), headers)
 
     async def _stream(
-        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any, headers: Headers,
+        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange, headers: Headers,
         outcome: Outcome,
     ) -> None:
-        start = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers[1:]}
-        relay = send.raw if isinstance(send, Reply) else send
         opened = False
         failure: EngineFailure | None = None
         try:
@@ -284,14 +274,14 @@ class ChatEndpoint:
                             parts.append(_DONE)
                         elif isinstance(event, Comment):
                             parts += (event.raw, b"\n\n")
-                    if not outcome.started:  # headers go out with the first chunk: one wake-up for the client
+                    if outcome.started:  # the hot path
+                        await exchange.write(b"".join(parts))
+                    else:  # headers go out with the first chunk: one wake-up for the client
                         began = time.perf_counter()
                         outcome.started = True
-                        await send(start)
-                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                        exchange.start(_SSE_HEADERS + headers[1:])
+                        await exchange.write(b"".join(parts))
                         self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-                    else:  # the hot path: straight to the server, past the Reply's bookkeeping
-                        await relay({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
             if failure is None:
                 record.phase = Phase.DONE
                 outcome.code = "ok"
@@ -302,13 +292,14 @@ class ChatEndpoint:
             record.phase = Phase.FAILED
             outcome.code = error.code
             if not outcome.started and not opened and error.code not in _STREAMED_REFUSALS:
-                await send_json(send, status_of(error), error_body(error), headers + retry_after(error))
+                await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
                 return
             if not outcome.started:  # the engine accepted the request: the client gets a stream with the error
                 outcome.started = True
-                await send(start)
-            await send({"type": "http.response.body", "body": sse_error_event(error), "more_body": True})
+                exchange.start(_SSE_HEADERS + headers[1:])
+            await exchange.end(sse_error_event(error))
+            return
         if not outcome.started:
             outcome.started = True
-            await send(start)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            exchange.start(_SSE_HEADERS + headers[1:])
+        await exchange.end()

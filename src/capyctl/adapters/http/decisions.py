@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from capyctl.adapters.http.asgi import send_json
 from capyctl.adapters.http.chat import Headers, Outcome, send_one_answer
 from capyctl.adapters.http.errors import error_body, status_of
+from capyctl.adapters.http.exchange import Exchange
 from capyctl.domain.errors import CapyError
 from capyctl.domain.requests import RequestRecord
 from capyctl.services.decisions import DecisionService
@@ -23,9 +23,10 @@ class DecisionEndpoint:
     def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
         return self.service.target(obj)
 
-    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, send: Any,
+    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
                      headers: Headers, outcome: Outcome, received_at: float) -> None:
-        await send_one_answer(self.service.decide(record, obj, received_at, wait), record, send, headers, outcome)
+        await send_one_answer(self.service.decide(record, obj, received_at, wait), record, exchange, headers,
+                              outcome)
 
-    async def late_error(self, error: CapyError, send: Any, headers: Headers, outcome: Outcome) -> None:
-        await send_json(send, status_of(error), error_body(error), headers)
+    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
+        await exchange.json(status_of(error), error_body(error), headers)

@@ -14,6 +14,11 @@ answers in CapyCTL's error envelope. This subclass adds both:
   ``too_many_connections`` with ``Retry-After`` and is closed at once.
 
 Each cut and refusal is counted through ``on_cut(kind)`` for Prometheus.
+
+Given a ``door`` (the inference port's front door), requests to its paths
+skip the ASGI layer: the protocol hands them to the door as a
+``WireExchange`` (see ``exchange.py``) where uvicorn would build its ASGI
+cycle; every other request is uvicorn's as before.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from ulid import ULID
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from capyctl.adapters.http.errors import error_body, status_of
+from capyctl.adapters.http.exchange import WireExchange
 from capyctl.domain.errors import CapyError, TooManyConnections
 from capyctl.domain.limits import Limits
 
@@ -51,8 +57,10 @@ def raw_error(error: CapyError, retry_after: int | None = None) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def guarded_protocol(limits: Limits, on_cut: Callable[[str], None]) -> type[HttpToolsProtocol]:
-    """The protocol class to give uvicorn (``http=``), bound to these limits."""
+def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = None) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (``http=``), bound to these limits; with ``door`` (an object with
+    ``endpoints``, a dict by path, and ``serve(exchange)``), that door answers its paths on the wire."""
+    hot = {path.encode() for path in door.endpoints} if door is not None else set()
 
     class GuardedProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
@@ -77,8 +85,27 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None]) -> type[Http
 
         def on_headers_complete(self) -> None:
             self._disarm()
-            super().on_headers_complete()
+            if not (hot and self._hot()):
+                super().on_headers_complete()
             self._arm(limits.body_timeout, "body")
+
+        def _hot(self) -> bool:
+            """Start a request to one of the door's paths as a WireExchange; False for any other request
+            (or one uvicorn must see itself: an upgrade, an escaped path)."""
+            path = self.url.partition(b"?")[0]
+            parser = self.parser
+            if path not in hot or parser.should_upgrade():
+                return False
+            version = parser.get_http_version()
+            exchange = WireExchange(self, parser.get_method().decode("ascii"), path.decode("ascii"), self.headers,
+                                    version != "1.0" and parser.should_keep_alive(), self.expect_100_continue)
+            existing, self.cycle = self.cycle, exchange  # type: ignore[assignment]
+            if existing is None or existing.response_complete:
+                self._start_asgi_task(exchange, door)  # type: ignore[arg-type]
+            else:  # pipelined behind an answer still going out, as uvicorn queues its own
+                self.flow.pause_reading()
+                self.pipeline.appendleft((exchange, door))  # type: ignore[arg-type]
+            return True
 
         def on_message_complete(self) -> None:
             self._disarm()
