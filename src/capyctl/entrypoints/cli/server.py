@@ -100,14 +100,14 @@ def start_standalone(
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
-    listener = configure_logging(log_format.value)
+    writer = configure_logging(log_format.value)
     try:
         anyio.run(
             serve_standalone, root, listen, management, settings,
             backend_options={"use_uvloop": _has_uvloop()},
         )
     finally:
-        listener.stop()  # flushes the last lines
+        writer.stop()  # writes the last lines
 
 
 def _flag(value: str | None, what: str, parse: Callable[[str, str], Any]) -> Any:
