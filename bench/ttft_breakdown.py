@@ -87,6 +87,7 @@ def serve(argv: list[str]) -> None:
 
     from capyctl.adapters.engines import _wire
     from capyctl.adapters.http import chat as door
+    from capyctl.adapters.http import exchange
     from capyctl.services import admission, chat, controllers, events, keys
 
     def on_data(original: Any, label: str) -> Any:
@@ -98,19 +99,12 @@ def serve(argv: list[str]) -> None:
     uvicorn_http.HttpToolsProtocol.data_received = on_data(uvicorn_http.HttpToolsProtocol.data_received,
                                                            "client bytes in")
     _wire._Response.data_received = on_data(_wire._Response.data_received, "engine bytes in")
-    original_send = uvicorn_http.RequestResponseCycle.send
-
-    async def send(self: Any, message: dict[str, Any]) -> None:
-        label = "send headers" if message["type"] == "http.response.start" else "send body"
-        mark(label + " >")
-        await original_send(self, message)
-        mark(label + " <")
-
-    uvicorn_http.RequestResponseCycle.send = send
-    wrap_async(uvicorn_http.RequestResponseCycle, "run_asgi", "asgi app")
+    wrap_async(exchange.WireExchange, "run_asgi", "exchange task")
+    wrap_async(exchange.WireExchange, "write", "send head+chunk / chunk")
+    wrap_async(exchange.WireExchange, "end", "send end")
+    wrap_async(exchange.WireExchange, "read_body", "read body")
     wrap_async(door.FrontDoor, "_handle", "front door")
     wrap_sync(keys.Keyring, "authenticate", "authenticate")
-    wrap_async(door, "read_body", "read body")
     wrap_sync(door, "decode_body", "decode body")
     wrap_sync(door, "check_scope", "key scope")
     wrap_sync(keys.Keyring, "let_in", "daily limit")

@@ -56,5 +56,6 @@ class Events:
             "request %s%s %s -> %s instance %d key %s",
             request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-",
             extra={"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
-                   "deployment": deployment, "host": host, "instance": instance, "key": key},
+                   "deployment": deployment, "host": host, "instance": instance, "key": key,
+                   "_routine": True},  # a line per request: written with the next batch
         )

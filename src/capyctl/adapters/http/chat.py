@@ -255,6 +255,7 @@ class ChatEndpoint:
     ) -> None:
         opened = False
         failure: EngineFailure | None = None
+        last = b""
         try:
             async with self._service.open(record, obj, wait) as call:
                 opened = True
@@ -272,8 +273,11 @@ class ChatEndpoint:
                                 outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
                                 parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n")
                             parts.append(_DONE)
+                            last = b"".join(parts)
                         elif isinstance(event, Comment):
                             parts += (event.raw, b"\n\n")
+                    if last:  # the batch that ended the stream leaves with the stream's end: one write less
+                        continue  # (the events end here: the relay stops at Done)
                     if outcome.started:  # the hot path
                         await exchange.write(b"".join(parts))
                     else:  # headers go out with the first chunk: one wake-up for the client
@@ -299,7 +303,12 @@ class ChatEndpoint:
                 exchange.start(_SSE_HEADERS + headers[1:])
             await exchange.end(sse_error_event(error))
             return
-        if not outcome.started:
+        if outcome.started:
+            await exchange.end(last)
+        else:  # the whole answer came in one read
+            began = time.perf_counter()
             outcome.started = True
             exchange.start(_SSE_HEADERS + headers[1:])
-        await exchange.end()
+            await exchange.end(last)
+            if last:
+                self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)

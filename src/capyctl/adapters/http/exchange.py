@@ -320,7 +320,7 @@ class WireExchange(Exchange):
     async def _writable(self) -> bool:
         if self._flow.write_paused and not self.disconnected:
             await self._flow.drain()
-        return not self.disconnected
+        return not self.disconnected and not self.ended  # nothing may follow an answer's end
 
     async def json(self, status: int, body: bytes, headers: Headers) -> None:
         if not await self._writable():
