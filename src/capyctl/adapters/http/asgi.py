@@ -6,8 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ulid import ULID
 
+from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
 from capyctl.domain.errors import InternalError
 
@@ -75,7 +75,7 @@ def with_request_ids(app: Callable[..., Any]) -> Callable[..., Any]:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        request_id = str(ULID())
+        request_id = new_request_id()
         scope[REQUEST_ID_KEY] = request_id
         header = (b"x-capyctl-request-id", request_id.encode())
 

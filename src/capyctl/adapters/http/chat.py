@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import anyio
 import msgspec
-from ulid import ULID
 
+from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.exchange import AsgiExchange, ClientGone, Exchange, find_header, header_values
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
@@ -151,7 +151,7 @@ class FrontDoor:
             tasks.cancel_scope.cancel()
 
     async def serve(self, exchange: Exchange) -> None:
-        request_id = str(ULID())
+        request_id = new_request_id()
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         try:
             await self._handle(exchange, request_id, headers)

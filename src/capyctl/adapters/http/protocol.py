@@ -27,9 +27,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ulid import ULID
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.errors import error_body, status_of
 from capyctl.adapters.http.exchange import WireExchange
 from capyctl.domain.errors import CapyError, TooManyConnections
@@ -49,7 +49,7 @@ def raw_error(error: CapyError, retry_after: int | None = None) -> bytes:
         "content-type: application/json",
         f"content-length: {len(body)}",
         "cache-control: no-store",
-        f"x-capyctl-request-id: {ULID()}",
+        f"x-capyctl-request-id: {new_request_id()}",
         "connection: close",
     ]
     if retry_after is not None:
