@@ -125,14 +125,16 @@ def metrics_row_for(family: EngineFamily | str, version: str) -> MetricsRow:
     return lower[-1] if lower else rows[0]
 
 
-_ENGINE_OBJECTS = frozenset({"usage", "metrics", "timings", "tensorfold"})
+ENGINE_OBJECTS = frozenset({"usage", "metrics", "timings", "tensorfold"})
 
 
 class Meter:
     """Relay stage: notes the engine's own figures and CapyCTL's timing of one stream.
 
     Reads the clock once per chunk; touches the chunk only to look. The times
-    are the ``Clock`` port's monotonic seconds.
+    are the ``Clock`` port's monotonic seconds. The relay's typed pass
+    (``relay_check.TypedRelay``) keeps the same figures, reading the clock once
+    per batch of chunks (one network read).
     """
 
     __slots__ = ("_now", "sent_at", "first_text_at", "last_at", "text_chunks", "seen")
@@ -153,8 +155,8 @@ class Meter:
             self.text_chunks += 1
             if self.first_text_at is None:
                 self.first_text_at = now
-        if not _ENGINE_OBJECTS.isdisjoint(obj):  # most chunks carry none of them
-            for name in _ENGINE_OBJECTS:
+        if not ENGINE_OBJECTS.isdisjoint(obj):  # most chunks carry none of them
+            for name in ENGINE_OBJECTS:
                 if obj.get(name) is not None:
                     self.seen[name] = obj[name]
         return chunk

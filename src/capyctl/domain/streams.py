@@ -1,12 +1,16 @@
 """The relay pipeline: what happens to each engine chunk on its way to a client.
 
 An engine stream is a sequence of events (``Chunk``, ``Comment``, ``EngineFailure``,
-``Done``). Each ``Chunk`` is decoded ONCE (``obj``) and keeps its raw JSON
-bytes (``raw``): stages read ``obj``, and only a stage that must change the
-chunk touches ``raw``. Everything a stage does not own is relayed byte for
-byte. Stages run in order; a stage may raise a ``CapyError`` to end the
-stream (the verifier of delta keys is such a stage). The streamed path
-writes ``raw`` as SSE; the non-streamed path feeds ``obj`` to ``Assembler``.
+``Done``). Each ``Chunk`` keeps its raw JSON bytes (``raw``) and is decoded
+once: the SSE parser decodes it into the relay's small typed structs
+(``head``, see ``relay_check``), and into a dict (``obj``) only when a reader
+asks for one, or when the typed decode refused it. Stages read ``obj``, and
+only a stage that must change the chunk touches ``raw``. Everything a stage
+does not own is relayed byte for byte. Stages run in order; a stage may raise
+a ``CapyError`` to end the stream (the verifier of delta keys is such a
+stage). The streamed relay does the stages' work on ``head`` in one pass
+where it can (``relay_check.TypedRelay``) and writes ``raw`` as SSE; the
+non-streamed path runs the stages and feeds ``obj`` to ``Assembler``.
 """
 
 from __future__ import annotations
@@ -19,11 +23,28 @@ import msgspec
 from capyctl.domain.errors import EdgeError
 
 _encode = msgspec.json.encode
+_decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 
 class Chunk(msgspec.Struct):
+    """One ``data:`` payload: its bytes, and its decoded forms.
+
+    Built as ``Chunk(raw, obj)`` (a dict at once) or ``Chunk(raw, None, head)``
+    (the parser's typed decode). ``obj`` is decoded from ``raw`` when first
+    read; the stages read it before they change ``raw``. (Read after the typed
+    pass rewrote ``model`` in ``raw``, it is the rewritten chunk's dict.)
+    """
+
     raw: bytes
-    obj: dict[str, Any]
+    decoded: dict[str, Any] | None = None
+    head: Any = None  # a relay_check.Head, or None
+
+    @property
+    def obj(self) -> dict[str, Any]:
+        obj = self.decoded
+        if obj is None:
+            obj = self.decoded = _decode(self.raw)
+        return obj
 
 
 class Comment(msgspec.Struct):

@@ -8,7 +8,7 @@ non-streamed request usage is asked for; a streamed one keeps the client's
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ from capyctl.domain.engines import EngineFamily
 from capyctl.domain.fields import DeltaVerifier
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineSession
+from capyctl.domain.relay_check import ChunkCheck, TypedRelay, chunk_check
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord
 from capyctl.domain.streams import (
     DEFAULT_MAX_TOOL_CALLS,
@@ -174,6 +175,7 @@ class ChatService(RequestService):
     ) -> None:
         super().__init__(fleet, session, clock, events, settings, admission, keys)
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
+        self._checks: dict[tuple[str, str], ChunkCheck] = {}
 
     @asynccontextmanager
     async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> AsyncIterator[EngineCall]:
@@ -208,12 +210,13 @@ class ChatService(RequestService):
         row = self._metrics_rows.get((engine.family, engine.version))
         if row is None:
             row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
+        typed = self._typed_relay(controller, record, meter)
         self._meters[record.id] = meter
         streaming = False
         try:
             async with self._session.chat_stream(route.url, body, lambda: record.answered) as events:
                 streaming = True
-                yield EngineCall(_relay(events, stages, record, meter), meter, row)
+                yield EngineCall(_relay(events, stages, record, meter, typed, self._clock.monotonic), meter, row)
         except EngineUnavailable as exc:
             gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
             if gone is not None:
@@ -223,6 +226,17 @@ class ChatService(RequestService):
             raise
         finally:
             self._meters.pop(record.id, None)
+
+    def _typed_relay(self, controller: Serving, record: RequestRecord, meter: Meter) -> TypedRelay | None:
+        """The stages' work in one pass, for a streamed answer (its check built once per engine version).
+        None for a non-streamed answer: it reads every chunk's dict, and the stages are its way."""
+        if not record.stream:
+            return None
+        key = (controller.engine.family, controller.engine.version)
+        check = self._checks.get(key)
+        if check is None:
+            check = self._checks[key] = chunk_check(controller.fields.row, self._settings.max_tool_calls)
+        return TypedRelay(check, meter, record.deployment)
 
     async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
@@ -266,19 +280,28 @@ def check_cache_salt(obj: dict[str, Any], family: str, bound_by: str | None = No
 
 
 async def _relay(
-    batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter
+    batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter,
+    typed: TypedRelay | None, now: Callable[[], float],
 ) -> AsyncIterator[list[StreamEvent]]:
     """Run the stages over each batch of events; a batch ends the stream at its ``Done``.
 
-    When a stage refuses a chunk, the chunks before it in the batch are still
-    relayed, then the error ends the stream: nothing of the refused chunk is sent.
-    A stream that ends without ``[DONE]`` is an ``edge_error`` (it may be cut
-    short), unless it ended on the engine's own error event.
+    A chunk the parser decoded into typed structs goes through ``typed`` (the
+    stages' work in one pass, the clock read once per batch) when it passes
+    there; any other chunk through the stages. When a stage refuses a chunk,
+    the chunks before it in the batch are still relayed, then the error ends
+    the stream: nothing of the refused chunk is sent. A stream that ends
+    without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it
+    ended on the engine's own error event.
     """
     failed = False
     async for batch in batches:
+        batch_at = now() if typed is not None else 0.0
         for position, event in enumerate(batch):
             if isinstance(event, Chunk):
+                if typed is not None and event.head is not None and typed(event, batch_at):
+                    if not record.answered and meter.first_text_at is not None:
+                        record.engine_answered()
+                    continue
                 try:
                     for stage in stages:
                         event = stage(event)

@@ -1,0 +1,198 @@
+"""The streamed relay's fast path: one typed decode per chunk, then the three stages' work in one pass.
+
+The stages (``DeltaVerifier``, ``Meter``, ``ModelRewrite``) read a chunk as a
+dict. What they need is much less: ``model``, each choice's ``index`` and
+``delta`` (its keys, its text values), the tool-call indexes, and the engine
+objects the meter keeps. The SSE parser decodes each payload into the small
+structs below (``decode_head``), and ``TypedRelay`` does the stages' work on
+them, without a dict and without a call per stage.
+
+Both ways give the same answer, byte for byte, error for error:
+
+- The structs name every field the recorded engines send (typed ``Any`` when
+  the relay does not read it) and forbid all others. So every value is still
+  decoded, and checked, by the same msgspec decoders as the dict decode:
+  msgspec's skipping of unknown fields checks neither UTF-8 nor number range,
+  and would let through a payload that the dict decode refuses.
+- Whatever the structs refuse (an unknown field or delta key, a value of the
+  wrong type, a payload that is no JSON object) the parser decodes as a dict,
+  and that chunk takes the stages: their errors are the reference.
+- ``TypedRelay`` declines a chunk whose answer it does not own before it
+  changes anything: a delta key known here that its row refuses, a tool-call
+  index at the limit, ``"model":<json>`` bytes it cannot find (the stages
+  re-encode such a chunk), an encoding error. The relay then runs the stages.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from capyctl.domain.fields import FieldRow
+from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk
+
+_encode = msgspec.json.encode
+Index = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A struct of the typed pass: an unknown field sends the chunk to the dict decode (and the stages).
+
+    Every known field is decoded (``Any`` when the relay does not read it), so
+    that what a full decode refuses is refused here too. A field missing here
+    costs speed only, never a different answer. Fields are declared in the
+    order engines send them, the order msgspec matches fastest. ``gc=False``:
+    decoded JSON holds no cycles.
+    """
+
+
+class ToolCall(_Strict):
+    index: Index | None = None
+    id: Any = None
+    type: Any = None
+    function: Any = None
+
+
+class Delta(_Strict):
+    """Every key any field row allows; UNSET when not sent (a row that refuses a key sees it sent)."""
+
+    role: Any = UNSET
+    content: Any = UNSET
+    reasoning: Any = UNSET
+    reasoning_content: Any = UNSET
+    tool_calls: list[ToolCall] | None | UnsetType = UNSET
+
+
+class Choice(_Strict):
+    index: Index | None = None
+    delta: Delta | None = None
+    logprobs: Any = None
+    finish_reason: Any = None
+    stop_reason: Any = None
+    token_ids: Any = None
+    matched_stop: Any = None
+    weight_versions: Any = None
+    reasoning_tokens: Any = None
+
+
+class Head(_Strict):
+    """A chunk as the relay reads it. ``error`` sent without ``choices`` is the engine's failure event,
+    which the parser builds from the dict decode."""
+
+    id: Any = None
+    object: Any = None
+    created: Any = None
+    model: Any = UNSET
+    choices: list[Choice] | None | UnsetType = UNSET
+    system_fingerprint: Any = None
+    service_tier: Any = None
+    prompt_token_ids: Any = None
+    prompt_text: Any = None
+    kv_transfer_params: Any = None
+    exact_mode: Any = None
+    speculative: Any = None
+    reasoning_tokens: Any = None
+    usage: Any = None
+    metrics: Any = None
+    timings: Any = None
+    tensorfold: Any = None
+    error: Any = UNSET
+
+
+DELTA_KEYS = Delta.__struct_fields__
+decode_head = msgspec.json.Decoder(Head).decode  # raises msgspec.DecodeError (or RecursionError) when it refuses
+
+
+class ChunkCheck(msgspec.Struct, frozen=True):
+    """What one engine version's field row asks of a typed chunk; built once per (family, version)."""
+
+    refused: tuple[str, ...]  # delta keys the structs know that the row does not allow
+    max_tool_calls: int
+
+
+def chunk_check(row: FieldRow, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> ChunkCheck:
+    return ChunkCheck(tuple(key for key in DELTA_KEYS if key not in row.delta), max_tool_calls)
+
+
+class TypedRelay:
+    """One stream's ``DeltaVerifier``, ``Meter`` and ``ModelRewrite``, on a chunk's ``head``, in one pass.
+
+    ``relay(chunk, now)`` is True when the chunk passed and its work is done
+    (meter updated, ``raw`` rewritten), False when the stages must answer
+    for it: then nothing has been touched. ``now`` is the clock's reading for
+    the batch the chunk came in.
+    """
+
+    __slots__ = ("_refused", "_unset", "_max_tool_calls", "_meter", "_name", "_replacement", "_patterns")
+
+    def __init__(self, check: ChunkCheck, meter: Meter, name: str) -> None:
+        # one C call reads every refused key of a delta: UNSET (or all UNSET) when none was sent
+        self._refused = operator.attrgetter(*check.refused) if check.refused else None
+        self._unset = UNSET if len(check.refused) == 1 else (UNSET,) * len(check.refused)
+        self._max_tool_calls = check.max_tool_calls
+        self._meter = meter
+        self._name = name
+        self._replacement = b'"model":' + _encode(name)
+        self._patterns: dict[str, bytes] = {}
+
+    def __call__(self, chunk: Chunk, now: float) -> bool:
+        head = chunk.head
+        text = False
+        if head.choices:
+            refused = self._refused
+            for choice in head.choices:
+                delta = choice.delta
+                if delta is None:
+                    continue
+                if refused is not None and refused(delta) != self._unset:
+                    return False
+                calls = delta.tool_calls
+                if calls:
+                    for call in calls:
+                        if call.index is not None and call.index >= self._max_tool_calls:
+                            return False
+                if not text and (delta.content or delta.reasoning_content or delta.reasoning or calls):
+                    text = True
+        raw = None
+        sent = head.model
+        if sent is not UNSET and sent != self._name:
+            pattern = self._patterns.get(sent) if type(sent) is str else None
+            if pattern is None and (pattern := self._pattern(sent)) is None:
+                return False
+            raw = chunk.raw.replace(pattern, self._replacement, 1)  # one search, not `in` and then another
+            if raw == chunk.raw:  # not there (pattern and replacement differ, as ``sent`` is not the name)
+                return False
+        meter = self._meter
+        meter.last_at = now
+        if text:
+            meter.text_chunks += 1
+            if meter.first_text_at is None:
+                meter.first_text_at = now
+        if (head.usage is not None or head.metrics is not None or head.timings is not None
+                or head.tensorfold is not None):
+            self._keep(head)
+        if raw is not None:
+            chunk.raw = raw
+        return True
+
+    def _pattern(self, sent: Any) -> bytes | None:
+        """``"model":<sent>`` as ``ModelRewrite`` searches for it; None when it cannot be encoded (the stages
+        then raise what they raise)."""
+        try:
+            pattern = b'"model":' + _encode(sent)
+        except Exception:  # whatever it is, the stages raise it, in their order
+            return None
+        if type(sent) is str:
+            self._patterns[sent] = pattern
+        return pattern
+
+    def _keep(self, head: Any) -> None:
+        seen = self._meter.seen
+        for name in ENGINE_OBJECTS:  # in the meter's order
+            value = getattr(head, name)
+            if value is not None:
+                seen[name] = value
