@@ -129,6 +129,10 @@ class EngineSession(Protocol):
         that holds a large part of the answer does not hold back its first
         token while the rest is parsed and checked.
 
+        A session whose ``relays_runs`` attribute is true also takes
+        ``runs=True``: then the plain events of one read may come as one
+        ``Run`` (checked, and sent on, as one piece) instead of a Chunk each.
+
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it
         cannot be reached. Leaving the context, normally or by cancellation,

@@ -26,6 +26,7 @@ Both ways give the same answer, byte for byte, error for error:
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -33,7 +34,7 @@ from msgspec import UNSET, UnsetType
 
 from capyctl.domain.fields import FieldRow
 from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
-from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk, Run
 
 _encode = msgspec.json.encode
 Index = Annotated[int, msgspec.Meta(ge=0)]
@@ -124,7 +125,7 @@ class TypedRelay:
     ``relay(chunk, now)`` is True when the chunk passed and its work is done
     (meter updated, ``raw`` rewritten), False when the stages must answer
     for it: then nothing has been touched. ``now`` is the clock's reading for
-    the batch the chunk came in.
+    the chunk (read per chunk, as the Meter does).
     """
 
     __slots__ = ("_refused", "_unset", "_max_tool_calls", "_meter", "_name", "_replacement", "_patterns")
@@ -178,6 +179,76 @@ class TypedRelay:
         if raw is not None:
             chunk.raw = raw
         return True
+
+    def run(self, run: Run, now: Callable[[], float]) -> bool:
+        """A whole Run, as ``__call__`` would do its chunks one by one: True when every chunk passed (the
+        meter updated, ``run.sse`` rewritten); False, with nothing touched, when one must go to the stages
+        (the relay then takes the run's chunks one by one). ``now`` is the meter's clock."""
+        refused, unset, limit, name = self._refused, self._unset, self._max_tool_calls, self._name
+        texts: list[bool] = []
+        rewrite = False
+        objects = False
+        for head in run.heads:
+            text = False
+            if head.choices:
+                for choice in head.choices:
+                    delta = choice.delta
+                    if delta is None:
+                        continue
+                    if refused is not None and refused(delta) != unset:
+                        return False
+                    calls = delta.tool_calls
+                    if calls:
+                        for call in calls:
+                            if call.index is not None and call.index >= limit:
+                                return False
+                    if not text and (delta.content or delta.reasoning_content or delta.reasoning or calls):
+                        text = True
+            texts.append(text)
+            sent = head.model
+            if sent is not UNSET and sent != name:
+                rewrite = True
+            if (head.usage is not None or head.metrics is not None or head.timings is not None
+                    or head.tensorfold is not None):
+                objects = True
+        if rewrite:
+            sse = self._rewritten(run)
+            if sse is None:
+                return False
+            run.sse = sse
+        # The clock as the meter reads it chunk by chunk: a chunk after the first with text is later than it
+        meter = self._meter
+        at = now()
+        if True in texts:
+            meter.text_chunks += texts.count(True)
+            if meter.first_text_at is None:
+                meter.first_text_at = at
+                if texts.index(True) < len(texts) - 1:
+                    at = now()
+        meter.last_at = at
+        if objects:
+            for head in run.heads:
+                self._keep(head)
+        return True
+
+    def _rewritten(self, run: Run) -> bytes | None:
+        """The run's bytes with each chunk's ``model`` set to the name, as ``__call__`` splices one chunk;
+        None when a chunk's splice is not found (the stages re-encode such a chunk)."""
+        payloads = run.payloads()
+        name = self._name
+        for i, head in enumerate(run.heads):
+            sent = head.model
+            if sent is UNSET or sent == name:
+                continue
+            pattern = self._patterns.get(sent) if type(sent) is str else None
+            if pattern is None and (pattern := self._pattern(sent)) is None:
+                return None
+            raw = payloads[i]
+            new = raw.replace(pattern, self._replacement, 1)
+            if new == raw:
+                return None
+            payloads[i] = new
+        return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
 
     def _pattern(self, sent: Any) -> bytes | None:
         """``"model":<sent>`` as ``ModelRewrite`` searches for it; None when it cannot be encoded (the stages

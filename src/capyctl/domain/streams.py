@@ -47,6 +47,24 @@ class Chunk(msgspec.Struct):
         return obj
 
 
+class Run(msgspec.Struct):
+    """Several chunks that came in one network read, each a plain ``data: {...}`` event (one line, one
+    space after the colon): their SSE bytes as they came, and their typed heads, in order.
+
+    The relay checks a run as a whole and sends its bytes on as one piece; a run it cannot answer for
+    becomes its chunks (``chunks()``), each relayed as a chunk of its own would be.
+    """
+
+    sse: bytes  # b"data: <payload>\n\n" for each chunk
+    heads: list[Any]  # a relay_check.Head for each chunk
+
+    def payloads(self) -> list[bytes]:
+        return self.sse[6:-2].split(b"\n\ndata: ")
+
+    def chunks(self) -> list[Chunk]:
+        return [Chunk(raw, None, head) for raw, head in zip(self.payloads(), self.heads)]
+
+
 class Comment(msgspec.Struct):
     raw: bytes  # the comment line(s), without the final blank line
 
@@ -62,7 +80,7 @@ class Done(msgspec.Struct):
     pass
 
 
-StreamEvent = Chunk | Comment | EngineFailure | Done
+StreamEvent = Chunk | Run | Comment | EngineFailure | Done
 Stage = Callable[[Chunk], Chunk]
 
 GENERATED_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")

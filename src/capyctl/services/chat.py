@@ -37,6 +37,7 @@ from capyctl.domain.streams import (
     Done,
     EngineFailure,
     ModelRewrite,
+    Run,
     Stage,
     StreamEvent,
 )
@@ -176,6 +177,8 @@ class ChatService(RequestService):
         super().__init__(fleet, session, clock, events, settings, admission, keys)
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self._checks: dict[tuple[str, str], ChunkCheck] = {}
+        # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
+        self._runs: dict[str, bool] = {"runs": True} if getattr(session, "relays_runs", False) else {}
 
     @asynccontextmanager
     async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> AsyncIterator[EngineCall]:
@@ -200,22 +203,26 @@ class ChatService(RequestService):
         engine = controller.engine
         route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
         self._selected(record)
-        meter = Meter(self._clock.monotonic)
-        # The verifier runs first: nothing of a chunk with an unverified key is sent.
-        stages: list[Stage] = [
-            DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
-            meter,
-            ModelRewrite(record.deployment),
-        ]
-        row = self._metrics_rows.get((engine.family, engine.version))
-        if row is None:
-            row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
-        typed = self._typed_relay(controller, record, meter)
-        self._meters[record.id] = meter
+        meter = self._meters[record.id] = Meter(self._clock.monotonic)
         streaming = False
         try:
-            async with self._session.chat_stream(route.url, body, lambda: record.answered) as events:
+            async with self._session.chat_stream(route.url, body, lambda: record.answered,
+                                                 **self._runs) as events:
                 streaming = True
+                # Built once the engine has the request and has answered its head: while it works on the
+                # first token, not before the request leaves. The verifier runs first: nothing of a
+                # chunk with an unverified key is sent.
+                stages: list[Stage] = [
+                    DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}",
+                                  self._settings.max_tool_calls),
+                    meter,
+                    ModelRewrite(record.deployment),
+                ]
+                row = self._metrics_rows.get((engine.family, engine.version))
+                if row is None:
+                    row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family,
+                                                                                                engine.version)
+                typed = self._typed_relay(controller, record, meter)
                 yield EngineCall(_relay(events, stages, record, meter, typed, self._clock.monotonic), meter, row)
         except EngineUnavailable as exc:
             gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
@@ -286,8 +293,8 @@ async def _relay(
     """Run the stages over each batch of events; a batch ends the stream at its ``Done``.
 
     A chunk the parser decoded into typed structs goes through ``typed`` (the
-    stages' work in one pass, the clock read once per batch) when it passes
-    there; any other chunk through the stages. When a stage refuses a chunk,
+    stages' work in one pass) when it passes there, a Run likewise as a whole;
+    any other chunk through the stages (a declined Run as its chunks). When a stage refuses a chunk,
     the chunks before it in the batch are still relayed, then the error ends
     the stream: nothing of the refused chunk is sent. A stream that ends
     without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it
@@ -295,10 +302,21 @@ async def _relay(
     """
     failed = False
     async for batch in batches:
-        batch_at = now() if typed is not None else 0.0
-        for position, event in enumerate(batch):
+        position = 0
+        while position < len(batch):  # a run the typed pass declines is spliced in as its chunks
+            event = batch[position]
+            position += 1
+            if isinstance(event, Run):
+                if typed is not None and typed.run(event, now):
+                    if not record.answered and meter.first_text_at is not None:
+                        record.engine_answered()
+                    continue
+                position -= 1
+                batch[position:position + 1] = event.chunks()
+                continue
             if isinstance(event, Chunk):
-                if typed is not None and event.head is not None and typed(event, batch_at):
+                if typed is not None and event.head is not None and typed(event, now()):  # the clock per chunk, as
+                    # the Meter reads it: whether a decode rate can be given must not hang on read boundaries
                     if not record.answered and meter.first_text_at is not None:
                         record.engine_answered()
                     continue
@@ -306,17 +324,17 @@ async def _relay(
                     for stage in stages:
                         event = stage(event)
                 except CapyError:
-                    if position:
-                        yield batch[:position]
+                    if position > 1:
+                        yield batch[:position - 1]
                     raise
-                batch[position] = event
+                batch[position - 1] = event
                 if not record.answered and meter.first_text_at is not None:
                     record.engine_answered()
             elif isinstance(event, EngineFailure):
                 record.engine_answered()
                 failed = True
             elif isinstance(event, Done):
-                yield batch[: position + 1]
+                yield batch[:position]
                 return
         yield batch
     if not failed:

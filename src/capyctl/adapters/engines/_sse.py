@@ -24,8 +24,8 @@ import msgspec
 from msgspec import UNSET
 
 from capyctl.domain.errors import EdgeError
-from capyctl.domain.relay_check import decode_head
-from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, StreamEvent
+from capyctl.domain.relay_check import Head, decode_head
+from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Run, StreamEvent
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
 _DONE = b"[DONE]"
@@ -85,15 +85,41 @@ def parse_event(block: bytes, typed: bool = True) -> StreamEvent | None:
     return Chunk(payload, obj)
 
 
-class SseParser:
-    __slots__ = ("_pending", "_size", "_cr", "_max", "_typed")
+_decode_heads = msgspec.json.Decoder(Head).decode_lines
+_DONE_EVENT = b"\n\ndata: [DONE]\n\n"  # [DONE] after other events (the blank line before it included)
 
-    def __init__(self, max_event: int = DEFAULT_MAX_EVENT, typed: bool = True) -> None:
+
+def _run(body: bytes, max_event: int) -> Run | None:
+    """``body`` as one Run when it is whole plain events (``data: {...}``, one line each, one space after
+    the colon, nothing else) whose payloads all decode into typed heads; None for anything else, which
+    the parser then reads event by event (and whose errors are that way's)."""
+    if len(body) > max_event or not body.startswith(b"data: {"):
+        return None
+    count = body.count(b"\n\ndata: ") + 1
+    if body.count(b"\n") != 2 * count:  # every LF is in a separator or the final blank line: one line each
+        return None
+    try:  # one payload a line: decoded one by one, each as decode_head would
+        heads = _decode_heads(body[6:-2].replace(b"\n\ndata: ", b"\n"))
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if len(heads) != count:  # a blank payload is skipped by decode_lines: not plain
+        return None
+    for head in heads:
+        if head.error is not UNSET and head.choices is UNSET:  # the engine's failure event
+            return None
+    return Run(body, heads)
+
+
+class SseParser:
+    __slots__ = ("_pending", "_size", "_cr", "_max", "_typed", "_runs")
+
+    def __init__(self, max_event: int = DEFAULT_MAX_EVENT, typed: bool = True, runs: bool = False) -> None:
         self._pending: list[bytes] = []  # the start of an event whose end has not arrived
         self._size = 0
         self._cr = False  # the last read ended on a CR whose LF may be next
         self._max = max_event
         self._typed = typed  # False: every chunk decoded as a dict at once (the reference way, for benchmarks)
+        self._runs = runs and typed  # plain events that came together are handed over as one Run
 
     def feed(self, data: bytes) -> Iterator[StreamEvent]:
         if self._cr:
@@ -105,7 +131,7 @@ class SseParser:
         if not data:
             return
         if not self._pending:
-            yield from self._split(data)
+            yield from self._split_runs(data) if self._runs else self._split(data)
             return
         # An event is under way: look for its end only around and after the seam.
         seam = b"\n" if self._pending[-1].endswith(b"\n") else b""
@@ -129,7 +155,23 @@ class SseParser:
         event = parse_event(block.lstrip(b"\n"), self._typed) if block.strip(b"\n") else None
         if event is not None:
             yield event
-        yield from self._split(rest)
+        yield from self._split_runs(rest) if self._runs else self._split(rest)
+
+    def _split_runs(self, buffer: bytes) -> Iterator[StreamEvent]:
+        """The whole events in ``buffer`` as one Run (and [DONE]) when they are plain; else one by one."""
+        end = buffer.rfind(b"\n\n") + 2
+        if end > 1:
+            body = buffer[:end] if end < len(buffer) else buffer
+            done = body.endswith(_DONE_EVENT)
+            run = _run(body[:-14] if done else body, self._max)  # 14: data: [DONE] and its blank line
+            if run is not None:
+                yield run
+                if done:
+                    yield Done()
+                if end < len(buffer):
+                    self._hold(buffer[end:])
+                return
+        yield from self._split(buffer)
 
     def _split(self, buffer: bytes) -> Iterator[StreamEvent]:
         start, last, typed = 0, len(buffer) - 1, self._typed

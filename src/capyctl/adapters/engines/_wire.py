@@ -120,6 +120,8 @@ class _Response(asyncio.Protocol):
 
 
 class WireEngineSession(EngineSession):
+    relays_runs = True  # chat_stream(..., runs=True) hands plain events of one read over as one Run
+
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
@@ -159,8 +161,8 @@ class WireEngineSession(EngineSession):
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes,
-                          until: Callable[[], bool] | None = None) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
+    async def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
+                          runs: bool = False) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
         url = urlsplit(base_url)
         host, port = url.hostname or "127.0.0.1", url.port or 80
         path = url.path.rstrip("/") + "/v1/chat/completions"
@@ -172,7 +174,7 @@ class WireEngineSession(EngineSession):
                 raise engine_error(conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
-            yield _batches(conn, self._max_event, until)
+            yield _batches(conn, self._max_event, until, runs)
         except BaseException:
             conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
             raise
@@ -249,11 +251,11 @@ async def _not_a_stream(conn: _Response) -> EdgeError:
 _ONE_BY_ONE = 8  # at most this many leading events are handed over one at a time
 
 
-async def _batches(conn: _Response, max_event: int, until: Callable[[], bool] | None = None
+async def _batches(conn: _Response, max_event: int, until: Callable[[], bool] | None = None, runs: bool = False
                    ) -> AsyncIterator[list[StreamEvent]]:
     """The events, a batch per network read; with ``until``, the first ones come one at a time until it is
     true (or after a few), so that the first token is relayed before the rest of a large read is parsed."""
-    parser = SseParser(max_event)
+    parser = SseParser(max_event, runs=runs)
     singly = _ONE_BY_ONE if until is not None else 0
     while True:
         if conn.body:

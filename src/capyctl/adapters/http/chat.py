@@ -37,7 +37,7 @@ from capyctl.domain.errors import (
     StreamIdleTimeout,
 )
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
-from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
+from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Run
 from capyctl.services.chat import ChatService, RequestService, failure_error, read_target
 from capyctl.services.context import caller_request_id
 from capyctl.services.keys import Keyring
@@ -262,7 +262,9 @@ class ChatEndpoint:
                 async for batch in call.events:
                     parts: list[bytes] = []
                     for event in batch:
-                        if isinstance(event, Chunk):
+                        if isinstance(event, Run):  # checked as a whole, already SSE: sent on as it came
+                            parts.append(event.sse)
+                        elif isinstance(event, Chunk):
                             parts += (b"data: ", event.raw, b"\n\n")
                         elif isinstance(event, EngineFailure):
                             failure = event
