@@ -98,7 +98,13 @@ def serve(argv: list[str]) -> None:
 
     uvicorn_http.HttpToolsProtocol.data_received = on_data(uvicorn_http.HttpToolsProtocol.data_received,
                                                            "client bytes in")
-    _wire._Response.data_received = on_data(_wire._Response.data_received, "engine bytes in")
+    original_engine_data = _wire._Response.data_received
+
+    def engine_data(self: Any, data: bytes) -> Any:  # the answer's head, then its body (the first chunk)
+        mark("engine body in" if self.headers_done else "engine head in")
+        return original_engine_data(self, data)
+
+    _wire._Response.data_received = engine_data
     wrap_async(exchange.WireExchange, "run_asgi", "exchange task")
     wrap_async(exchange.WireExchange, "write", "send head+chunk / chunk")
     wrap_async(exchange.WireExchange, "end", "send end")
