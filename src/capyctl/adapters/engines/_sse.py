@@ -96,7 +96,7 @@ def _run(body: bytes, max_event: int) -> Run | None:
     if len(body) > max_event or not body.startswith(b"data: {"):
         return None
     count = body.count(b"\n\ndata: ") + 1
-    if body.count(b"\n") != 2 * count:  # every LF is in a separator or the final blank line: one line each
+    if count == 1 or body.count(b"\n") != 2 * count:  # (one event alone is cheaper as a Chunk)  # every LF is in a separator or the final blank line: one line each
         return None
     try:  # one payload a line: decoded one by one, each as decode_head would
         heads = _decode_heads(body[6:-2].replace(b"\n\ndata: ", b"\n"))
@@ -130,8 +130,8 @@ class SseParser:
             data = data.replace(b"\r\n", b"\n")
         if not data:
             return
-        if not self._pending:
-            yield from self._split_runs(data) if self._runs else self._split(data)
+        if not self._pending:  # (runs only where two events may be: one alone is cheaper as a Chunk)
+            yield from self._split_runs(data) if self._runs and b"\n\ndata: " in data else self._split(data)
             return
         # An event is under way: look for its end only around and after the seam.
         seam = b"\n" if self._pending[-1].endswith(b"\n") else b""
@@ -155,7 +155,7 @@ class SseParser:
         event = parse_event(block.lstrip(b"\n"), self._typed) if block.strip(b"\n") else None
         if event is not None:
             yield event
-        yield from self._split_runs(rest) if self._runs else self._split(rest)
+        yield from self._split_runs(rest) if self._runs and b"\n\ndata: " in rest else self._split(rest)
 
     def _split_runs(self, buffer: bytes) -> Iterator[StreamEvent]:
         """The whole events in ``buffer`` as one Run (and [DONE]) when they are plain; else one by one."""
