@@ -241,10 +241,12 @@ class WireExchange(Exchange):
         ASGI app. Whatever escapes closes the connection rather than leaving the client waiting."""
         try:
             await door.serve(self)
-        except BaseException:
-            log.exception("the hot path let an error escape; the connection was closed")
+        except asyncio.CancelledError:  # the server's shutdown, past its grace period
             self._transport.close()
             raise
+        except Exception:  # the front door's own last resort failed: no answer can be trusted to follow
+            log.exception("the hot path let an error escape; the connection was closed")
+            self._transport.close()
         finally:
             self.on_response = _nothing
             self._stop_timer()
