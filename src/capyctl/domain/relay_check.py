@@ -142,39 +142,20 @@ class TypedRelay:
 
     def __call__(self, chunk: Chunk, now: float) -> bool:
         head = chunk.head
-        text = False
-        if head.choices:
-            refused = self._refused
-            for choice in head.choices:
-                delta = choice.delta
-                if delta is None:
-                    continue
-                if refused is not None and refused(delta) != self._unset:
-                    return False
-                calls = delta.tool_calls
-                if calls:
-                    for call in calls:
-                        if call.index is not None and call.index >= self._max_tool_calls:
-                            return False
-                if not text and (delta.content or delta.reasoning_content or delta.reasoning or calls):
-                    text = True
+        text = self._text(head)
+        if text is None:
+            return False
         raw = None
         sent = head.model
-        if sent is not UNSET and sent != self._name:
-            pattern = self._patterns.get(sent) if type(sent) is str else None
-            if pattern is None and (pattern := self._pattern(sent)) is None:
-                return False
-            raw = chunk.raw.replace(pattern, self._replacement, 1)  # one search, not `in` and then another
-            if raw == chunk.raw:  # not there (pattern and replacement differ, as ``sent`` is not the name)
-                return False
+        if sent is not UNSET and sent != self._name and (raw := self._splice(chunk.raw, sent)) is None:
+            return False
         meter = self._meter
         meter.last_at = now
         if text:
             meter.text_chunks += 1
             if meter.first_text_at is None:
                 meter.first_text_at = now
-        if (head.usage is not None or head.metrics is not None or head.timings is not None
-                or head.tensorfold is not None):
+        if _has_objects(head):
             self._keep(head)
         if raw is not None:
             chunk.raw = raw
@@ -184,33 +165,17 @@ class TypedRelay:
         """A whole Run, as ``__call__`` would do its chunks one by one: True when every chunk passed (the
         meter updated, ``run.sse`` rewritten); False, with nothing touched, when one must go to the stages
         (the relay then takes the run's chunks one by one). ``now`` is the meter's clock."""
-        refused, unset, limit, name = self._refused, self._unset, self._max_tool_calls, self._name
+        name = self._name
         texts: list[bool] = []
         rewrite = False
-        objects = False
         for head in run.heads:
-            text = False
-            if head.choices:
-                for choice in head.choices:
-                    delta = choice.delta
-                    if delta is None:
-                        continue
-                    if refused is not None and refused(delta) != unset:
-                        return False
-                    calls = delta.tool_calls
-                    if calls:
-                        for call in calls:
-                            if call.index is not None and call.index >= limit:
-                                return False
-                    if not text and (delta.content or delta.reasoning_content or delta.reasoning or calls):
-                        text = True
+            text = self._text(head)
+            if text is None:
+                return False
             texts.append(text)
             sent = head.model
             if sent is not UNSET and sent != name:
                 rewrite = True
-            if (head.usage is not None or head.metrics is not None or head.timings is not None
-                    or head.tensorfold is not None):
-                objects = True
         if rewrite:
             sse = self._rewritten(run)
             if sse is None:
@@ -226,28 +191,54 @@ class TypedRelay:
                 if texts.index(True) < len(texts) - 1:
                     at = now()
         meter.last_at = at
-        if objects:
-            for head in run.heads:
+        for head in run.heads:
+            if _has_objects(head):
                 self._keep(head)
         return True
 
+    def _text(self, head: Any) -> bool | None:
+        """Whether the chunk carries generated text; None when the stages must answer for it (a delta key
+        the row refuses, a tool-call index at the limit)."""
+        text = False
+        if head.choices:
+            refused, unset, limit = self._refused, self._unset, self._max_tool_calls
+            for choice in head.choices:
+                delta = choice.delta
+                if delta is None:
+                    continue
+                if refused is not None and refused(delta) != unset:
+                    return None
+                calls = delta.tool_calls
+                if calls:
+                    for call in calls:
+                        if call.index is not None and call.index >= limit:
+                            return None
+                if not text and (delta.content or delta.reasoning_content or delta.reasoning or calls):
+                    text = True
+        return text
+
+    def _splice(self, raw: bytes, sent: Any) -> bytes | None:
+        """``raw`` with its first ``"model":<sent>`` set to the name; None when that pattern cannot be made
+        or is not there (the stages then re-encode the chunk, or raise)."""
+        pattern = self._patterns.get(sent) if type(sent) is str else None
+        if pattern is None and (pattern := self._pattern(sent)) is None:
+            return None
+        spliced = raw.replace(pattern, self._replacement, 1)  # one search, not `in` and then another
+        return None if spliced == raw else spliced  # equal: not there (pattern and name differ)
+
     def _rewritten(self, run: Run) -> bytes | None:
         """The run's bytes with each chunk's ``model`` set to the name, as ``__call__`` splices one chunk;
-        None when a chunk's splice is not found (the stages re-encode such a chunk)."""
+        None when a chunk's splice is not found."""
         payloads = run.payloads()
         name = self._name
         for i, head in enumerate(run.heads):
             sent = head.model
             if sent is UNSET or sent == name:
                 continue
-            pattern = self._patterns.get(sent) if type(sent) is str else None
-            if pattern is None and (pattern := self._pattern(sent)) is None:
+            spliced = self._splice(payloads[i], sent)
+            if spliced is None:
                 return None
-            raw = payloads[i]
-            new = raw.replace(pattern, self._replacement, 1)
-            if new == raw:
-                return None
-            payloads[i] = new
+            payloads[i] = spliced
         return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
 
     def _pattern(self, sent: Any) -> bytes | None:
@@ -267,3 +258,9 @@ class TypedRelay:
             value = getattr(head, name)
             if value is not None:
                 seen[name] = value
+
+
+def _has_objects(head: Any) -> bool:
+    """The chunk carries an engine object the meter keeps (usage, metrics, timings, tensorfold)."""
+    return (head.usage is not None or head.metrics is not None or head.timings is not None
+            or head.tensorfold is not None)
