@@ -384,3 +384,35 @@ def test_a_run_splices_only_each_chunks_first_model_as_the_stages_do() -> None:
     out = relay(True, [data], "vllm", "0.32.0", 256, runs=True)
     assert out == relay(False, [data], "vllm", "0.32.0", 256)
     assert out["sent"][1].count(b"tiny-llama") == 1  # the first one (in logprobs) was the one spliced
+
+
+def test_a_run_whose_chunks_share_their_start_is_rewritten_whole_as_the_stages_would() -> None:
+    start = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"tiny-llama",'
+    data = b"".join(start + b'"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(5))
+    run = next(iter(SseParser(runs=True).feed(data)))
+    assert isinstance(run, Run)
+    relay_ = TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)
+    assert relay_._rewrite_alike(run, "tiny-llama") == data.replace(b'"model":"tiny-llama"', b'"model":"my-model"')
+    assert relay(True, [data], "vllm", "0.32.0", 256, runs=True) == relay(False, [data], "vllm", "0.32.0", 256)
+
+
+def test_a_shared_start_is_only_trusted_when_every_chunk_begins_with_it() -> None:
+    start = b'data: {"id":"c1","model":"tiny-llama",'
+    tail = b'"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    # the second chunk spells its model escaped (the stages re-encode it) and quotes the others' start in a
+    # string, where it cannot be the same bytes: one chunk without the start, and the run is spliced chunk by chunk
+    odd = (b'data: {"id":"c1","model":"tiny-\\u006clama","choices":[{"index":0,"delta":{"content":'
+           b'"data: {\\"id\\":\\"c1\\",\\"model\\":\\"tiny-llama\\","}}]}\n\n')
+    twice = start + b'"choices":[{"index":0,"delta":{"content":"b"},"logprobs":{"model":"tiny-llama"}}]}\n\n'
+    # as many models as chunks, one chunk without it; every chunk with its start, one with a second model
+    for data in (start + tail + odd + start + tail, start + tail + odd, twice + odd + start + tail,
+                 start + tail + twice + start + tail):
+        run = next(iter(SseParser(runs=True).feed(data)))
+        assert isinstance(run, Run)
+        relay_ = TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)
+        assert relay_._rewrite_alike(run, "tiny-llama") is None
+        assert relay(True, [data], "vllm", "0.32.0", 256, runs=True) == relay(False, [data], "vllm", "0.32.0", 256)
+    model_first = b'data: {"model":"tiny-llama",' + tail
+    run = next(iter(SseParser(runs=True).feed(model_first * 3)))
+    assert TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)._rewrite_alike(
+        run, "tiny-llama") == (model_first * 3).replace(b"tiny-llama", b"my-model")

@@ -168,6 +168,8 @@ class TypedRelay:
         name = self._name
         texts: list[bool] = []
         rewrite = False
+        alike = True  # every chunk sent the same model (and so may share a prefix; see _rewrite_alike)
+        first = run.heads[0].model
         for head in run.heads:
             text = self._text(head)
             if text is None:
@@ -176,8 +178,10 @@ class TypedRelay:
             sent = head.model
             if sent is not UNSET and sent != name:
                 rewrite = True
+            if alike and sent != first:
+                alike = False
         if rewrite:
-            sse = self._rewritten(run)
+            sse = (alike and type(first) is str and self._rewrite_alike(run, first)) or self._rewritten(run)
             if sse is None:
                 return False
             run.sse = sse
@@ -225,6 +229,30 @@ class TypedRelay:
             return None
         spliced = raw.replace(pattern, self._replacement, 1)  # one search, not `in` and then another
         return None if spliced == raw else spliced  # equal: not there (pattern and name differ)
+
+    def _rewrite_alike(self, run: Run, sent: str) -> bytes | None:
+        """The run rewritten by C calls over its whole bytes when every chunk begins with the same bytes up
+        to its first ``"model":<sent>`` (an engine that repeats id, object and created, as vLLM does) and
+        holds no other; None otherwise, and ``_rewritten`` splices chunk by chunk.
+
+        Exact: the prefix ``data: {"<letter>...`` cannot occur inside a valid JSON payload (the quote after
+        the brace would end a string, and a letter cannot follow a string) nor span a blank line, so each
+        of its occurrences begins an event: as many as there are chunks means every chunk begins with it,
+        and so holds ``"model":<sent>`` first where the prefix does. As many of those as chunks means that
+        is each chunk's only one, and replacing them all is the first-occurrence splice of each.
+        """
+        sse = run.sse
+        if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):  # data: {"<a letter or _>
+            return None
+        pattern = self._patterns.get(sent) or self._pattern(sent)
+        if pattern is None:
+            return None
+        end = sse.find(pattern, 0, sse.find(b"\n"))
+        count = len(run.heads)
+        if end == -1 or sse.count(sse[:end + len(pattern)]) != count:
+            return None
+        parts = sse.split(pattern)  # (split and join: faster than replace, and they count)
+        return self._replacement.join(parts) if len(parts) == count + 1 else None
 
     def _rewritten(self, run: Run) -> bytes | None:
         """The run's bytes with each chunk's ``model`` set to the name, as ``__call__`` splices one chunk;
