@@ -25,6 +25,7 @@ Both ways give the same answer, byte for byte, error for error:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -131,9 +132,7 @@ class TypedRelay:
     __slots__ = ("_refused", "_unset", "_max_tool_calls", "_meter", "_name", "_replacement", "_patterns")
 
     def __init__(self, check: ChunkCheck, meter: Meter, name: str) -> None:
-        # one C call reads every refused key of a delta: UNSET (or all UNSET) when none was sent
-        self._refused = operator.attrgetter(*check.refused) if check.refused else None
-        self._unset = UNSET if len(check.refused) == 1 else (UNSET,) * len(check.refused)
+        self._refused, self._unset = _refused_getter(check.refused)
         self._max_tool_calls = check.max_tool_calls
         self._meter = meter
         self._name = name
@@ -286,6 +285,15 @@ class TypedRelay:
             value = getattr(head, name)
             if value is not None:
                 seen[name] = value
+
+
+@functools.lru_cache(maxsize=64)
+def _refused_getter(refused: tuple[str, ...]) -> tuple[Callable[[Any], Any] | None, Any]:
+    """One C call that reads every refused key of a delta, and what it reads when none was sent (UNSET, or
+    all UNSET); made once per set of keys, not per stream."""
+    if not refused:
+        return None, UNSET
+    return operator.attrgetter(*refused), UNSET if len(refused) == 1 else (UNSET,) * len(refused)
 
 
 def _has_objects(head: Any) -> bool:

@@ -101,6 +101,15 @@ class RequestStats:
         self.registry.register(_LiveCollector(fleet, admission))
         admission.on_wait = self.waited
         self._park_reason: dict[str, str] = {}
+        # the labelled children of the per-request metrics, by labels: prometheus_client's labels() checks and
+        # looks them up under a lock each call; the children live as long as the registry (none is removed)
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        child = self._children.get((metric, *labels))
+        if child is None:
+            child = self._children[(metric, *labels)] = metric.labels(*labels)
+        return child
 
     def event(self, deployment: str | None, kind: str, detail: dict[str, Any]) -> None:
         """Counts what the events tell: parks, wakes and their durations, switches."""
@@ -118,12 +127,12 @@ class RequestStats:
             self.switches.labels(detail["device"], kind.removeprefix("switch_")).inc()
 
     def answered(self, deployment: str, code: str, ttft_ms: float | None, key: str = "-") -> None:
-        self.requests.labels(deployment, code, key).inc()
+        self._child(self.requests, deployment, code, key).inc()
         if ttft_ms is not None:
-            self.ttft.labels(deployment).observe(ttft_ms / 1000)
+            self._child(self.ttft, deployment).observe(ttft_ms / 1000)
 
     def waited(self, deployment: str, seconds: float) -> None:
-        self.waits.labels(deployment).observe(seconds)
+        self._child(self.waits, deployment).observe(seconds)
 
     def refused(self, code: str) -> None:
         self.refusals.labels(code).inc()
@@ -132,7 +141,7 @@ class RequestStats:
         self.cuts.labels(reason).inc()
 
     def relayed_first_chunk(self, deployment: str, seconds: float) -> None:
-        self.relay.labels(deployment).observe(seconds)
+        self._child(self.relay, deployment).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

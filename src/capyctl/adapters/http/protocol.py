@@ -27,7 +27,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from uvicorn.logging import TRACE_LOG_LEVEL
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
 from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.errors import error_body, status_of
@@ -64,9 +67,30 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
 
     class GuardedProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
+        _addresses: tuple[Any, Any, Any] | None = None  # (server, client, scheme), read when first asked
+
+        # uvicorn reads the connection's addresses and scheme as it is made (three calls into the transport
+        # and a socket object each time); only an ASGI request's scope and uvicorn's trace log use them,
+        # so they are read when first asked for
+        def _address(self, index: int) -> Any:
+            if self._addresses is None:
+                transport = self.transport
+                self._addresses = (get_local_addr(transport), get_remote_addr(transport),
+                                   "https" if is_ssl(transport) else "http")
+            return self._addresses[index]
+
+        server = property(lambda self: self._address(0), lambda self, value: None)  # type: ignore[assignment]
+        client = property(lambda self: self._address(1), lambda self, value: None)  # type: ignore[assignment]
+        scheme = property(lambda self: self._address(2), lambda self, value: None)  # type: ignore[assignment]
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            # uvicorn's connection_made, less the addresses (see above)
+            self.connections.add(self)
+            self.transport = transport
+            self.flow = FlowControl(transport)
+            if self.logger.level <= TRACE_LOG_LEVEL:
+                prefix = "%s:%d - " % self.client if self.client else ""
+                self.logger.log(TRACE_LOG_LEVEL, "%sHTTP connection made", prefix)
             if len(self.connections) > limits.max_connections:
                 on_cut("too_many_connections")
                 transport.write(raw_error(TooManyConnections(limits.max_connections), retry_after=1))
