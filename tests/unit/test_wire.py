@@ -14,7 +14,7 @@ import pytest
 
 from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.domain.errors import EngineError, EngineUnavailable
-from capyctl.domain.streams import Chunk, Done
+from capyctl.domain.streams import Chunk, Done, Relayed
 
 RECORDING = Path(__file__).parents[1] / "contract" / "recordings" / "vllm" / "0.32.0"
 BODY = b'{"model":"x","stream":true,"messages":[],"replay_case":"chat_stream_usage"}'
@@ -106,3 +106,89 @@ async def test_the_first_events_come_one_at_a_time_until_the_caller_has_its_firs
         async for batch in batches:
             whole.append(len(batch))
     assert whole[0] > 1
+
+
+
+# --- pumped: each read relayed from the connection's callback --------------------------------------------
+
+
+async def pumped(session: WireEngineSession, url: str, body: bytes = BODY) -> tuple[list, list[int], bool]:
+    """(every event delivered, each batch's size, whether the pump ended on a delivery that said ENDED)."""
+    events: list = []
+    sizes: list[int] = []
+
+    def deliver(batch: list) -> Relayed:
+        events.extend(batch)
+        sizes.append(len(batch))
+        return Relayed.ENDED if isinstance(batch[-1], Done) else Relayed.MORE
+
+    async def drain() -> None:
+        raise AssertionError("nothing said FULL")
+
+    async with session.chat_stream(url, body) as stream:
+        ended = await stream.pump(deliver, drain)
+    return events, sizes, ended
+
+
+async def test_a_pumped_stream_delivers_what_a_pulled_one_yields(replay: str) -> None:
+    session = WireEngineSession()
+    pulled = await read_all(session, replay)
+    for body in (BODY, BODY[:-1] + b',"replay_interval_ms":1}'):  # read whole; a read per event or so
+        events, sizes, ended = await pumped(session, replay, body)
+        assert ended and [type(e) for e in events] == [type(e) for e in pulled]
+        assert [e.raw for e in events if isinstance(e, Chunk)] == [e.raw for e in pulled if isinstance(e, Chunk)]
+    assert len(sizes) > 1  # (the slow one came in several reads)
+    assert len(session._idle[("127.0.0.1", int(replay.rsplit(":", 1)[1]))]) == 1  # kept alive, as pulled
+
+
+async def test_a_pumped_stream_comes_one_event_at_a_time_until_the_first_token(replay: str) -> None:
+    session = WireEngineSession()
+    sizes: list[int] = []
+
+    def deliver(batch: list) -> Relayed:
+        sizes.append(len(batch))
+        return Relayed.ENDED if isinstance(batch[-1], Done) else Relayed.MORE
+
+    async with session.chat_stream(replay, BODY, lambda: len(sizes) >= 3) as stream:
+        assert await stream.pump(deliver, anyio.sleep)
+    assert sizes[:3] == [1, 1, 1] and sum(sizes) == expected_chunks() + 1 and len(sizes) < sum(sizes) - 3
+
+
+async def test_a_full_client_pauses_reading_from_the_engine_until_it_has_drained(replay: str) -> None:
+    session = WireEngineSession()
+    events: list = []
+    reading: list[bool] = []
+
+    def deliver(batch: list) -> Relayed:
+        events.extend(batch)
+        if isinstance(batch[-1], Done):
+            return Relayed.ENDED
+        return Relayed.FULL if len(events) == len(batch) else Relayed.MORE  # the first batch fills the client
+
+    async with session.chat_stream(replay, BODY[:-1] + b',"replay_interval_ms":2}') as stream:
+        async def drain() -> None:
+            reading.append(stream._conn.transport.is_reading())
+            delivered = len(events)
+            await anyio.sleep(0.05)  # the engine sends an event every 2 ms: none may be delivered meanwhile
+            assert len(events) == delivered
+
+        assert await stream.pump(deliver, drain)
+    assert reading == [False] and len(events) == expected_chunks() + 1  # paused while full; nothing lost
+
+
+async def test_a_cut_pump_delivers_nothing_more_and_closes_its_connection(replay: str) -> None:
+    session = WireEngineSession()
+    before = httpx.get(replay + "/replay/stats").json()["disconnected"]
+    delivered: list[int] = []
+    with anyio.CancelScope() as cut:
+        def deliver(batch: list) -> Relayed:
+            delivered.append(len(batch))
+            cut.cancel()  # as the client's hang-up would
+            return Relayed.MORE
+
+        async with session.chat_stream(replay, BODY[:-1] + b',"replay_interval_ms":20}') as stream:
+            await stream.pump(deliver, anyio.sleep)
+    assert cut.cancelled_caught and delivered == [1]
+    with anyio.fail_after(2):
+        while httpx.get(replay + "/replay/stats").json()["disconnected"] == before:
+            await anyio.sleep(0.02)

@@ -15,6 +15,7 @@ non-streamed path runs the stages and feeds ``obj`` to ``Assembler``.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +82,14 @@ class Done(msgspec.Struct):
 
 
 StreamEvent = Chunk | Run | Comment | EngineFailure | Done
+
+
+class Relayed(enum.IntEnum):
+    """What a pumped stream's ``deliver`` says of a batch it relayed (see ``EngineSession``)."""
+
+    MORE = 0  # go on reading
+    FULL = 1  # the client cannot take more for now: pause reading until it has drained
+    ENDED = 2  # the batch ended the stream
 Stage = Callable[[Chunk], Chunk]
 
 GENERATED_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")

@@ -8,7 +8,7 @@ non-streamed request usage is asked for; a streamed one keeps the client's
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,6 +37,7 @@ from capyctl.domain.streams import (
     Done,
     EngineFailure,
     ModelRewrite,
+    Relayed,
     Run,
     Stage,
     StreamEvent,
@@ -223,7 +224,9 @@ class ChatService(RequestService):
                     row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family,
                                                                                                 engine.version)
                 typed = self._typed_relay(controller, record, meter)
-                yield EngineCall(_relay(events, stages, record, meter, typed, self._clock.monotonic), meter, row)
+                now = self._clock.monotonic
+                pumped = _Relay(stages, record, meter, typed, now) if hasattr(events, "pump") else None
+                yield EngineCall(_relay(events, stages, record, meter, typed, now), meter, row, events, pumped)
         except EngineUnavailable as exc:
             gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
             if gone is not None:
@@ -261,14 +264,47 @@ class ChatService(RequestService):
 
 
 class EngineCall:
-    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics."""
+    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics.
 
-    __slots__ = ("events", "_meter", "_row")
+    The events are pulled (``events``) or, where the session can (``pumps``), pumped: each batch relayed
+    from the engine connection's own callback as its read arrives (``pump``)."""
 
-    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow) -> None:
+    __slots__ = ("events", "_meter", "_row", "_source", "_relay")
+
+    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow,
+                 source: Any = None, relay: _Relay | None = None) -> None:
         self.events = events
         self._meter = meter
         self._row = row
+        self._source = source
+        self._relay = relay
+
+    @property
+    def pumps(self) -> bool:
+        return self._relay is not None
+
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
+                   ) -> None:
+        """Relay the stream through ``deliver``, a batch at a time as the engine's reads arrive: what
+        ``events`` would yield, in the same order, with the same end. ``deliver`` says FULL when its client
+        cannot take more for now (reading pauses until ``drain()`` returns). Returns once the batch that
+        ends the stream was delivered; raises as iterating ``events`` would, after delivering the chunks
+        before a refused one."""
+        relay = self._relay
+        assert relay is not None
+
+        def relayed(batch: list[StreamEvent]) -> Relayed:
+            try:
+                sent, done = relay.step(batch)
+            except Refused as refused:
+                if refused.sent:
+                    deliver(refused.sent)
+                raise refused.error from refused.error.__cause__
+            said = deliver(sent)
+            return Relayed.ENDED if done else said
+
+        if not await self._source.pump(relayed, drain):
+            relay.ended()
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         return self._meter.figures(self._row)
@@ -286,11 +322,18 @@ def check_cache_salt(obj: dict[str, Any], family: str, bound_by: str | None = No
         raise CacheSaltUnsupported(bound_by)
 
 
-async def _relay(
-    batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter,
-    typed: TypedRelay | None, now: Callable[[], float],
-) -> AsyncIterator[list[StreamEvent]]:
-    """Run the stages over each batch of events; a batch ends the stream at its ``Done``.
+class Refused(Exception):
+    """A stage refused a chunk: ``sent`` are the events before it in its batch (still relayed), ``error``
+    ends the stream."""
+
+    def __init__(self, sent: list[StreamEvent], error: CapyError) -> None:
+        super().__init__(error)
+        self.sent = sent
+        self.error = error
+
+
+class _Relay:
+    """The stages over each batch of events, one batch at a time; what pulling and pumping a stream share.
 
     A chunk the parser decoded into typed structs goes through ``typed`` (the
     stages' work in one pass) when it passes there, a Run likewise as a whole;
@@ -300,8 +343,22 @@ async def _relay(
     without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it
     ended on the engine's own error event.
     """
-    failed = False
-    async for batch in batches:
+
+    __slots__ = ("_stages", "_record", "_meter", "_typed", "_now", "_failed")
+
+    def __init__(self, stages: list[Stage], record: RequestRecord, meter: Meter, typed: TypedRelay | None,
+                 now: Callable[[], float]) -> None:
+        self._stages = stages
+        self._record = record
+        self._meter = meter
+        self._typed = typed
+        self._now = now
+        self._failed = False
+
+    def step(self, batch: list[StreamEvent]) -> tuple[list[StreamEvent], bool]:
+        """(the batch as it is to be sent, whether it ends the stream: it then ends at its ``Done``);
+        raises ``Refused``."""
+        record, meter, typed, now = self._record, self._meter, self._typed, self._now
         position = 0
         while position < len(batch):  # a run the typed pass declines is spliced in as its chunks
             event = batch[position]
@@ -321,21 +378,40 @@ async def _relay(
                         record.engine_answered()
                     continue
                 try:
-                    for stage in stages:
+                    for stage in self._stages:
                         event = stage(event)
-                except CapyError:
-                    if position > 1:
-                        yield batch[:position - 1]
-                    raise
+                except CapyError as error:
+                    raise Refused(batch[:position - 1], error) from error
                 batch[position - 1] = event
                 if not record.answered and meter.first_text_at is not None:
                     record.engine_answered()
             elif isinstance(event, EngineFailure):
                 record.engine_answered()
-                failed = True
+                self._failed = True
             elif isinstance(event, Done):
-                yield batch[:position]
-                return
-        yield batch
-    if not failed:
-        raise EdgeError("the engine's stream ended without [DONE]")
+                return batch[:position], True
+        return batch, False
+
+    def ended(self) -> None:
+        """The engine's message ended without ``[DONE]``."""
+        if not self._failed:
+            raise EdgeError("the engine's stream ended without [DONE]")
+
+
+async def _relay(
+    batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter,
+    typed: TypedRelay | None, now: Callable[[], float],
+) -> AsyncIterator[list[StreamEvent]]:
+    """The stream pulled: ``_Relay`` over each batch as it is asked for."""
+    relay = _Relay(stages, record, meter, typed, now)
+    async for batch in batches:
+        try:
+            sent, done = relay.step(batch)
+        except Refused as refused:
+            if refused.sent:
+                yield refused.sent
+            raise refused.error from refused.error.__cause__
+        yield sent
+        if done:
+            return
+    relay.ended()

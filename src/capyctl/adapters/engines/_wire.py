@@ -11,8 +11,9 @@ is how an engine learns that its client is gone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
@@ -22,7 +23,7 @@ from capyctl.adapters.engines._http import engine_error
 from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.ports import EngineSession
-from capyctl.domain.streams import Done, StreamEvent
+from capyctl.domain.streams import Done, Relayed, StreamEvent
 
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
@@ -39,6 +40,7 @@ class _Response(asyncio.Protocol):
         self.lost: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.release_to: list[_Response] | None = None  # idle pool to join once the response completes
+        self.sink: Callable[[], None] | None = None  # a pump's: called at each read instead of waking a reader
         self.reset()
 
     def reset(self) -> None:
@@ -62,6 +64,9 @@ class _Response(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self.lost = exc
+        if self.sink is not None:  # relayed right here, in this read's callback
+            self.sink()
+            return
         if self.buffered > _HIGH_WATER and self.transport is not None:
             self.transport.pause_reading()
             self.paused = True
@@ -71,6 +76,8 @@ class _Response(asyncio.Protocol):
         if not self.complete:
             self.lost = self.lost or exc or ConnectionResetError("the engine closed the connection")
         self.transport = None
+        if self.sink is not None:
+            self.sink()
         self._wake()
 
     # httptools callbacks
@@ -174,7 +181,7 @@ class WireEngineSession(EngineSession):
                 raise engine_error(conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
-            yield _batches(conn, self._max_event, until, runs)
+            yield _Stream(conn, _Reads(conn, self._max_event, until, runs))
         except BaseException:
             conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
             raise
@@ -251,33 +258,118 @@ async def _not_a_stream(conn: _Response) -> EdgeError:
 _ONE_BY_ONE = 8  # at most this many leading events are handed over one at a time
 
 
-async def _batches(conn: _Response, max_event: int, until: Callable[[], bool] | None = None, runs: bool = False
-                   ) -> AsyncIterator[list[StreamEvent]]:
-    """The events, a batch per network read; with ``until``, the first ones come one at a time until it is
-    true (or after a few), so that the first token is relayed before the rest of a large read is parsed."""
-    parser = SseParser(max_event, runs=runs)
-    singly = _ONE_BY_ONE if until is not None else 0
-    while True:
-        if conn.body:
-            events = parser.feed(conn.take())
-            while singly and not until():  # type: ignore[misc]
-                event = next(events, None)
-                if event is None:
-                    break
-                singly -= 1
-                if isinstance(event, Done):
-                    conn.saw_done = True
-                yield [event]
-            batch = list(events)
-            if batch:
-                if isinstance(batch[-1], Done):
-                    conn.saw_done = True
-                yield batch
-            continue
-        if conn.complete:
-            break
-        if conn.lost is not None:
-            raise EngineUnavailable(f"the engine connection broke: {conn.lost!r}")
-        await conn.wait()
-    if last := list(parser.close()):
-        yield last
+class _Reads:
+    """The events of each network read, in batches; with ``until``, the first ones come one at a time until
+    it is true (or after a few), so that the first token is relayed before the rest of a large read is
+    parsed. What both ways of relaying a stream (pulled, pumped) share."""
+
+    __slots__ = ("conn", "parser", "until", "singly")
+
+    def __init__(self, conn: _Response, max_event: int, until: Callable[[], bool] | None, runs: bool) -> None:
+        self.conn = conn  # told when [DONE] has come (saw_done)
+        self.parser = SseParser(max_event, runs=runs)
+        self.until = until
+        self.singly = _ONE_BY_ONE if until is not None else 0
+
+    def batches(self, data: bytes) -> Iterator[list[StreamEvent]]:
+        events = self.parser.feed(data)
+        while self.singly and not self.until():  # type: ignore[misc]
+            event = next(events, None)
+            if event is None:
+                return
+            self.singly -= 1
+            if isinstance(event, Done):
+                self.conn.saw_done = True
+            yield [event]
+        batch = list(events)
+        if batch:
+            if isinstance(batch[-1], Done):
+                self.conn.saw_done = True
+            yield batch
+
+    def last(self) -> list[StreamEvent]:
+        """What the parser still holds once the HTTP message is complete."""
+        return list(self.parser.close())
+
+
+class _Stream:
+    """An engine's SSE answer on one connection: pulled (``async for``: a batch per read, the reader woken by
+    each) or pumped (``pump``: each read is parsed and handed on in the connection's own callback)."""
+
+    def __init__(self, conn: _Response, reads: _Reads) -> None:
+        self._conn = conn
+        self._reads = reads
+        self._pulled: AsyncIterator[list[StreamEvent]] | None = None
+
+    def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
+        self._pulled = self._pull()
+        return self._pulled
+
+    async def _pull(self) -> AsyncIterator[list[StreamEvent]]:
+        conn, reads = self._conn, self._reads
+        while True:
+            if conn.body:
+                for batch in reads.batches(conn.take()):
+                    yield batch
+                continue
+            if conn.complete:
+                break
+            if conn.lost is not None:
+                raise EngineUnavailable(f"the engine connection broke: {conn.lost!r}")
+            await conn.wait()
+        if last := reads.last():
+            yield last
+
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
+                   ) -> bool:
+        """Hand each batch to ``deliver`` as its read arrives, from the connection's callback: no wake-up
+        of this task per read. When ``deliver`` says FULL, reading from the engine pauses until ``drain()``
+        returns. True once ``deliver`` said ENDED, False when the HTTP message ended first; raises as
+        pulling would."""
+        conn, reads = self._conn, self._reads
+        loop = asyncio.get_running_loop()
+        state: list[Any] = [None]  # the waiter of this turn
+
+        def sink() -> None:
+            waiter = state[0]
+            if waiter is None or waiter.done():  # cut (the waiter was cancelled) or already told
+                return
+            try:
+                full = False
+                while conn.body:  # a read is relayed whole, even past a full client: it is in memory already
+                    for batch in reads.batches(conn.take()):
+                        said = deliver(batch)
+                        if said is Relayed.ENDED:
+                            waiter.set_result(True)
+                            return
+                        if waiter.done():  # cut meanwhile
+                            return
+                        full = full or said is Relayed.FULL
+                if full:
+                    if conn.transport is not None:
+                        conn.transport.pause_reading()
+                    waiter.set_result(_PAUSED)
+                elif conn.complete:
+                    last = reads.last()
+                    waiter.set_result(bool(last) and deliver(last) is Relayed.ENDED)
+                elif conn.lost is not None:
+                    waiter.set_exception(EngineUnavailable(f"the engine connection broke: {conn.lost!r}"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it as pulling would
+                waiter.set_exception(exc)
+
+        conn.sink = sink
+        try:
+            while True:
+                state[0] = waiter = loop.create_future()
+                sink()  # what came before (or with) the head, or while paused
+                outcome = await waiter
+                if outcome is not _PAUSED:
+                    return bool(outcome)
+                await drain()
+                if conn.transport is not None:
+                    conn.transport.resume_reading()
+        finally:
+            conn.sink = None
+
+
+_PAUSED = object()

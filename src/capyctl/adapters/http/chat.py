@@ -37,8 +37,8 @@ from capyctl.domain.errors import (
     StreamIdleTimeout,
 )
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
-from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Run
-from capyctl.services.chat import ChatService, RequestService, failure_error, read_target
+from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Relayed, Run, StreamEvent
+from capyctl.services.chat import ChatService, EngineCall, RequestService, failure_error, read_target
 from capyctl.services.context import caller_request_id
 from capyctl.services.keys import Keyring
 
@@ -254,40 +254,27 @@ class ChatEndpoint:
         outcome: Outcome,
     ) -> None:
         opened = False
-        failure: EngineFailure | None = None
-        last = b""
+        framing = _Framing()
         try:
             async with self._service.open(record, obj, wait) as call:
                 opened = True
-                async for batch in call.events:
-                    parts: list[bytes] = []
-                    for event in batch:
-                        if isinstance(event, Run):  # checked as a whole, already SSE: sent on as it came
-                            parts.append(event.sse)
-                        elif isinstance(event, Chunk):
-                            parts += (b"data: ", event.raw, b"\n\n")
-                        elif isinstance(event, EngineFailure):
-                            failure = event
-                            parts += (b"data: ", event.raw, b"\n\n")
-                        elif isinstance(event, Done):
-                            if failure is None:  # an answer that ended on the engine's error has no metrics
-                                metrics = call.metrics()
-                                outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
-                                parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n")
-                            parts.append(_DONE)
-                            last = b"".join(parts)
-                        elif isinstance(event, Comment):
-                            parts += (event.raw, b"\n\n")
-                    if last:  # the batch that ended the stream leaves with the stream's end: one write less
-                        continue  # (the events end here: the relay stops at Done)
-                    if outcome.started:  # the hot path
-                        await exchange.write(b"".join(parts))
-                    else:  # headers go out with the first chunk: one wake-up for the client
-                        began = time.perf_counter()
-                        outcome.started = True
-                        exchange.start(_SSE_HEADERS + headers[1:])
-                        await exchange.write(b"".join(parts))
-                        self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+                if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read
+                    await call.pump(functools.partial(self._deliver, record, exchange, headers, outcome, framing,
+                                                      call), exchange.drain)
+                else:
+                    async for batch in call.events:
+                        data = framing.frame(batch, call, outcome)
+                        if framing.last:  # the batch that ended the stream leaves with the stream's end
+                            continue  # (the events end here: the relay stops at Done)
+                        if outcome.started:  # the hot path
+                            await exchange.write(data)
+                        else:  # headers go out with the first chunk: one wake-up for the client
+                            began = time.perf_counter()
+                            outcome.started = True
+                            exchange.start(_SSE_HEADERS + headers[1:])
+                            await exchange.write(data)
+                            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+            failure = framing.failure
             if failure is None:
                 record.phase = Phase.DONE
                 outcome.code = "ok"
@@ -305,6 +292,7 @@ class ChatEndpoint:
                 exchange.start(_SSE_HEADERS + headers[1:])
             await exchange.end(sse_error_event(error))
             return
+        last = framing.last
         if outcome.started:
             await exchange.end(last)
         else:  # the whole answer came in one read
@@ -314,3 +302,50 @@ class ChatEndpoint:
             await exchange.end(last)
             if last:
                 self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+
+    def _deliver(self, record: RequestRecord, exchange: Exchange, headers: Headers, outcome: Outcome,
+                 framing: _Framing, call: EngineCall, batch: list[StreamEvent]) -> Relayed:
+        """One batch of a pumped stream, written at once (the pulled loop's body, without its awaits)."""
+        data = framing.frame(batch, call, outcome)
+        if framing.last:  # the batch that ended the stream leaves with the stream's end, after the call
+            return Relayed.MORE
+        if not outcome.started:  # headers go out with the first chunk
+            began = time.perf_counter()
+            outcome.started = True
+            exchange.start(_SSE_HEADERS + headers[1:])
+            full = exchange.write_now(data)
+            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+            return Relayed.FULL if full else Relayed.MORE
+        return Relayed.FULL if exchange.write_now(data) else Relayed.MORE
+
+
+class _Framing:
+    """A relayed stream's batches as the SSE bytes sent on: what pulling and pumping share."""
+
+    __slots__ = ("failure", "last")
+
+    def __init__(self) -> None:
+        self.failure: EngineFailure | None = None  # the engine's own error event, when it sent one
+        self.last = b""  # the bytes of the batch that ended the stream, once it came
+
+    def frame(self, batch: list[StreamEvent], call: EngineCall, outcome: Outcome) -> bytes:
+        parts: list[bytes] = []
+        for event in batch:
+            if isinstance(event, Run):  # checked as a whole, already SSE: sent on as it came
+                parts.append(event.sse)
+            elif isinstance(event, Chunk):
+                parts += (b"data: ", event.raw, b"\n\n")
+            elif isinstance(event, EngineFailure):
+                self.failure = event
+                parts += (b"data: ", event.raw, b"\n\n")
+            elif isinstance(event, Done):
+                if self.failure is None:  # an answer that ended on the engine's error has no metrics
+                    metrics = call.metrics()
+                    outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
+                    parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n")
+                parts.append(_DONE)
+                self.last = b"".join(parts)
+                return self.last
+            elif isinstance(event, Comment):
+                parts += (event.raw, b"\n\n")
+        return b"".join(parts)

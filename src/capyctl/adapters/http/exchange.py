@@ -63,6 +63,7 @@ class Exchange:
     headers: Headers
     started: bool  # the status line went out
     ended: bool  # the whole answer went out
+    pushes = False  # write_now (a write from a callback, outside the request's task) is there
 
     async def read_body(self, limit: int) -> bytes:
         """The whole request body; ``TooLarge`` past ``limit`` bytes, ``ClientGone`` if the client left."""
@@ -91,6 +92,14 @@ class Exchange:
     async def end(self, data: bytes = b"") -> None:
         """A stream's last piece (if any) and its end."""
         raise NotImplementedError
+
+    def write_now(self, data: bytes) -> bool:
+        """``write`` at once, for an exchange that ``pushes``: True when the client cannot take more for
+        now (the caller stops producing until ``drain`` returns)."""
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        """Return once the client can take more (or is gone)."""
 
 
 def _json_headers(body: bytes, headers: Headers) -> Headers:
@@ -341,8 +350,22 @@ class WireExchange(Exchange):
         self._head = b"".join(content)
 
     async def write(self, data: bytes) -> None:
-        if not await self._writable():
-            return
+        if await self._writable():
+            self._put(data)
+
+    pushes = True
+
+    def write_now(self, data: bytes) -> bool:
+        if self.disconnected or self.ended:  # nothing may follow an answer's end
+            return False
+        self._put(data)
+        return self._flow.write_paused
+
+    async def drain(self) -> None:
+        if self._flow.write_paused and not self.disconnected:
+            await self._flow.drain()
+
+    def _put(self, data: bytes) -> None:
         if not self.started:
             self.started = True
             self._transport.write(b"%b%x\r\n%b\r\n" % (self._head, len(data), data) if data else self._head)
