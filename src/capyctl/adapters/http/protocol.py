@@ -103,15 +103,29 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
-            super().on_message_begin()
+            if hot:  # uvicorn's ASGI scope is made once the path is known, and only for an ASGI request
+                self.url = b""
+                self.expect_100_continue = False
+                self.headers = []
+            else:
+                super().on_message_begin()
             if self._timer is None:  # the next request on a kept-alive connection
                 self._arm(limits.header_timeout, "headers")
 
         def on_headers_complete(self) -> None:
             self._disarm()
             if not (hot and self._hot()):
+                if hot:
+                    self._asgi_scope()
                 super().on_headers_complete()
             self._arm(limits.body_timeout, "body")
+
+        def _asgi_scope(self) -> None:
+            """The scope uvicorn makes as a message begins, for the request read so far."""
+            url, headers, expect = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()  # (it starts the request afresh: what was read is put back)
+            self.url, self.headers, self.expect_100_continue = url, headers, expect
+            self.scope["headers"] = headers
 
         def _hot(self) -> bool:
             """Start a request to one of the door's paths as a WireExchange; False for any other request
