@@ -14,6 +14,9 @@ medians over the rounds: added time to first token at one stream (engine at
 its recorded pace; added = path minus direct in the same round), chunks/s and
 CPU µs per chunk at each N, and the ratios CapyCTL/nginx.
 
+With --floor a fourth path is measured: bench/bare_relay.py --decode, a relay in Python with none of
+CapyCTL's features that only decodes each chunk (the floor of a checking relay in Python here).
+
 nginx is Debian's nginx-light (apt-get install nginx-light), started by the
 bench as its child with a generated config (one worker, on a free loopback
 port, prefix in a temp dir); without it the nginx path is skipped.
@@ -378,22 +381,23 @@ def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], l
     heads = [f"chunks/s @{n}" if i == 0 else f"@{n}" for i, n in enumerate(ns)]
     heads += [f"CPU µs/chunk @{n}" if i == 0 else f"@{n}" for i, n in enumerate(ns)]
     widths = [max(len(h), 8) for h in heads]
-    print(f"{'path':<22} {ttft_head:>33} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, widths)))
+    print(f"{'path':<26} {ttft_head:>33} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, widths)))
 
     def line(label: str, row: list[float | None], ttft_digits: int = 3, digits: list[int] | None = None) -> None:
         ttft = ("(baseline)" if label == "direct" else
                 f"{cell(row[0], 0, ttft_digits).strip()} / {cell(row[1], 0, ttft_digits).strip()}")
         digits = digits or [0] * len(ns) + [1] * len(ns)
-        print(f"{label:<22} {ttft:>33} " + " ".join(cell(v, w, d) for v, w, d in zip(row[2:], widths, digits)))
+        print(f"{label:<26} {ttft:>33} " + " ".join(cell(v, w, d) for v, w, d in zip(row[2:], widths, digits)))
 
     for name, row in rows.items():
         line(name, row)
-    if "nginx" in rows and "capyctl" in rows:
-        ratio: list[float | None] = []
-        for mine, theirs in zip(rows["capyctl"], rows["nginx"]):
-            ratio.append(mine / theirs if mine is not None and theirs is not None and theirs > 0.0005 else None)
-        line("ratio capyctl/nginx", ratio, 2, [2] * (2 * len(ns)))
-    else:
+    for other in ("nginx", "bare python"):
+        if other in rows and "capyctl" in rows:
+            ratio: list[float | None] = []
+            for mine, theirs in zip(rows["capyctl"], rows[other]):
+                ratio.append(mine / theirs if mine is not None and theirs is not None and theirs > 0.0005 else None)
+            line(f"ratio capyctl/{other}", ratio, 2, [2] * (2 * len(ns)))
+    if "nginx" not in rows:
         print("(no nginx path this run: no capyctl/nginx ratios)")
     print(f"(medians over the rounds; added TTFT: {source}; CPU: the proxy's own processes, /proc utime+stime)")
 
@@ -410,6 +414,9 @@ def main() -> None:
                         help="streams waiting on one slot, to time a freed slot's hand-over to the next (0: none)")
     parser.add_argument("--paced", type=int, default=60,
                         help="streams per path to time to first token with the engine at its recorded pace (0: none)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure bench/bare_relay.py --decode: a featureless Python relay that only decodes "
+                             "each chunk, the floor of what a relay in Python costs on this machine")
     parser.add_argument("--nginx", default=find_nginx(),
                         help="nginx binary for the nginx path (default: nginx on PATH, else /usr/sbin/nginx)")
     args = parser.parse_args()
@@ -435,6 +442,7 @@ def main() -> None:
                             f"  max_pending_total: {most}\n")
     capy = CapyServer(tmp / "state", "--config", str(relay_config))
     nginx: Nginx | None = None
+    bare: subprocess.Popen[bytes] | None = None
     try:
         line = replay.stdout.readline().decode()  # type: ignore[union-attr]
         match = _LISTENING.search(line)
@@ -466,6 +474,13 @@ def main() -> None:
                 nginx = None
         if nginx is not None:
             routes.append(Route("nginx", "127.0.0.1", nginx.port, plain, None, nginx.cpu))
+        if args.floor:
+            bare = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_relay.py"), rhost, str(rport), "--decode"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            match = _LISTENING.search(bare.stdout.readline().decode())  # type: ignore[union-attr]
+            assert match, "bench/bare_relay.py did not start"
+            routes.append(Route("bare python", "127.0.0.1", int(match.group(2)), plain, None,
+                                lambda: cpu_seconds(bare.pid)))
         routes.append(capyctl)
         for route in routes:  # warm each path (connections, first-use code paths) before anything is measured
             asyncio.run(load(route.host, route.port, route.body, route.key, 1, 0.2, expect))
@@ -546,6 +561,9 @@ def main() -> None:
     finally:
         if nginx is not None:
             nginx.stop()
+        if bare is not None:
+            bare.kill()
+            bare.wait(10)
         capy.stop()
         replay.terminate()
         replay.wait(10)

@@ -106,7 +106,9 @@ def serve(argv: list[str]) -> None:
 
     _wire._Response.data_received = engine_data
     wrap_async(exchange.WireExchange, "run_asgi", "exchange task")
+    wrap_sync(uvicorn_http.HttpToolsProtocol, "__init__", "connection's protocol")
     wrap_async(exchange.WireExchange, "write", "send head+chunk / chunk")
+    wrap_sync(exchange.WireExchange, "write_now", "send head+chunk / chunk")  # a pumped stream's writes
     wrap_async(exchange.WireExchange, "end", "send end")
     wrap_async(exchange.WireExchange, "read_body", "read body")
     wrap_async(door.FrontDoor, "_handle", "front door")
