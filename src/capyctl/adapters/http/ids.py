@@ -1,21 +1,26 @@
 """Request IDs: ULIDs (26 characters of Crockford base32: 48 bits of milliseconds, then 80 random bits).
 
 Made here rather than with python-ulid, which stays for reading them: its generator keeps IDs of one
-millisecond in order with some bookkeeping and costs about 8 µs an ID; this costs about 1.5 µs, on a path
+millisecond in order with some bookkeeping and costs about 8 µs an ID; this costs about 1 µs, on a path
 every request takes. IDs of one millisecond are in no particular order.
 """
 
 from __future__ import annotations
 
-import base64
 import random
 import time
 
 _random = random.Random()  # seeded from the OS: IDs must differ, not be secret (they are no credential)
-_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]  # 10 bits as two characters
 
 
 def new_request_id() -> str:
     value = (time.time_ns() // 1_000_000) << 80 | _random.getrandbits(80)
-    # 160 bits in base32 are 32 characters; the first 6 carry only the 30 zero bits above the 130 of a ULID
-    return base64.b32encode(value.to_bytes(20, "big")).translate(_TO_CROCKFORD)[6:].decode()
+    # 128 bits as 13 pairs of 5-bit characters, most significant first (a ULID's 130 bits, 2 of them 0)
+    pairs = _PAIRS
+    return (pairs[value >> 120] + pairs[value >> 110 & 1023] + pairs[value >> 100 & 1023]
+            + pairs[value >> 90 & 1023] + pairs[value >> 80 & 1023] + pairs[value >> 70 & 1023]
+            + pairs[value >> 60 & 1023] + pairs[value >> 50 & 1023] + pairs[value >> 40 & 1023]
+            + pairs[value >> 30 & 1023] + pairs[value >> 20 & 1023] + pairs[value >> 10 & 1023]
+            + pairs[value & 1023])
