@@ -187,7 +187,7 @@ class FrontDoor:
                                salt_bound=key.cache_salt is not None)
         outcome = Outcome()
         try:
-            with anyio.CancelScope() as cut:
+            with exchange.cut_scope() as cut:
                 received_at = service.now()
                 exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, record, received_at))
                 try:
