@@ -46,7 +46,7 @@ class BatchedWriter(logging.Handler):
         super().__init__()
         self._stream = stream
         self._every = every
-        self._records: deque[logging.LogRecord] = deque()
+        self._records: deque[logging.LogRecord | tuple[float, str, str, dict[str, object]]] = deque()
         self._stop = False
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capyctl-log", daemon=True)
@@ -67,6 +67,23 @@ class BatchedWriter(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.handle(record)
 
+    def routine(self, name: str, message: str, extra: dict[str, object]) -> bool:
+        """A routine INFO line of logger ``name`` (already formatted), queued without making its record now:
+        the writer makes it in its round, as the logger would have (time included), and formats it. False,
+        with nothing queued, when the line could go anywhere else than here (another handler, a filter, a
+        level or a disabled logger on its way): the caller then logs it the usual way."""
+        if self.filters or self.level > logging.INFO or logging.getLogger().handlers != [self]:
+            return False
+        logger: logging.Logger | None = logging.getLogger(name)
+        if not logger.isEnabledFor(logging.INFO):  # type: ignore[union-attr]
+            return False
+        while logger is not None and logger.parent is not None:  # up to the root, which holds only this
+            if logger.handlers or logger.filters or logger.disabled or not logger.propagate:
+                return False
+            logger = logger.parent
+        self._records.append((time.time(), name, message, extra))
+        return True
+
     def start(self) -> None:
         self._thread.start()
 
@@ -81,6 +98,8 @@ class BatchedWriter(logging.Handler):
         records = self._records
         while records:
             record = records.popleft()
+            if type(record) is tuple:
+                record = _routine_record(*record)
             try:
                 lines.append(self.format(record))
             except Exception:
@@ -98,6 +117,25 @@ class BatchedWriter(logging.Handler):
         if self._thread.is_alive():
             self._thread.join()
         self.flush()
+
+
+def _routine_record(created: float, name: str, message: str, extra: dict[str, object]) -> logging.LogRecord:
+    """The record ``logging`` would have made for a routine line at ``created`` (no caller's frame: see
+    configure_logging)."""
+    record = logging.LogRecord(name, logging.INFO, "(unknown file)", 0, message, None, None, "(unknown function)")
+    record.relativeCreated -= (record.created - created) * 1000
+    record.created = created
+    record.msecs = int((created - int(created)) * 1000) + 0.0
+    record.__dict__.update(extra)
+    return record
+
+
+_active: BatchedWriter | None = None
+
+
+def routine_line(name: str, message: str, extra: dict[str, object]) -> bool:
+    """``BatchedWriter.routine`` of the writer ``configure_logging`` set up; False without one."""
+    return _active is not None and _active.routine(name, message, extra)
 
 
 def configure_logging(log_format: str = "text") -> BatchedWriter:
@@ -120,4 +158,6 @@ def configure_logging(log_format: str = "text") -> BatchedWriter:
     root.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     handler.start()
+    global _active
+    _active = handler
     return handler

@@ -24,6 +24,7 @@ from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
 from capyctl.adapters.http.decisions import DecisionEndpoint
 from capyctl.adapters.http.prometheus import RequestStats
+from capyctl.adapters.log_format import routine_line
 from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.adapters.process.ports import free_port
 from capyctl.adapters.storage.sqlite import SqliteStore
@@ -80,7 +81,7 @@ class Container(containers.DeclarativeContainer):
     state_dir = providers.Singleton(StateDir, root=config.state_dir)
     clock = providers.Singleton(SystemClock)
     store = providers.Resource(open_store, state_dir=state_dir)
-    events = providers.Singleton(Events, store=store, clock=clock)
+    events = providers.Singleton(Events, store=store, clock=clock, routine=routine_line)
     http_client = providers.Singleton(make_client)
     processes = providers.Singleton(PopenProcessControl)
 

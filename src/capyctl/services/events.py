@@ -14,9 +14,15 @@ log = logging.getLogger("capyctl.events")
 
 
 class Events:
-    def __init__(self, store: Store, clock: Clock) -> None:
+    """``routine``: a way out for the one log line every request gets that skips making its record now
+    (``log_format.routine_line``): called with the logger's name, the message and its fields, it returns
+    False when the line must be logged the usual way."""
+
+    def __init__(self, store: Store, clock: Clock,
+                 routine: Callable[[str, str, dict[str, Any]], bool] | None = None) -> None:
         self._store = store
         self._clock = clock
+        self._routine = routine
         self._listeners: list[Callable[[str | None, str, dict[str, Any]], None]] = []
 
     def listen(self, listener: Callable[[str | None, str, dict[str, Any]], None]) -> None:
@@ -49,13 +55,14 @@ class Events:
         except RuntimeError:  # no asyncio loop (trio in tests): at once
             self._log_selection(request_id, caller, deployment, host, instance, key)
 
-    @staticmethod
-    def _log_selection(request_id: str, caller: str | None, deployment: str, host: str, instance: int,
+    def _log_selection(self, request_id: str, caller: str | None, deployment: str, host: str, instance: int,
                        key: str | None) -> None:
-        log.info(
-            "request %s%s %s -> %s instance %d key %s",
-            request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-",
-            extra={"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
-                   "deployment": deployment, "host": host, "instance": instance, "key": key,
-                   "_routine": True},  # a line per request: written with the next batch
-        )
+        args = (request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-")
+        extra = {"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
+                 "deployment": deployment, "host": host, "instance": instance, "key": key,
+                 "_routine": True}  # a line per request: written with the next batch
+        if self._routine is None or not self._routine(log.name, _SELECTION % args, extra):
+            log.info(_SELECTION, *args, extra=extra)
+
+
+_SELECTION = "request %s%s %s -> %s instance %d key %s"
