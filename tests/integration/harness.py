@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -143,3 +146,24 @@ def deployment_file(tmp: Path, name: str, engine: str, model: Path, **extra: Any
     path = tmp / f"{name}.yaml"
     path.write_bytes(msgspec.yaml.encode(doc))
     return path
+
+
+@contextlib.contextmanager
+def replay_behind_capyctl(tmp: Path, recordings: Path, *replay_args: str) -> Iterator[CapyServer]:
+    """A replay engine serving ``recordings`` (vLLM 0.32.0 dialect) and a CapyCTL with it attached as the
+    deployment ``chat``, both stopped on the way out."""
+    replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", str(recordings), "--port", "0",
+                               *replay_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    capy: CapyServer | None = None
+    try:
+        url = re.search(r"listening on (http://\S+)", replay.stdout.readline().decode()).group(1)  # type: ignore[union-attr]
+        capy = CapyServer(tmp / "state")
+        capy.start()
+        (tmp / "chat.yaml").write_text(f"name: chat\nengine: vllm\nendpoint: {url}\nengine_version: 0.32.0\n")
+        capy.cli("deploy", "model", "--file", str(tmp / "chat.yaml"), "--wait")
+        yield capy
+    finally:
+        if capy is not None:
+            capy.stop()
+        replay.terminate()
+        replay.wait(10)

@@ -8,11 +8,8 @@ small and it reads a few kilobytes at a time.
 
 from __future__ import annotations
 
-import re
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.integration.harness import CapyServer
+from tests.integration.harness import CapyServer, replay_behind_capyctl
 
 RECORDING = Path(__file__).parents[1] / "contract" / "recordings" / "vllm" / "0.32.0"
 REPEATS = 24_000  # content chunks: about 5 MB
@@ -34,22 +31,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
     events = (RECORDING / "chat_stream_usage.sse").read_bytes().split(b"\n\n")[:-1]
     content = events[1]  # a plain content chunk
     (recordings / "long.sse").write_bytes(b"\n\n".join([events[0]] + [content] * REPEATS + events[-3:]) + b"\n\n")
-    replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", str(recordings), "--port", "0",
-                               "--default-case", "long", "--pace", "fast"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    capy: CapyServer | None = None
-    try:
-        url = re.search(r"listening on (http://\S+)", replay.stdout.readline().decode()).group(1)  # type: ignore[union-attr]
-        capy = CapyServer(tmp / "state")
-        capy.start()
-        (tmp / "chat.yaml").write_text(f"name: chat\nengine: vllm\nendpoint: {url}\nengine_version: 0.32.0\n")
-        capy.cli("deploy", "model", "--file", str(tmp / "chat.yaml"), "--wait")
+    with replay_behind_capyctl(tmp, recordings, "--default-case", "long", "--pace", "fast") as capy:
         yield capy
-    finally:
-        if capy is not None:
-            capy.stop()
-        replay.terminate()
-        replay.wait(10)
 
 
 def _dechunk(body: bytes) -> bytes:

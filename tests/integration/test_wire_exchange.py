@@ -9,10 +9,7 @@ answer through an escaped path (which takes the ASGI way).
 
 from __future__ import annotations
 
-import re
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tests.integration.harness import CapyServer
+from tests.integration.harness import CapyServer, replay_behind_capyctl
 
 RECORDING = Path(__file__).parents[1] / "contract" / "recordings" / "vllm" / "0.32.0"
 CHUNKS = (RECORDING / "chat_stream_eos_stop.sse").read_bytes().count(b"data: {")
@@ -28,23 +25,9 @@ CHUNKS = (RECORDING / "chat_stream_eos_stop.sse").read_bytes().count(b"data: {")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
-    tmp = tmp_path_factory.mktemp("wire")
-    replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", str(RECORDING), "--port", "0",
-                               "--default-case", "chat_stream_eos_stop"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    capy: CapyServer | None = None
-    try:
-        url = re.search(r"listening on (http://\S+)", replay.stdout.readline().decode()).group(1)  # type: ignore[union-attr]
-        capy = CapyServer(tmp / "state")
-        capy.start()
-        (tmp / "chat.yaml").write_text(f"name: chat\nengine: vllm\nendpoint: {url}\nengine_version: 0.32.0\n")
-        capy.cli("deploy", "model", "--file", str(tmp / "chat.yaml"), "--wait")
+    with replay_behind_capyctl(tmp_path_factory.mktemp("wire"), RECORDING, "--default-case",
+                               "chat_stream_eos_stop") as capy:
         yield capy
-    finally:
-        if capy is not None:
-            capy.stop()
-        replay.terminate()
-        replay.wait(10)
 
 
 def request(server: CapyServer, body: dict, version: str = "1.1", path: str = "/v1/chat/completions",
