@@ -133,6 +133,13 @@ class EngineSession(Protocol):
         ``runs=True``: then the plain events of one read may come as one
         ``Run`` (checked, and sent on, as one piece) instead of a Chunk each.
 
+        What is yielded may also have ``pump(deliver, drain)``: the same
+        batches handed to ``deliver`` as each read arrives, from the
+        connection's own callback, instead of being pulled. ``deliver`` says
+        what became of each (``Relayed``: MORE, FULL, that is pause reading
+        until ``drain()`` returns, or ENDED); ``pump`` returns True once it said
+        ENDED, False when the answer ended first, and raises as pulling would.
+
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it
         cannot be reached. Leaving the context, normally or by cancellation,

@@ -299,11 +299,9 @@ class _Stream:
     def __init__(self, conn: _Response, reads: _Reads) -> None:
         self._conn = conn
         self._reads = reads
-        self._pulled: AsyncIterator[list[StreamEvent]] | None = None
 
     def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
-        self._pulled = self._pull()
-        return self._pulled
+        return self._pull()
 
     async def _pull(self) -> AsyncIterator[list[StreamEvent]]:
         conn, reads = self._conn, self._reads
