@@ -75,6 +75,13 @@ def engine_metric(port: int, name: str) -> float:
     return sum(values)
 
 
+async def _first_bytes(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.read(300), 0.2)
+    except asyncio.TimeoutError:
+        return b"(nothing yet)"
+
+
 def port_of(server: CapyServer, name: str) -> int:
     return server.cli_json("status", "deployment", name)["instances"][0]["port"]
 
@@ -148,12 +155,16 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
                          + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
                          + b"\r\n\r\n" + body)
             await writer.drain()
-            streams.append(writer)
+            streams.append((reader, writer))
         deadline = time.monotonic() + 60
         while engine_metric(port, "vllm:num_requests_running") + engine_metric(port, "vllm:num_requests_waiting") < 1:
-            assert time.monotonic() < deadline, "no decision reached the engine"
+            if time.monotonic() > deadline:  # what the clients got and what CapyCTL said, to tell why
+                answers = [await _first_bytes(reader) for reader, _ in streams]
+                engine_log = Path(live.cli_json("status", "deployment", "tiny-decider")["instances"][0]["log"])
+                raise AssertionError(f"no decision reached the engine; answers {answers}; log:\n{live.log()[-3000:]}"
+                                     f"\nengine log:\n{engine_log.read_text(errors='replace')[-3000:]}")
             await asyncio.sleep(0.001)
-        for writer in streams:
+        for _, writer in streams:
             writer.transport.abort()  # the clients are gone
 
     asyncio.run(hang_up_once_at_the_engine())

@@ -1,15 +1,21 @@
 """The routine lane: the one line each request gets leaves exactly as ``log.info`` would have written it, and
-only when the writer is the sole way out for it (pytest's caplog, a filter or a level keep the usual way)."""
+only when the writer is the sole way out for it (pytest's caplog, a filter or a level keep the usual way); it
+waits for the writer's round, or for its answer's end, which sends it on before the answer's last bytes."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import msgspec
+import pytest
 
+from capyctl.adapters import log_format
+from capyctl.adapters.http.exchange import AsgiExchange, Exchange, WireExchange
 from capyctl.adapters.log_format import BatchedWriter, JsonFormatter, _routine_record
 
 NAME = "capyctl.test.routine"
@@ -73,3 +79,53 @@ def test_anything_else_on_the_way_takes_the_usual_way() -> None:
         assert stream.getvalue() == ""  # nothing was queued by a refusal
         writer.filters.clear()
         assert writer.routine(NAME, "x", dict(EXTRA))  # and alone again, the lane is open
+
+
+def test_due_wakes_the_writer_for_a_waiting_routine_line() -> None:
+    """A routine line waits for the writer's round (an hour here); ``due()`` sends it now."""
+    with alone() as (writer, stream):
+        writer.start()
+        try:
+            writer.due()  # nothing waits: nothing to write
+            assert writer.routine(NAME, "request 01ABC", dict(EXTRA))
+            writer.due()
+            deadline = time.monotonic() + 10
+            while "01ABC" not in stream.getvalue():
+                assert time.monotonic() < deadline, "the routine line was not written after due()"
+                time.sleep(0.005)
+            assert stream.getvalue().count("request 01ABC") == 1
+        finally:
+            writer.stop()
+
+
+@pytest.mark.parametrize("kind", ["wire", "asgi"])
+@pytest.mark.parametrize("answer", ["json", "end"])
+async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(kind: str, answer: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(log_format, "_active", SimpleNamespace(due=lambda: order.append("due")))
+    exchange = _exchange(kind, order)
+    if answer == "json":
+        await exchange.json(200, b"{}", [])
+    else:
+        exchange.start([])
+        await exchange.end(b"data: [DONE]\n\n")
+    assert order[-2:] == ["due", "last bytes"] and order.count("due") == 1
+
+
+def _exchange(kind: str, order: list[str]) -> Exchange:
+    if kind == "wire":
+        transport = SimpleNamespace(write=lambda data: order.append("last bytes"), close=lambda: None,
+                                    is_closing=lambda: False)
+        protocol = SimpleNamespace(transport=transport, flow=SimpleNamespace(write_paused=False),
+                                   on_response_complete=lambda: None,
+                                   server_state=SimpleNamespace(default_headers=[]))
+        return WireExchange(protocol, "POST", "/v1/chat/completions", [], True, False)
+
+    async def send(message: dict[str, object]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            order.append("last bytes")
+        else:
+            order.append(str(message["type"]))
+
+    return AsgiExchange({"method": "POST", "path": "/v1/chat/completions", "headers": []}, None, send, None)  # type: ignore[arg-type]

@@ -38,8 +38,10 @@ class BatchedWriter(logging.Handler):
     The event loop only appends the record (its message formatted at once, so that it says what was true
     then). A routine line (a record with ``_routine`` set: the one line each request gets) waits for the
     writer thread's next round, every ``every`` seconds, where all pending lines leave in one write: a
-    wake per line, as a queue would do, cost the relay a thread switch per request. Any other line wakes
-    the writer at once. ``stop()`` writes the last lines.
+    wake per line, as a queue would do, cost the relay a thread switch per request. ``due()``, called as a
+    request's answer is about to end, wakes the writer if routine lines still wait: a request's line is on
+    its way out before the client has the whole answer, at no cost to the first token, and a round that
+    came earlier saves the wake. Any other line wakes the writer at once. ``stop()`` writes the last lines.
     """
 
     def __init__(self, stream: TextIO, every: float = 0.05) -> None:
@@ -48,6 +50,7 @@ class BatchedWriter(logging.Handler):
         self._every = every
         self._records: deque[logging.LogRecord | tuple[float, str, str, dict[str, object]]] = deque()
         self._stop = False
+        self._due = False  # routine lines wait for a round (set after appending, cleared before writing)
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capyctl-log", daemon=True)
 
@@ -60,7 +63,9 @@ class BatchedWriter(logging.Handler):
             self.handleError(record)
             return False
         self._records.append(record)
-        if not getattr(record, "_routine", False):
+        if getattr(record, "_routine", False):
+            self._due = True
+        else:
             self._wake.set()
         return True
 
@@ -82,7 +87,13 @@ class BatchedWriter(logging.Handler):
                 return False
             logger = logger.parent
         self._records.append((time.time(), name, message, extra))
+        self._due = True
         return True
+
+    def due(self) -> None:
+        """Wake the writer now if routine lines wait for its round."""
+        if self._due:
+            self._wake.set()
 
     def start(self) -> None:
         self._thread.start()
@@ -96,6 +107,7 @@ class BatchedWriter(logging.Handler):
     def flush(self) -> None:
         lines = []
         records = self._records
+        self._due = False  # what is appended from here on sets it again
         while records:
             record = records.popleft()
             if type(record) is tuple:
@@ -136,6 +148,12 @@ _active: BatchedWriter | None = None
 def routine_line(name: str, message: str, extra: dict[str, object]) -> bool:
     """``BatchedWriter.routine`` of the writer ``configure_logging`` set up; False without one."""
     return _active is not None and _active.routine(name, message, extra)
+
+
+def routine_due() -> None:
+    """``BatchedWriter.due`` of the writer ``configure_logging`` set up, if any."""
+    if _active is not None:
+        _active.due()
 
 
 def configure_logging(log_format: str = "text") -> BatchedWriter:

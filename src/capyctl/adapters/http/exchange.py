@@ -15,7 +15,9 @@ Two kinds exist:
 
 Both answer exactly alike: the same status lines and headers as uvicorn
 writes them (its ``date`` and ``server`` headers included), chunked streams,
-keep-alive.
+keep-alive. Both send a request's routine log line on its way just before its
+answer's last bytes (``log_format.routine_due``): the line is in the log by the
+time the client has the answer, as it was when every line woke the writer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import anyio
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from capyctl.adapters.log_format import routine_due
 from capyctl.domain.errors import TooLarge
 
 Headers = list[tuple[bytes, bytes]]
@@ -169,6 +172,7 @@ class AsgiExchange(Exchange):
         self.started = True
         await self._send({"type": "http.response.start", "status": status, "headers": _json_headers(body, headers)})
         self.ended = True
+        routine_due()
         await self._send({"type": "http.response.body", "body": body})
 
     def start(self, headers: Headers) -> None:
@@ -186,6 +190,7 @@ class AsgiExchange(Exchange):
     async def end(self, data: bytes = b"") -> None:
         await self._start()
         self.ended = True
+        routine_due()
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
 
 
@@ -349,6 +354,7 @@ class WireExchange(Exchange):
         if self.method != "HEAD":
             content.append(body)
         self.started = True
+        routine_due()
         self._transport.write(b"".join(content))
         self._complete()
 
@@ -385,6 +391,7 @@ class WireExchange(Exchange):
             return
         head = b"" if self.started else self._head
         self.started = True
+        routine_due()
         self._transport.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (head, len(data), data) if data else head + b"0\r\n\r\n")
         self._complete()
 
