@@ -450,3 +450,13 @@ async def test_a_salted_key_sends_its_salt_and_a_llama_cpp_deployment_refuses_it
     assert status == 400 and body["error"]["code"] == "cache_salt_unsupported"
     assert "'tenant'" in body["error"]["message"] and engine.bodies == []
     assert keyring.get("tenant")[1].used == 0
+
+
+def test_the_digest_is_sha256_in_hex_as_stored_by_earlier_versions() -> None:
+    """Keys stored before the digest moved to CPython's own SHA-256 module must still match."""
+    import hashlib
+
+    from capyctl.domain.keys import digest
+
+    for secret in ["", "a", "k" * 43, "é-ünïcode ☃", "x" * 1000]:
+        assert digest(secret) == hashlib.sha256(secret.encode()).hexdigest()
