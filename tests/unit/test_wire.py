@@ -192,3 +192,40 @@ async def test_a_cut_pump_delivers_nothing_more_and_closes_its_connection(replay
     with anyio.fail_after(2):
         while httpx.get(replay + "/replay/stats").json()["disconnected"] == before:
             await anyio.sleep(0.02)
+
+
+async def test_each_request_leaves_with_the_head_for_its_engine_address() -> None:
+    """The head is worked out once per engine address (path prefix, host, port and Accept kept), with each
+    request's own Content-Length."""
+    import asyncio
+
+    heads: list[bytes] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        heads.append(head + await reader.readexactly(length))
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    session = WireEngineSession()
+    try:
+        for body in (b'{"a":1}', b'{"bb":22}'):
+            with pytest.raises(EngineError):
+                async with session.chat_stream(f"http://127.0.0.1:{port}/engine/", body):
+                    pass
+        with pytest.raises(EngineError):
+            await session.decide(f"http://127.0.0.1:{port}", b'{"q":1}')
+    finally:
+        server.close()
+    prefix = f"Host: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    assert heads == [
+        f"POST /engine/v1/chat/completions HTTP/1.1\r\n{prefix}Accept: text/event-stream\r\n"
+        f"Content-Length: 7\r\n\r\n".encode() + b'{"a":1}',
+        f"POST /engine/v1/chat/completions HTTP/1.1\r\n{prefix}Accept: text/event-stream\r\n"
+        f"Content-Length: 9\r\n\r\n".encode() + b'{"bb":22}',
+        f"POST /v1/systemone HTTP/1.1\r\n{prefix}Accept: application/json\r\n"
+        f"Content-Length: 7\r\n\r\n".encode() + b'{"q":1}',
+    ]

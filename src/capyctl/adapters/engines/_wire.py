@@ -29,6 +29,7 @@ _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relaye
 _MAX_ERROR_BODY = 64 * 1024
 _IDLE_PER_ENGINE = 64
 _MAX_DECISION = 16 << 20  # bytes of one decision answer
+_TARGETS = 256  # engine addresses whose request heads are kept
 
 
 class _Response(asyncio.Protocol):
@@ -132,6 +133,22 @@ class WireEngineSession(EngineSession):
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
+        self._targets: dict[tuple[str, str, str], tuple[str, int, bytes]] = {}
+
+    def _target(self, base_url: str, route: str, accept: str) -> tuple[str, int, bytes]:
+        """(host, port, the request's head up to its Content-Length value) for ``route`` under ``base_url``:
+        worked out once per engine address, not per request."""
+        known = self._targets.get((base_url, route, accept))
+        if known is None:
+            url = urlsplit(base_url)
+            host, port = url.hostname or "127.0.0.1", url.port or 80
+            path = url.path.rstrip("/") + route
+            head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                    f"Accept: {accept}\r\nContent-Length: ").encode()
+            if len(self._targets) >= _TARGETS:  # engines restart on new ports: keep the newest few
+                self._targets.clear()
+            known = self._targets[(base_url, route, accept)] = (host, port, head)
+        return known
 
     async def _connection(self, host: str, port: int) -> tuple[_Response, bool]:
         idle = self._idle.get((host, port))
@@ -146,16 +163,13 @@ class WireEngineSession(EngineSession):
             raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
         return conn, False
 
-    async def _send(self, host: str, port: int, path: str, body: bytes, accept: str = "text/event-stream") -> _Response:
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: {accept}\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
+    async def _send(self, host: str, port: int, head: bytes, body: bytes) -> _Response:
+        request = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
             conn, reused = await self._connection(host, port)
             conn.reset()
             try:
-                conn.transport.write(head + body)  # type: ignore[union-attr]
+                conn.transport.write(request)  # type: ignore[union-attr]
                 while not conn.headers_done and conn.lost is None:
                     await conn.wait()
             except BaseException:
@@ -170,10 +184,8 @@ class WireEngineSession(EngineSession):
     @asynccontextmanager
     async def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
                           runs: bool = False) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
-        url = urlsplit(base_url)
-        host, port = url.hostname or "127.0.0.1", url.port or 80
-        path = url.path.rstrip("/") + "/v1/chat/completions"
-        conn = await self._send(host, port, path, body)
+        host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
+        conn = await self._send(host, port, head, body)
         try:
             if conn.status != 200:
                 while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
@@ -196,9 +208,8 @@ class WireEngineSession(EngineSession):
     async def decide(self, base_url: str, body: bytes) -> bytes:
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
         ``EngineUnavailable`` when the engine cannot be reached; a cut closes the connection."""
-        url = urlsplit(base_url)
-        host, port = url.hostname or "127.0.0.1", url.port or 80
-        conn = await self._send(host, port, url.path.rstrip("/") + "/v1/systemone", body, "application/json")
+        host, port, head = self._target(base_url, "/v1/systemone", "application/json")
+        conn = await self._send(host, port, head, body)
         parts: list[bytes] = []
         size = 0
         try:
