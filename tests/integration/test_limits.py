@@ -102,6 +102,25 @@ def test_a_client_in_time_on_a_kept_alive_connection_is_not_cut(impatient: CapyS
             assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["choices"]
 
 
+
+def test_the_next_request_on_a_kept_alive_connection_gets_its_own_header_time(impatient: CapyServer) -> None:
+    """After an answered request the connection's header time starts again with the next request's first
+    byte: a pause before it is the keep-alive's business, a stall inside its headers is cut."""
+    body = b'{"model": "ok", "messages": []}'
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {impatient.api_key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
+        sock.sendall(request)
+        first = b""
+        while b"\r\n\r\n" not in first or len(first.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"content-length: (\d+)", first).group(1)):  # type: ignore[union-attr]
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthori")  # and no more
+        raw = answer_of(sock)
+    assert raw.startswith(b"HTTP/1.1 408 "), raw[:200]
+    assert envelope(raw)["phase"] == "headers"
+
 def chat(server: CapyServer) -> httpx.Response:
     try:
         return httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=30,

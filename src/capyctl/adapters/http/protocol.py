@@ -163,7 +163,8 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             if self.transport.is_closing():
                 return
             on_cut(f"slow_{phase}")
-            if self.cycle is None or not self.cycle.response_started:
+            cycle = self.cycle  # on a kept-alive connection, the answered request before this one
+            if cycle is None or not cycle.response_started or cycle.response_complete:
                 seconds = limits.header_timeout if phase == "headers" else limits.body_timeout
                 error = RequestTimeout(
                     f"the request's {phase} did not arrive within {seconds:g} s; the connection was closed",
