@@ -493,6 +493,7 @@ TOOLS = {  # other programs the pages run, and how the test asks for their --hel
     "capyctl-replay": [sys.executable, "-m", "capyctl.replay"],
     "python -m capyctl.replay": [sys.executable, "-m", "capyctl.replay"],
     "python bench/relay.py": [sys.executable, "bench/relay.py"],
+    "python bench/ab_ttft.py": [sys.executable, "bench/ab_ttft.py"],
     "python -m pytest": [sys.executable, "-m", "pytest"],
 }
 
