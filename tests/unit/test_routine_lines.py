@@ -19,6 +19,7 @@ from capyctl.adapters.http.exchange import AsgiExchange, Exchange, WireExchange
 from capyctl.adapters.log_format import BatchedWriter, JsonFormatter, _routine_record
 
 NAME = "capyctl.test.routine"
+LOGGER = logging.getLogger(NAME)
 EXTRA = {"event": "router_selection", "capyctl_request_id": "01ABC", "caller_request_id": None,
          "deployment": "m", "host": "local", "instance": 0, "key": "k", "_routine": True}
 
@@ -43,9 +44,14 @@ def alone() -> Iterator[tuple[BatchedWriter, io.StringIO]]:
         logging.getLogger(NAME).setLevel(logging.NOTSET)
 
 
+def line(message: str) -> tuple[object, tuple[object, ...]]:
+    """(a line function, its values) that make ``message`` (no arguments) with EXTRA's fields."""
+    return (lambda text: (text, (), dict(EXTRA))), (message,)
+
+
 def test_a_routine_line_is_written_as_log_info_writes_it() -> None:
     with alone() as (writer, stream):
-        assert writer.routine(NAME, "request 01ABC m -> local instance 0 key k", dict(EXTRA))
+        assert writer.routine(LOGGER, *line("request 01ABC m -> local instance 0 key k"))
         logging.getLogger(NAME).info("request %s %s -> %s instance %d key %s", "01ABC", "m", "local", 0, "k",
                                      extra=dict(EXTRA))
         writer.flush()
@@ -55,7 +61,7 @@ def test_a_routine_line_is_written_as_log_info_writes_it() -> None:
 
 
 def test_a_routine_record_keeps_the_time_it_was_logged_at() -> None:
-    record = _routine_record(123.456, NAME, "m", dict(EXTRA))
+    record = _routine_record(123.456, NAME, "m", (), dict(EXTRA))
     assert msgspec.json.decode(JsonFormatter().format(record))["time"] == "1970-01-01T00:02:03.456Z"
     assert logging.Formatter("%(asctime)s").format(record).endswith(",456")
 
@@ -65,20 +71,20 @@ def test_anything_else_on_the_way_takes_the_usual_way() -> None:
         root = logging.getLogger()
         other = logging.NullHandler()
         root.addHandler(other)  # as pytest's caplog does
-        assert not writer.routine(NAME, "x", dict(EXTRA))
+        assert not writer.routine(LOGGER, *line("x"))
         root.removeHandler(other)
         logging.getLogger(NAME).setLevel(logging.WARNING)
-        assert not writer.routine(NAME, "x", dict(EXTRA))
+        assert not writer.routine(LOGGER, *line("x"))
         logging.getLogger(NAME).setLevel(logging.NOTSET)
         logging.getLogger(NAME).disabled = True
-        assert not writer.routine(NAME, "x", dict(EXTRA))
+        assert not writer.routine(LOGGER, *line("x"))
         logging.getLogger(NAME).disabled = False
         writer.addFilter(lambda record: False)
-        assert not writer.routine(NAME, "x", dict(EXTRA))
+        assert not writer.routine(LOGGER, *line("x"))
         writer.flush()
         assert stream.getvalue() == ""  # nothing was queued by a refusal
         writer.filters.clear()
-        assert writer.routine(NAME, "x", dict(EXTRA))  # and alone again, the lane is open
+        assert writer.routine(LOGGER, *line("x"))  # and alone again, the lane is open
 
 
 def test_due_wakes_the_writer_for_a_waiting_routine_line() -> None:
@@ -87,7 +93,7 @@ def test_due_wakes_the_writer_for_a_waiting_routine_line() -> None:
         writer.start()
         try:
             writer.due()  # nothing waits: nothing to write
-            assert writer.routine(NAME, "request 01ABC", dict(EXTRA))
+            assert writer.routine(LOGGER, *line("request 01ABC"))
             writer.due()
             deadline = time.monotonic() + 10
             while "01ABC" not in stream.getvalue():
@@ -128,4 +134,34 @@ def _exchange(kind: str, order: list[str]) -> Exchange:
         else:
             order.append(str(message["type"]))
 
-    return AsgiExchange({"method": "POST", "path": "/v1/chat/completions", "headers": []}, None, send, None)  # type: ignore[arg-type]
+    return AsgiExchange({"method": "POST", "path": "/v1/chat/completions", "headers": []}, None, send, None)
+
+
+def test_the_request_line_is_made_in_the_writers_round_as_log_info_writes_it() -> None:
+    """Events hands the writer the request line's function and values; the line it writes is the one
+    ``log.info`` writes for the same request, the caller's ID included."""
+    from capyctl.services.events import selection_line
+
+    values = ("01ABC", "caller-7", "m", "local", 0, "k")
+    with alone() as (writer, stream):
+        assert writer.routine(LOGGER, selection_line, values)
+        message, args, extra = selection_line(*values)
+        LOGGER.info(message, *args, extra=extra)
+        writer.flush()
+    lane, usual = (msgspec.json.decode(text) for text in stream.getvalue().splitlines())
+    assert lane.pop("time")[:16] == usual.pop("time")[:16]
+    assert lane == usual
+    assert lane["message"] == "request 01ABC (caller caller-7) m -> local instance 0 key k"
+    assert lane["caller_request_id"] == "caller-7" and lane["event"] == "router_selection"
+
+
+def test_a_line_function_that_breaks_loses_its_line_only() -> None:
+    def broken(value: str) -> tuple[str, tuple[object, ...], dict[str, object]]:
+        raise ValueError(value)
+
+    with alone() as (writer, stream):
+        writer.handleError = lambda record: None  # type: ignore[method-assign]  # (logging would print it)
+        assert writer.routine(LOGGER, broken, ("x",))
+        assert writer.routine(LOGGER, *line("after it"))
+        writer.flush()
+    assert [msgspec.json.decode(text)["message"] for text in stream.getvalue().splitlines()] == ["after it"]

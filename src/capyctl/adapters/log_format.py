@@ -7,7 +7,8 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import msgspec
 
@@ -48,7 +49,7 @@ class BatchedWriter(logging.Handler):
         super().__init__()
         self._stream = stream
         self._every = every
-        self._records: deque[logging.LogRecord | tuple[float, str, str, dict[str, object]]] = deque()
+        self._records: deque[logging.LogRecord | tuple[float, str, Callable[..., Any], tuple[Any, ...]]] = deque()
         self._stop = False
         self._due = False  # routine lines wait for a round (set after appending, cleared before writing)
         self._wake = threading.Event()
@@ -72,21 +73,23 @@ class BatchedWriter(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.handle(record)
 
-    def routine(self, name: str, message: str, extra: dict[str, object]) -> bool:
-        """A routine INFO line of logger ``name`` (already formatted), queued without making its record now:
-        the writer makes it in its round, as the logger would have (time included), and formats it. False,
-        with nothing queued, when the line could go anywhere else than here (another handler, a filter, a
-        level or a disabled logger on its way): the caller then logs it the usual way."""
-        if self.filters or self.level > logging.INFO or logging.getLogger().handlers != [self]:
+    def routine(self, logger: logging.Logger, line: Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]],
+                values: tuple[Any, ...]) -> bool:
+        """A routine INFO line of ``logger``, queued as ``line`` and its ``values`` without making anything
+        now: the writer calls ``line(*values)`` (its format, arguments and fields) in its round and makes
+        the record the logger would have made (time included). False, with nothing queued, when the line
+        could go anywhere else than here (another handler, a filter, a level or a disabled logger on its
+        way): the caller then logs it the usual way."""
+        if self.filters or self.level > logging.INFO or logging.root.handlers != [self]:
             return False
-        logger: logging.Logger | None = logging.getLogger(name)
-        if not logger.isEnabledFor(logging.INFO):  # type: ignore[union-attr]
+        if not logger.isEnabledFor(logging.INFO):
             return False
-        while logger is not None and logger.parent is not None:  # up to the root, which holds only this
-            if logger.handlers or logger.filters or logger.disabled or not logger.propagate:
+        step: logging.Logger | None = logger
+        while step is not None and step.parent is not None:  # up to the root, which holds only this
+            if step.handlers or step.filters or step.disabled or not step.propagate:
                 return False
-            logger = logger.parent
-        self._records.append((time.time(), name, message, extra))
+            step = step.parent
+        self._records.append((time.time(), logger.name, line, values))
         self._due = True
         return True
 
@@ -111,7 +114,12 @@ class BatchedWriter(logging.Handler):
         while records:
             record = records.popleft()
             if type(record) is tuple:
-                record = _routine_record(*record)
+                created, name, line, values = record
+                try:
+                    record = _routine_record(created, name, *line(*values))
+                except Exception:  # a broken line function: said on stderr, as logging says a bad format
+                    self.handleError(_routine_record(created, name, repr(line), (), {}))
+                    continue
             try:
                 lines.append(self.format(record))
             except Exception:
@@ -131,10 +139,12 @@ class BatchedWriter(logging.Handler):
         self.flush()
 
 
-def _routine_record(created: float, name: str, message: str, extra: dict[str, object]) -> logging.LogRecord:
+def _routine_record(created: float, name: str, message: str, args: tuple[Any, ...],
+                    extra: dict[str, Any]) -> logging.LogRecord:
     """The record ``logging`` would have made for a routine line at ``created`` (no caller's frame: see
     configure_logging)."""
-    record = logging.LogRecord(name, logging.INFO, "(unknown file)", 0, message, None, None, "(unknown function)")
+    record = logging.LogRecord(name, logging.INFO, "(unknown file)", 0, message, args or None, None,
+                               "(unknown function)")
     record.relativeCreated -= (record.created - created) * 1000
     record.created = created
     record.msecs = int((created - int(created)) * 1000) + 0.0
@@ -145,9 +155,13 @@ def _routine_record(created: float, name: str, message: str, extra: dict[str, ob
 _active: BatchedWriter | None = None
 
 
-def routine_line(name: str, message: str, extra: dict[str, object]) -> bool:
-    """``BatchedWriter.routine`` of the writer ``configure_logging`` set up; False without one."""
-    return _active is not None and _active.routine(name, message, extra)
+def routine_line(logger: logging.Logger, line: Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]],
+                 values: tuple[Any, ...]) -> None:
+    """A routine line to the writer ``configure_logging`` set up (``BatchedWriter.routine``), or the usual
+    way where that writer is not the only way out for it."""
+    if _active is None or not _active.routine(logger, line, values):
+        message, args, extra = line(*values)
+        logger.info(message, *args, extra=extra)
 
 
 def routine_due() -> None:

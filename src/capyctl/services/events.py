@@ -13,13 +13,23 @@ from capyctl.services.context import caller_request_id
 log = logging.getLogger("capyctl.events")
 
 
+Line = Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]]  # values -> (format, args, fields)
+
+
+def usual_line(logger: logging.Logger, line: Line, values: tuple[Any, ...]) -> None:
+    """Log ``line(*values)`` through ``logger`` at INFO, the usual way."""
+    message, args, extra = line(*values)
+    logger.info(message, *args, extra=extra)
+
+
 class Events:
-    """``routine``: a way out for the one log line every request gets that skips making its record now
-    (``log_format.routine_line``): called with the logger's name, the message and its fields, it returns
-    False when the line must be logged the usual way."""
+    """``routine``: how the one log line every request gets is logged, given the logger, the function that
+    makes the line (its format, arguments and fields) and that function's values. By default the usual
+    way (``usual_line``); ``log_format.routine_line`` hands them to the log writer, which makes the line in
+    its own round, when it is the only way out for it."""
 
     def __init__(self, store: Store, clock: Clock,
-                 routine: Callable[[str, str, dict[str, Any]], bool] | None = None) -> None:
+                 routine: Callable[[logging.Logger, Line, tuple[Any, ...]], None] = usual_line) -> None:
         self._store = store
         self._clock = clock
         self._routine = routine
@@ -48,21 +58,21 @@ class Events:
             self._clock.wall(), deployment, "router_selection",
             {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key},
         )
-        caller = caller_request_id.get()
+        values = (request_id, caller_request_id.get(), deployment, host, instance, key)
         try:
-            asyncio.get_running_loop().call_soon(self._log_selection, request_id, caller, deployment, host,
-                                                 instance, key)
+            asyncio.get_running_loop().call_soon(self._routine, log, selection_line, values)
         except RuntimeError:  # no asyncio loop (trio in tests): at once
-            self._log_selection(request_id, caller, deployment, host, instance, key)
+            self._routine(log, selection_line, values)
 
-    def _log_selection(self, request_id: str, caller: str | None, deployment: str, host: str, instance: int,
-                       key: str | None) -> None:
-        args = (request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-")
-        extra = {"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
-                 "deployment": deployment, "host": host, "instance": instance, "key": key,
-                 "_routine": True}  # a line per request: written with the next batch
-        if self._routine is None or not self._routine(log.name, _SELECTION % args, extra):
-            log.info(_SELECTION, *args, extra=extra)
+
+def selection_line(request_id: str, caller: str | None, deployment: str, host: str, instance: int,
+                   key: str | None) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """The request line of a routed request: its format, arguments and fields."""
+    args = (request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-")
+    extra = {"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
+             "deployment": deployment, "host": host, "instance": instance, "key": key,
+             "_routine": True}  # a line per request: written with the log writer's next round
+    return _SELECTION, args, extra
 
 
 _SELECTION = "request %s%s %s -> %s instance %d key %s"
