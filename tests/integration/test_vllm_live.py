@@ -147,9 +147,18 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
             for i in range(64)}
     body = msgspec.json.encode({"model": "tiny-decider", "state": state, "questions": many})
 
+    def engine_has_work(prompt_tokens_before: float) -> bool:
+        # the gauges show work waiting or running; the prompt-token counter, once the engine has been at
+        # it: a slow poll (vLLM's server is busy tokenizing) can miss the gauges' window, not the count
+        return (engine_metric(port, "vllm:num_requests_running") + engine_metric(port, "vllm:num_requests_waiting")
+                >= 1 or engine_metric(port, "vllm:prompt_tokens_total") > prompt_tokens_before)
+
     async def hang_up_once_at_the_engine() -> None:
         streams = []
-        for _ in range(20):  # seconds of work in all, more than the engine's 2 slots: a queue builds there
+        prompt_tokens_before = engine_metric(port, "vllm:prompt_tokens_total")
+        # 40 decisions, about 12 s of engine work here, more than the engine's 2 slots: a queue builds there,
+        # and work is still left when a poll of vLLM's metrics takes seconds (as it does under load)
+        for _ in range(40):
             reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
             writer.write(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + live.api_key.encode()
                          + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
@@ -157,7 +166,7 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
             await writer.drain()
             streams.append((reader, writer))
         deadline = time.monotonic() + 60
-        while engine_metric(port, "vllm:num_requests_running") + engine_metric(port, "vllm:num_requests_waiting") < 1:
+        while not engine_has_work(prompt_tokens_before):
             if time.monotonic() > deadline:  # what the clients got and what CapyCTL said, to tell why
                 answers = [await _first_bytes(reader) for reader, _ in streams]
                 engine_log = Path(live.cli_json("status", "deployment", "tiny-decider")["instances"][0]["log"])
