@@ -7,9 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,10 +29,11 @@ EXTRA = {"event": "router_selection", "capyctl_request_id": "01ABC", "caller_req
 
 
 @contextlib.contextmanager
-def alone() -> Iterator[tuple[BatchedWriter, io.StringIO]]:
-    """A writer that is the root's only handler, as ``configure_logging`` leaves it (pytest's own handlers,
-    which it puts on the root for each test, are set aside meanwhile)."""
-    stream = io.StringIO()
+def alone(stream: Any = None) -> Iterator[tuple[BatchedWriter, Any]]:
+    """A writer (to ``stream``, a StringIO by default) that is the root's only handler, as
+    ``configure_logging`` leaves it (pytest's own handlers, which it puts on the root for each test, are
+    set aside meanwhile)."""
+    stream = io.StringIO() if stream is None else stream
     writer = BatchedWriter(stream, every=3600)
     writer.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -165,3 +170,97 @@ def test_a_line_function_that_breaks_loses_its_line_only() -> None:
         assert writer.routine(LOGGER, *line("after it"))
         writer.flush()
     assert [msgspec.json.decode(text)["message"] for text in stream.getvalue().splitlines()] == ["after it"]
+
+
+def _messages(text: str) -> list[str]:
+    return [msgspec.json.decode(row)["message"] for row in text.splitlines()]
+
+
+def _unread(fd: int) -> str:
+    """What the pipe holds now, without waiting."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 1 << 20).decode()
+    except BlockingIOError:
+        return ""
+
+
+def _read_to_the_end(fd: int) -> None:
+    os.set_blocking(fd, True)
+    with contextlib.suppress(OSError):
+        while os.read(fd, 65536):
+            pass
+
+
+def test_due_writes_the_waiting_lines_itself_to_a_pipe_that_takes_them() -> None:
+    """No thread switch: the lines are in the pipe when ``due()`` returns (the writer thread never runs)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        with open(write_fd, "w") as pipe, alone(pipe) as (writer, _):
+            assert writer.routine(LOGGER, *line("request 01ABC"))
+            logging.getLogger(NAME).info("request cut: engine connection closed")  # (this one woke no one)
+            assert writer.routine(LOGGER, *line("request 01ABD"))
+            writer.due()
+            assert _messages(_unread(read_fd)) == ["request 01ABC", "request cut: engine connection closed",
+                                                   "request 01ABD"]
+            writer.due()  # nothing waits any more
+            assert _unread(read_fd) == ""
+    finally:
+        os.close(read_fd)
+
+
+def test_due_writes_any_length_to_a_regular_file(tmp_path: Path) -> None:
+    with open(tmp_path / "log", "w") as log, alone(log) as (writer, _):
+        assert writer.routine(LOGGER, *line("x" * 20000))
+        writer.due()
+        assert _messages((tmp_path / "log").read_text()) == ["x" * 20000]
+
+
+def test_lines_longer_than_a_pipe_takes_at_once_are_left_to_the_writer_in_their_order() -> None:
+    read_fd, write_fd = os.pipe()
+    try:
+        with open(write_fd, "w") as pipe, alone(pipe) as (writer, _):
+            assert writer.routine(LOGGER, *line("y" * 5000))  # past PIPE_BUF: a write that could block
+            writer.due()
+            assert _unread(read_fd) == ""
+            assert writer.routine(LOGGER, *line("after it"))
+            writer.flush()  # the writer's round
+            got = ""
+            deadline = time.monotonic() + 10
+            while got.count("\n") < 2:
+                assert time.monotonic() < deadline, f"the writer wrote only {got!r}"
+                got += _unread(read_fd)
+            assert _messages(got) == ["y" * 5000, "after it"]
+    finally:
+        os.close(read_fd)
+
+
+def test_due_never_blocks_on_a_full_pipe_and_the_writer_sends_the_line_once_it_drains() -> None:
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    for size in (65536, 1):  # until the pipe takes not one byte more
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_fd, b"." * size)
+    os.set_blocking(write_fd, True)
+    try:
+        with open(write_fd, "w") as pipe, alone(pipe) as (writer, _):
+            writer.start()
+            try:
+                assert writer.routine(LOGGER, *line("request 01ABC"))
+                caller = threading.Thread(target=writer.due)
+                caller.start()
+                caller.join(10)
+                assert not caller.is_alive(), "due() waited on a full pipe"
+                got = ""
+                deadline = time.monotonic() + 10
+                while "request 01ABC" not in got:  # the writer thread, woken by due(), waits on the pipe
+                    assert time.monotonic() < deadline, "the line never came once the pipe was read"
+                    got += _unread(read_fd)
+                    time.sleep(0.001)
+                assert _messages(got.lstrip(".")) == ["request 01ABC"]
+            finally:
+                threading.Thread(target=_read_to_the_end, args=(read_fd,), daemon=True).start()  # (had it failed)
+                writer.stop()
+    finally:
+        os.close(read_fd)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import select
+import stat
 import sys
 import threading
 import time
@@ -40,9 +43,13 @@ class BatchedWriter(logging.Handler):
     then). A routine line (a record with ``_routine`` set: the one line each request gets) waits for the
     writer thread's next round, every ``every`` seconds, where all pending lines leave in one write: a
     wake per line, as a queue would do, cost the relay a thread switch per request. ``due()``, called as a
-    request's answer is about to end, wakes the writer if routine lines still wait: a request's line is on
-    its way out before the client has the whole answer, at no cost to the first token, and a round that
-    came earlier saves the wake. Any other line wakes the writer at once. ``stop()`` writes the last lines.
+    request's answer is about to end, writes the routine lines still waiting from the caller's own thread
+    when the stream takes them without blocking (a regular file; a pipe, socket or terminal that polls
+    writable, for at most ``PIPE_BUF`` bytes), and wakes the writer for them otherwise: a request's line is
+    out before its client has the whole answer, at no cost to the first token and without a thread switch
+    per request (a wake of the writer was about 25 µs more CPU a request at 32 streams). Any other line
+    wakes the writer at once.
+    ``stop()`` writes the last lines. Lines leave in the order they were logged, whichever thread writes.
     """
 
     def __init__(self, stream: TextIO, every: float = 0.05) -> None:
@@ -54,6 +61,9 @@ class BatchedWriter(logging.Handler):
         self._due = False  # routine lines wait for a round (set after appending, cleared before writing)
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capyctl-log", daemon=True)
+        self._writing = threading.Lock()  # one thread at a time takes lines and writes them: their order holds
+        self._carry = ""  # lines made by due() that were too long to write then: the writer's next write
+        self._takes_now, self._any_size = _takes_now(stream)
 
     def handle(self, record: logging.LogRecord) -> bool:  # no lock: deque.append is atomic
         if not self.filter(record):
@@ -94,9 +104,25 @@ class BatchedWriter(logging.Handler):
         return True
 
     def due(self) -> None:
-        """Wake the writer now if routine lines wait for its round."""
-        if self._due:
+        """Write the routine lines still waiting, now, from this thread if the stream takes them without
+        blocking; else (or while the writer is writing) wake the writer for them."""
+        if not self._due:
+            return
+        if self._takes_now is None or not self._writing.acquire(blocking=False):
             self._wake.set()
+            return
+        try:
+            if not self._takes_now():
+                self._wake.set()
+                return
+            text = self._take()
+            if not (self._any_size or len(text) <= _PIPE_BUF // 4 or len(text.encode()) <= _PIPE_BUF):
+                self._carry = text  # more than a pipe takes in one piece: left to the writer thread
+                self._wake.set()
+                return
+            self._write(text)
+        finally:
+            self._writing.release()
 
     def start(self) -> None:
         self._thread.start()
@@ -108,7 +134,13 @@ class BatchedWriter(logging.Handler):
             self.flush()
 
     def flush(self) -> None:
-        lines = []
+        with self._writing:
+            self._write(self._take())
+
+    def _take(self) -> str:
+        """Every pending line, formatted, as one text (empty: none); called holding ``_writing``."""
+        lines = [self._carry] if self._carry else []
+        self._carry = ""
         records = self._records
         self._due = False  # what is appended from here on sets it again
         while records:
@@ -121,12 +153,15 @@ class BatchedWriter(logging.Handler):
                     self.handleError(_routine_record(created, name, repr(line), (), {}))
                     continue
             try:
-                lines.append(self.format(record))
+                lines.append(self.format(record) + "\n")
             except Exception:
                 self.handleError(record)
-        if lines:
+        return "".join(lines)
+
+    def _write(self, text: str) -> None:
+        if text:
             try:
-                self._stream.write("\n".join(lines) + "\n")
+                self._stream.write(text)
                 self._stream.flush()
             except (OSError, ValueError):  # stderr closed or full: the lines are lost, the server goes on
                 pass
@@ -137,6 +172,25 @@ class BatchedWriter(logging.Handler):
         if self._thread.is_alive():
             self._thread.join()
         self.flush()
+
+
+_PIPE_BUF = select.PIPE_BUF  # a write of at most this much to a pipe that polls writable does not block
+
+
+def _takes_now(stream: TextIO) -> tuple[Callable[[], bool] | None, bool]:
+    """(whether a write to ``stream``'s file cannot block now, whether that holds for a write of any size):
+    a regular file takes any write; a pipe, socket or terminal takes one of up to PIPE_BUF bytes while it
+    polls writable. (None, False) for a stream without a file of its own: the writer thread writes to it."""
+    try:
+        fd = stream.fileno()
+        mode = os.fstat(fd).st_mode
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None, False
+    if stat.S_ISREG(mode):
+        return (lambda: True), True
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return (lambda: bool(poll.poll(0))), False
 
 
 def _routine_record(created: float, name: str, message: str, args: tuple[Any, ...],

@@ -15,7 +15,7 @@ Two kinds exist:
 
 Both answer exactly alike: the same status lines and headers as uvicorn
 writes them (its ``date`` and ``server`` headers included), chunked streams,
-keep-alive. Both send a request's routine log line on its way just before its
+keep-alive. Both hand a request's routine log line out just before its
 answer's last bytes (``log_format.routine_due``): the line is in the log by the
 time the client has the answer, as it was when every line woke the writer.
 """
