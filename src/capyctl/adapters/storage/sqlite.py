@@ -57,6 +57,8 @@ MAX_EVENTS = 100_000  # stored events kept at most; the oldest go first
 MAX_EVENT_AGE = 30 * 86400.0  # seconds an event is kept
 _PRUNE_EVERY = 1000  # inserts between two prunes
 _FLUSH_EVERY = 0.2  # seconds between two inserts of the queued events
+_ROWS_PER_INSERT = 200  # events in one INSERT statement (800 parameters, within SQLite's oldest limit of 999)
+_INSERT_EVENTS = "INSERT INTO events (at, deployment, kind, detail) VALUES "
 log = logging.getLogger("capyctl.store")
 
 _encode = msgspec.json.encode
@@ -121,7 +123,10 @@ class SqliteStore(Store):
     def _write(self, rows: list[tuple[Any, ...]], uses: dict[str, tuple[str, int, float | None]]) -> None:
         self._db.execute("BEGIN")
         try:
-            self._db.executemany("INSERT INTO events (at, deployment, kind, detail) VALUES (?, ?, ?, ?)", rows)
+            for start in range(0, len(rows), _ROWS_PER_INSERT):  # (executemany steps, and lets go of the
+                group = rows[start:start + _ROWS_PER_INSERT]  # GIL, once a row: a thread switch each time)
+                self._db.execute(_INSERT_EVENTS + ", ".join(["(?, ?, ?, ?)"] * len(group)),
+                                 [value for row in group for value in row])
             self._db.executemany(
                 "INSERT INTO key_usage VALUES (?, ?, ?) ON CONFLICT (key_id, day) DO UPDATE SET used = excluded.used",
                 [(key_id, day, used) for key_id, (day, used, _) in uses.items()])
