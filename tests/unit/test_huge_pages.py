@@ -13,15 +13,19 @@ MAPS = """\
 55d000000000-55d000001000 r--p 00000000 fd:01 123  /usr/bin/python3.11
 55d000400000-55d001a00000 rw-p 00000000 00:00 0    [heap]
 7f0000000000-7f0000600000 rw-p 00000000 00:00 0
+7f0000600000-7f0000800000 rw-p 00010000 fd:01 789  /usr/lib/some-data
+7f0000a00000-7f0000a01000 ---p 00000000 00:00 0
+7f0000a01000-7f0001201000 rw-p 00000000 00:00 0
 7f1000000000-7f1000021000 r-xp 00000000 fd:01 456  /usr/lib/libc.so.6
 7ffc00000000-7ffc00800000 rw-p 00000000 00:00 0    [stack]
 """
 
 
-def test_only_the_heaps_whole_2_mib_ranges_are_asked_for() -> None:
-    # [heap] 0x55d000400000..0x55d001a00000: the first whole 2 MiB page starts at 0x55d000400000 (aligned),
-    # the last ends at 0x55d001a00000; other mappings (anonymous, stack, code) are left as they are
-    assert list(heap_ranges(MAPS)) == [(0x55D000400000, 0x55D001A00000 - 0x55D000400000)]
+def test_the_heaps_whole_2_mib_ranges_are_asked_for_and_nothing_else() -> None:
+    # the C heap and an anonymous mapping (CPython's arenas); not a file's data, not a thread's stack (the
+    # anonymous mapping right above a guard page), not the main stack, not code
+    assert list(heap_ranges(MAPS)) == [(0x55D000400000, 0x55D001A00000 - 0x55D000400000),
+                                       (0x7F0000000000, 0x600000)]
     unaligned = "55d000001000-55d000400fff rw-p 00000000 00:00 0 [heap]\n"
     assert list(heap_ranges(unaligned)) == [(0x55D000200000, HUGE_PAGE)]
     too_small = "55d000001000-55d000200fff rw-p 00000000 00:00 0 [heap]\n"
@@ -41,31 +45,28 @@ def test_nothing_is_asked_for_where_transparent_huge_pages_are_off(tmp_path: Pat
 def test_this_processs_heap_is_marked_and_what_collapsed_is_on_huge_pages() -> None:
     enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     pages = back_heap_with_huge_pages()
-    heap = heap_entries(Path("/proc/self/smaps").read_text())  # (marking splits it: the marked part apart)
-    marked = [entry for entry in heap if "hg" in entry["VmFlags"].split()]  # the kernel's flag for MADV_HUGEPAGE
+    mappings = smaps_entries(Path("/proc/self/smaps").read_text())
+    marked = [entry for entry in mappings if "hg" in entry["VmFlags"].split()]  # the kernel's MADV_HUGEPAGE flag
     if not enabled.exists() or "[never]" in enabled.read_text():
         assert pages.marked == 0 and not marked
         return
     assert pages.marked >= HUGE_PAGE, pages  # pytest's heap is far past 2 MiB
     assert sum(entry["end"] - entry["start"] for entry in marked) >= pages.marked
+    assert any(entry["name"] == "[heap]" for entry in marked)
+    assert all(entry["name"] in ("[heap]", "") and entry["perms"] == "rw-p" for entry in marked)
     if pages.collapsed:
         assert sum(int(entry["AnonHugePages"].split()[0]) for entry in marked) * 1024 >= HUGE_PAGE
 
 
-def heap_entries(smaps: str) -> list[dict]:  # type: ignore[type-arg]
-    """The [heap] mappings in /proc/PID/smaps: their bounds and fields."""
+def smaps_entries(smaps: str) -> list[dict]:  # type: ignore[type-arg]
+    """The mappings in /proc/PID/smaps: bounds, permissions, name and fields."""
     entries: list[dict] = []  # type: ignore[type-arg]
-    entry: dict | None = None  # type: ignore[type-arg]
     for line in smaps.splitlines():
         head = line.split()
         if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
-            entry = None
-            if head[-1] == "[heap]":
-                low, high = (int(bound, 16) for bound in head[0].split("-"))
-                entry = {"start": low, "end": high}
-                entries.append(entry)
-        elif entry is not None and ":" in line:
+            low, high = (int(bound, 16) for bound in head[0].split("-"))
+            entries.append({"start": low, "end": high, "perms": head[1], "name": head[5] if len(head) > 5 else ""})
+        elif entries and ":" in line:
             name, _, value = line.partition(":")
-            entry[name] = value.strip()
-    assert entries, "no [heap] mapping"
+            entries[-1][name] = value.strip()
     return entries

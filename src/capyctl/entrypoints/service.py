@@ -132,7 +132,7 @@ async def _serve(
             gc.freeze()
             # ... and on huge pages, where the idle server's first request finds it sooner
             pages = back_heap_with_huge_pages()
-            log.debug("C heap on huge pages: %d MiB marked, collapsed: %s%s", pages.marked >> 20, pages.collapsed,
+            log.debug("heaps on huge pages: %d MiB marked, collapsed: %s%s", pages.marked >> 20, pages.collapsed,
                       f" ({pages.why_not})" if pages.why_not else "")
             async with anyio.create_task_group() as servers:
                 servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
