@@ -9,33 +9,39 @@ import pytest
 
 from capyctl.adapters.process.huge_pages import HUGE_PAGE, back_heap_with_huge_pages, heap_ranges
 
-MAPS = """\
-55d000000000-55d000001000 r--p 00000000 fd:01 123  /usr/bin/python3.11
-55d000400000-55d001a00000 rw-p 00000000 00:00 0    [heap]
-7f0000000000-7f0000600000 rw-p 00000000 00:00 0
-7f0000600000-7f0000800000 rw-p 00010000 fd:01 789  /usr/lib/some-data
-7f0000a00000-7f0000a01000 ---p 00000000 00:00 0
-7f0000a01000-7f0001201000 rw-p 00000000 00:00 0
-7f1000000000-7f1000021000 r-xp 00000000 fd:01 456  /usr/lib/libc.so.6
-7ffc00000000-7ffc00800000 rw-p 00000000 00:00 0    [stack]
-"""
+def mapping(bounds: str, perms: str, inode: str, name: str = "", rss_kb: int = 0) -> str:
+    """One mapping as /proc/PID/smaps shows it (its first line and the fields read here)."""
+    return f"{bounds} {perms} 00000000 00:00 {inode} {name}\nSize: 0 kB\nRss: {rss_kb} kB\nVmFlags: rd wr\n"
+
+
+SMAPS = "".join([
+    mapping("55d000000000-55d000001000", "r--p", "123", "/usr/bin/python3.11", 4),
+    mapping("55d000400000-55d001a00000", "rw-p", "0", "[heap]", 1024),  # the C heap: however resident
+    mapping("7f0000000000-7f0000600000", "rw-p", "0", "", 6144),  # CPython's arenas: all resident
+    mapping("7f0000600000-7f0000800000", "rw-p", "789", "/usr/lib/some-data", 2048),  # a file's data
+    mapping("7f0000a00000-7f0000a01000", "---p", "0"),  # a thread's guard page ...
+    mapping("7f0000a01000-7f0001201000", "rw-p", "0", "", 8192),  # ... and its stack right above it
+    mapping("7f0002000000-7f0006000000", "rw-p", "0", "", 4096),  # 64 MiB mapped, 4 MiB of it touched
+    mapping("7f1000000000-7f1000021000", "r-xp", "456", "/usr/lib/libc.so.6", 132),
+    mapping("7ffc00000000-7ffc00800000", "rw-p", "0", "[stack]", 132),
+])
 
 
 def test_the_heaps_whole_2_mib_ranges_are_asked_for_and_nothing_else() -> None:
-    # the C heap and an anonymous mapping (CPython's arenas); not a file's data, not a thread's stack (the
-    # anonymous mapping right above a guard page), not the main stack, not code
-    assert list(heap_ranges(MAPS)) == [(0x55D000400000, 0x55D001A00000 - 0x55D000400000),
-                                       (0x7F0000000000, 0x600000)]
-    unaligned = "55d000001000-55d000400fff rw-p 00000000 00:00 0 [heap]\n"
+    # the C heap and a resident anonymous mapping (CPython's arenas); not a file's data, a thread's stack,
+    # a mostly untouched mapping (huge pages would make all of it resident), the main stack or code
+    assert list(heap_ranges(SMAPS)) == [(0x55D000400000, 0x55D001A00000 - 0x55D000400000),
+                                        (0x7F0000000000, 0x600000)]
+    unaligned = mapping("55d000001000-55d000400fff", "rw-p", "0", "[heap]", 4)
     assert list(heap_ranges(unaligned)) == [(0x55D000200000, HUGE_PAGE)]
-    too_small = "55d000001000-55d000200fff rw-p 00000000 00:00 0 [heap]\n"
+    too_small = mapping("55d000001000-55d000200fff", "rw-p", "0", "[heap]", 4)
     assert list(heap_ranges(too_small)) == []
 
 
 def test_nothing_is_asked_for_where_transparent_huge_pages_are_off(tmp_path: Path) -> None:
     (tmp_path / "enabled").write_text("always madvise [never]\n")
-    (tmp_path / "maps").write_text(MAPS)
-    pages = back_heap_with_huge_pages(tmp_path / "maps", tmp_path / "enabled")
+    (tmp_path / "smaps").write_text(SMAPS)
+    pages = back_heap_with_huge_pages(tmp_path / "smaps", tmp_path / "enabled")
     assert pages.marked == 0 and not pages.collapsed
     assert pages.why_not == ("not Linux" if not sys.platform.startswith("linux")
                              else "transparent huge pages are off (never)")

@@ -41,35 +41,48 @@ class HugePages(NamedTuple):
     why_not: str | None = None  # nothing was asked: why
 
 
-def heap_ranges(maps: str) -> Iterator[tuple[int, int]]:
-    """The whole 2 MiB-aligned ranges (start, length) of the heaps in ``/proc/PID/maps`` text: the C heap
-    (``[heap]``) and the anonymous private mappings beside it (CPython's own arenas for small objects, the
-    larger blocks malloc maps), less threads' stacks (a mapping right above a guard page)."""
-    below = ""  # the permissions of the mapping just below, if it ends where this one starts
-    end_below = -1
-    for line in maps.splitlines():
-        fields = line.split()
-        if len(fields) < 5:
+def heap_ranges(smaps: str) -> Iterator[tuple[int, int]]:
+    """The whole 2 MiB-aligned ranges (start, length) of the heaps in ``/proc/PID/smaps`` text: the C heap
+    (``[heap]``) and the anonymous private mappings beside it that are at least half resident (CPython's
+    own arenas for small objects, the larger blocks malloc maps), less threads' stacks (a mapping right
+    above a guard page). A mapping mostly untouched is left alone: on huge pages it would all be resident."""
+    for low, high, perms, inode, name, rss, guarded in _mappings(smaps):
+        if perms != "rw-p" or inode != "0" or name not in ("[heap]", ""):
             continue
-        low, high = (int(bound, 16) for bound in fields[0].split("-"))
-        perms, name = fields[1], fields[5] if len(fields) > 5 else ""
-        guarded = below == "---p" and end_below == low
-        below, end_below = perms, high
-        if perms != "rw-p" or name not in ("[heap]", "") or fields[4] != "0" or (name == "" and guarded):
+        if name == "" and (guarded or rss * 2 < high - low):
             continue
         start, end = -(-low // HUGE_PAGE) * HUGE_PAGE, high // HUGE_PAGE * HUGE_PAGE
         if end > start:
             yield start, end - start
 
 
-def back_heap_with_huge_pages(maps: Path = Path("/proc/self/maps"), enabled: Path = _THP_ENABLED) -> HugePages:
+def _mappings(smaps: str) -> Iterator[tuple[int, int, str, str, str, int, bool]]:
+    """(start, end, permissions, inode, name, resident bytes, right above a guard page) per mapping."""
+    current: list = []  # type: ignore[type-arg]
+    below, end_below = "", -1  # the mapping just below: its permissions and end
+    for line in smaps.splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
+            if current:
+                yield tuple(current)  # type: ignore[misc]
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            current = [low, high, fields[1], fields[4], fields[5] if len(fields) > 5 else "", 0,
+                       below == "---p" and end_below == low]
+            below, end_below = fields[1], high
+        elif current and fields[:1] == ["Rss:"]:
+            current[5] = int(fields[1]) * 1024
+    if current:
+        yield tuple(current)  # type: ignore[misc]
+
+
+def back_heap_with_huge_pages(smaps: Path = Path("/proc/self/smaps"), enabled: Path = _THP_ENABLED) -> HugePages:
     """Ask for this process's heaps on huge pages; never raises (what could not be done is said)."""
     if not sys.platform.startswith("linux"):
         return HugePages(0, False, "not Linux")
     try:
         if "[never]" in enabled.read_text():
             return HugePages(0, False, "transparent huge pages are off (never)")
-        ranges = list(heap_ranges(maps.read_text()))
+        ranges = list(heap_ranges(smaps.read_text()))
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError as exc:
         return HugePages(0, False, f"transparent huge pages unavailable: {exc}")
