@@ -46,33 +46,41 @@ def heap_ranges(smaps: str) -> Iterator[tuple[int, int]]:
     (``[heap]``) and the anonymous private mappings beside it that are at least half resident (CPython's
     own arenas for small objects, the larger blocks malloc maps), less threads' stacks (a mapping right
     above a guard page). A mapping mostly untouched is left alone: on huge pages it would all be resident."""
-    for low, high, perms, inode, name, rss, guarded in _mappings(smaps):
-        if perms != "rw-p" or inode != "0" or name not in ("[heap]", ""):
+    for m in _mappings(smaps):
+        if m.perms != "rw-p" or m.inode != "0" or m.name not in ("[heap]", ""):
             continue
-        if name == "" and (guarded or rss * 2 < high - low):
+        if m.name == "" and (m.guarded or m.rss * 2 < m.end - m.start):
             continue
-        start, end = -(-low // HUGE_PAGE) * HUGE_PAGE, high // HUGE_PAGE * HUGE_PAGE
+        start, end = -(-m.start // HUGE_PAGE) * HUGE_PAGE, m.end // HUGE_PAGE * HUGE_PAGE
         if end > start:
             yield start, end - start
 
 
-def _mappings(smaps: str) -> Iterator[tuple[int, int, str, str, str, int, bool]]:
-    """(start, end, permissions, inode, name, resident bytes, right above a guard page) per mapping."""
-    current: list = []  # type: ignore[type-arg]
-    below, end_below = "", -1  # the mapping just below: its permissions and end
+class _Mapping(NamedTuple):
+    start: int
+    end: int
+    perms: str
+    inode: str
+    name: str
+    rss: int  # resident bytes
+    guarded: bool  # right above a guard page (---p): a thread's stack
+
+
+def _mappings(smaps: str) -> Iterator[_Mapping]:
+    """Each mapping of ``/proc/PID/smaps`` text, with what ``heap_ranges`` needs of it."""
+    current: _Mapping | None = None
     for line in smaps.splitlines():
         fields = line.split()
         if len(fields) >= 5 and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
-            if current:
-                yield tuple(current)  # type: ignore[misc]
             low, high = (int(bound, 16) for bound in fields[0].split("-"))
-            current = [low, high, fields[1], fields[4], fields[5] if len(fields) > 5 else "", 0,
-                       below == "---p" and end_below == low]
-            below, end_below = fields[1], high
-        elif current and fields[:1] == ["Rss:"]:
-            current[5] = int(fields[1]) * 1024
-    if current:
-        yield tuple(current)  # type: ignore[misc]
+            guarded = current is not None and current.perms == "---p" and current.end == low
+            if current is not None:
+                yield current
+            current = _Mapping(low, high, fields[1], fields[4], fields[5] if len(fields) > 5 else "", 0, guarded)
+        elif current is not None and fields[:1] == ["Rss:"]:
+            current = current._replace(rss=int(fields[1]) * 1024)
+    if current is not None:
+        yield current
 
 
 def back_heap_with_huge_pages(smaps: Path = Path("/proc/self/smaps"), enabled: Path = _THP_ENABLED) -> HugePages:
