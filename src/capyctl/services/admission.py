@@ -14,8 +14,7 @@ running is started anyway), N waits at most N seconds, then answers the same.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Protocol
 
 import anyio
@@ -69,8 +68,13 @@ class AdmissionService:
     def _open(self, name: str, runner: Schedulable) -> bool:
         return runner.ready and name not in self._held
 
-    @asynccontextmanager
-    async def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
+    def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> Lease:
+        """``async with`` it: entered once granted (after a wait in line, if need be), or raising the
+        refusal; the lease is returned when the block ends, however it ends."""
+        return Lease(self, runner, record, wait)
+
+    async def _enter(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> float:
+        """Admit ``record``; the monotonic time its lease began."""
         name = record.deployment
         self.last_used[name] = self._clock.monotonic()
         decision = self.state.arrive(name, record.id, self._open(name, runner))
@@ -84,13 +88,13 @@ class AdmissionService:
             arrived = self._clock.monotonic()
             await self._wait(runner, record, wait)
             self.on_wait(name, self._clock.monotonic() - arrived)
-        began = self._clock.monotonic()
-        try:
-            yield
-        finally:
-            self.last_used[name] = now = self._clock.monotonic()
-            self.state.release(name, now - began)
-            self._wake(name, runner)
+        return self._clock.monotonic()
+
+    def _leave(self, runner: Schedulable, name: str, began: float) -> None:
+        """A lease returned: the next waiter is granted at once."""
+        self.last_used[name] = now = self._clock.monotonic()
+        self.state.release(name, now - began)
+        self._wake(name, runner)
 
     async def _wait(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> None:
         """Wait in line until granted; leaves the line (and re-raises) on any way out but a grant."""
@@ -147,3 +151,21 @@ class AdmissionService:
         else:
             reason = f"{self.state.pending} waiting over all models, the limit queue.max_pending_total"
         return QueueFull(name, reason, self.state.retry_after(name))
+
+
+class Lease:
+    """``AdmissionService.admit``'s context: a class rather than a generator, as it is entered and left
+    once per request on the relay's path."""
+
+    __slots__ = ("_service", "_runner", "_record", "_wait", "_began")
+
+    def __init__(self, service: AdmissionService, runner: Schedulable, record: RequestRecord,
+                 wait: float | None) -> None:
+        self._service, self._runner, self._record, self._wait = service, runner, record, wait
+        self._began = 0.0
+
+    async def __aenter__(self) -> None:
+        self._began = await self._service._enter(self._runner, self._record, self._wait)
+
+    async def __aexit__(self, *_: object) -> None:
+        self._service._leave(self._runner, self._record.deployment, self._began)

@@ -43,7 +43,7 @@ from capyctl.domain.streams import (
     StreamEvent,
 )
 from capyctl.domain.scheduling import QueueLimits
-from capyctl.services.admission import AdmissionService
+from capyctl.services.admission import AdmissionService, Lease
 from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
@@ -157,13 +157,9 @@ class RequestService:
     def names(self) -> list[str]:
         return self._fleet.names()
 
-    @asynccontextmanager
-    async def _admitted(self, controller: Serving, record: RequestRecord, wait: float | None) -> AsyncIterator[None]:
+    def _admitted(self, controller: Serving, record: RequestRecord, wait: float | None) -> _Admitted:
         """Admission's lease for ``record``; once granted, the call counts against its key's day (ID-5)."""
-        async with self._admission.admit(controller, record, wait):
-            if self._keys is not None:
-                self._keys.admitted(record.id)
-            yield
+        return _Admitted(self._admission.admit(controller, record, wait), self._keys, record.id)
 
     def _selected(self, record: RequestRecord) -> None:
         record.sent(instance=0)
@@ -194,48 +190,45 @@ class ChatService(RequestService):
         try:
             body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
             record.phase = Phase.WAITING
-            async with self._admitted(controller, record, wait), self._engine_call(controller, record, body) as call:
-                yield call
+            async with self._admitted(controller, record, wait):
+                route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
+                self._selected(record)
+                meter = self._meters[record.id] = Meter(self._clock.monotonic)
+                streaming = False
+                try:
+                    async with self._session.chat_stream(route.url, body, lambda: record.answered,
+                                                         **self._runs) as events:
+                        streaming = True
+                        yield self._call(controller, record, meter, events)
+                except EngineUnavailable as exc:
+                    gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
+                    if gone is not None:
+                        raise gone from exc
+                    if streaming:  # the engine is still there, but its answer broke off
+                        raise EdgeError(f"the engine's connection broke before the end of its stream ({exc.message})") from exc
+                    raise
+                finally:
+                    self._meters.pop(record.id, None)
         finally:
             del self.live[record.id]
 
-    @asynccontextmanager
-    async def _engine_call(self, controller: Serving, record: RequestRecord, body: bytes) -> AsyncIterator[EngineCall]:
+    def _call(self, controller: Serving, record: RequestRecord, meter: Meter, events: Any) -> EngineCall:
+        """The engine call over ``events``. Built once the engine has the request and has answered its head:
+        while it works on the first token, not before the request leaves. The verifier runs first: nothing
+        of a chunk with an unverified key is sent."""
         engine = controller.engine
-        route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
-        self._selected(record)
-        meter = self._meters[record.id] = Meter(self._clock.monotonic)
-        streaming = False
-        try:
-            async with self._session.chat_stream(route.url, body, lambda: record.answered,
-                                                 **self._runs) as events:
-                streaming = True
-                # Built once the engine has the request and has answered its head: while it works on the
-                # first token, not before the request leaves. The verifier runs first: nothing of a
-                # chunk with an unverified key is sent.
-                stages: list[Stage] = [
-                    DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}",
-                                  self._settings.max_tool_calls),
-                    meter,
-                    ModelRewrite(record.deployment),
-                ]
-                row = self._metrics_rows.get((engine.family, engine.version))
-                if row is None:
-                    row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family,
-                                                                                                engine.version)
-                typed = self._typed_relay(controller, record, meter)
-                now = self._clock.monotonic
-                pumped = _Relay(stages, record, meter, typed, now) if hasattr(events, "pump") else None
-                yield EngineCall(_relay(events, stages, record, meter, typed, now), meter, row, events, pumped)
-        except EngineUnavailable as exc:
-            gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
-            if gone is not None:
-                raise gone from exc
-            if streaming:  # the engine is still there, but its answer broke off
-                raise EdgeError(f"the engine's connection broke before the end of its stream ({exc.message})") from exc
-            raise
-        finally:
-            self._meters.pop(record.id, None)
+        stages: list[Stage] = [
+            DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
+            meter,
+            ModelRewrite(record.deployment),
+        ]
+        row = self._metrics_rows.get((engine.family, engine.version))
+        if row is None:
+            row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
+        typed = self._typed_relay(controller, record, meter)
+        now = self._clock.monotonic
+        pumped = _Relay(stages, record, meter, typed, now) if hasattr(events, "pump") else None
+        return EngineCall(_relay(events, stages, record, meter, typed, now), meter, row, events, pumped)
 
     def _typed_relay(self, controller: Serving, record: RequestRecord, meter: Meter) -> TypedRelay | None:
         """The stages' work in one pass, for a streamed answer (its check built once per engine version).
@@ -320,6 +313,28 @@ def check_cache_salt(obj: dict[str, Any], family: str, bound_by: str | None = No
         raise InvalidRequest("'cache_salt' must be a non-empty string of at most 1024 bytes", param="cache_salt")
     if family not in SALTED_FAMILIES:
         raise CacheSaltUnsupported(bound_by)
+
+
+class _Admitted:
+    """``RequestService._admitted``'s context: the admission lease, and the key's count once it is granted.
+    A class rather than a generator: it is entered and left once per request on the relay's path."""
+
+    __slots__ = ("_lease", "_keys", "_request_id")
+
+    def __init__(self, lease: Lease, keys: Keyring | None, request_id: str) -> None:
+        self._lease, self._keys, self._request_id = lease, keys, request_id
+
+    async def __aenter__(self) -> None:
+        await self._lease.__aenter__()
+        if self._keys is not None:
+            try:
+                self._keys.admitted(self._request_id)
+            except BaseException as error:
+                await self._lease.__aexit__(type(error), error, error.__traceback__)
+                raise
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
+        await self._lease.__aexit__(kind, error, trace)
 
 
 class Refused(Exception):

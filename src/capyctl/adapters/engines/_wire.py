@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -181,29 +180,10 @@ class WireEngineSession(EngineSession):
                 break
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
-    @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
-                          runs: bool = False) -> AsyncIterator[AsyncIterator[list[StreamEvent]]]:
+    def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
+                    runs: bool = False) -> _ChatStream:
         host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
-        conn = await self._send(host, port, head, body)
-        try:
-            if conn.status != 200:
-                while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
-                    await conn.wait()
-                raise engine_error(conn.status, conn.take())
-            if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
-                raise await _not_a_stream(conn)
-            yield _Stream(conn, _Reads(conn, self._max_event, until, runs))
-        except BaseException:
-            conn.close()  # cut short (client gone, refused chunk, error): closing tells the engine to stop
-            raise
-        if conn.saw_done and not conn.complete and conn.lost is None:
-            # only the end of the HTTP message is missing and it is a few bytes behind:
-            # wait for it briefly, so that the connection can serve the next request
-            with anyio.move_on_after(0.02):
-                while not conn.complete and conn.lost is None:
-                    await conn.wait()
-        self._release(conn, (host, port))
+        return _ChatStream(self, host, port, head, body, until, runs)
 
     async def decide(self, base_url: str, body: bytes) -> bytes:
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
@@ -253,6 +233,50 @@ def _close_unreleased(conn: _Response) -> None:
     if conn.release_to is not None:
         conn.release_to = None
         conn.close()
+
+
+class _ChatStream:
+    """``chat_stream``'s context: the request sent and the answer's head read on entry, the stream's events
+    yielded; on the way out the connection goes back to the pool, or is closed when the stream was cut
+    short (client gone, refused chunk, error): closing tells the engine to stop. A class rather than a
+    generator: a request's way in and out of it is two calls, not a generator's machinery."""
+
+    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_until", "_runs", "_conn")
+
+    def __init__(self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes,
+                 until: Callable[[], bool] | None, runs: bool) -> None:
+        self._session = session
+        self._host, self._port, self._head, self._body = host, port, head, body
+        self._until, self._runs = until, runs
+        self._conn: _Response | None = None
+
+    async def __aenter__(self) -> _Stream:
+        conn = self._conn = await self._session._send(self._host, self._port, self._head, self._body)
+        try:
+            if conn.status != 200:
+                while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
+                    await conn.wait()
+                raise engine_error(conn.status, conn.take())
+            if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
+                raise await _not_a_stream(conn)
+            return _Stream(conn, _Reads(conn, self._session._max_event, self._until, self._runs))
+        except BaseException:
+            conn.close()
+            raise
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
+        conn = self._conn
+        assert conn is not None
+        if kind is not None:
+            conn.close()  # cut short: closing tells the engine to stop
+            return
+        if conn.saw_done and not conn.complete and conn.lost is None:
+            # only the end of the HTTP message is missing and it is a few bytes behind:
+            # wait for it briefly, so that the connection can serve the next request
+            with anyio.move_on_after(0.02):
+                while not conn.complete and conn.lost is None:
+                    await conn.wait()
+        self._session._release(conn, (self._host, self._port))
 
 
 async def _not_a_stream(conn: _Response) -> EdgeError:
