@@ -20,7 +20,7 @@ import pytest
 
 from capyctl.adapters import log_format
 from capyctl.adapters.http.exchange import AsgiExchange, Exchange, WireExchange
-from capyctl.adapters.log_format import BatchedWriter, JsonFormatter, _routine_record
+from capyctl.adapters.log_format import BatchedWriter, JsonFormatter, TextFormatter, _routine_record
 
 NAME = "capyctl.test.routine"
 LOGGER = logging.getLogger(NAME)
@@ -264,3 +264,59 @@ def test_due_never_blocks_on_a_full_pipe_and_the_writer_sends_the_line_once_it_d
                 writer.stop()
     finally:
         os.close(read_fd)
+
+
+@pytest.mark.parametrize("formatter", [JsonFormatter(), TextFormatter()], ids=["json", "text"])
+@pytest.mark.parametrize("message, args", [
+    ("request %s%s %s -> %s instance %d key %s", ("01ABC", " (caller c)", "m", "local", 0, "k")),
+    ("100% plain, no arguments", ()),
+    ("by name %(who)s", ({"who": "mapping"},)),
+])
+@pytest.mark.parametrize("created", [123.456, 1796177298.9999, 1796177299.0])
+def test_a_routine_line_is_formatted_without_a_record_exactly_as_its_record_would_be(
+        formatter: logging.Formatter, message: str, args: tuple[Any, ...], created: float) -> None:
+    made = formatter.routine(created, NAME, message, args, dict(EXTRA))  # type: ignore[attr-defined]
+    assert made == formatter.format(_routine_record(created, NAME, message, args, dict(EXTRA)))
+
+
+def test_the_writer_formats_a_routine_line_without_a_record_only_where_that_is_exact() -> None:
+    made: list[str] = []
+
+    class Counting(JsonFormatter):
+        def format(self, record: logging.LogRecord) -> str:
+            made.append(record.getMessage())
+            return super().format(record)
+
+    with alone() as (writer, stream):
+        writer.setFormatter(Counting())
+        assert writer.routine(LOGGER, *line("without a record"))
+        # a field that names an attribute of a record changes the record: it takes the usual way
+        assert writer.routine(LOGGER, lambda: ("with a record", (), {"lineno": 7}), ())
+        assert writer.routine(LOGGER, lambda: ("broken %d", ("x",), {}), ())  # a bad format: said on stderr
+        writer.flush()
+    assert made == ["with a record"]
+    written = [msgspec.json.decode(text) for text in stream.getvalue().splitlines()]
+    assert [entry["message"] for entry in written] == ["without a record", "with a record"]
+    assert written[0]["event"] == "router_selection" and "_routine" not in written[0]
+
+
+def test_configure_logging_writes_text_lines_with_the_time_of_day(monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = io.StringIO()
+    monkeypatch.setattr(log_format.sys, "stderr", stream)
+    monkeypatch.setattr(log_format, "_active", log_format._active)  # all put back as they were after the test
+    for name in ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing"):
+        monkeypatch.setattr(logging, name, getattr(logging, name))
+    httpx_level = logging.getLogger("httpx").level
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    try:
+        writer = log_format.configure_logging("text")
+        assert isinstance(writer.formatter, TextFormatter)
+        assert writer.routine(LOGGER, *line("request 01ABC"))
+        writer.stop()
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+        logging.getLogger("httpx").setLevel(httpx_level)
+    text = stream.getvalue()
+    assert text.endswith(" request 01ABC\n") and time.strptime(text.split(" ")[0], "%H:%M:%S")

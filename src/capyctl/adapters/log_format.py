@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -10,7 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import msgspec
@@ -34,6 +35,48 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return msgspec.json.encode(entry, enc_hook=str).decode()
+
+    def routine(self, created: float, name: str, message: str, args: tuple[Any, ...], extra: dict[str, Any]) -> str:
+        """``format(_routine_record(created, name, message, args, extra))``, without making the record: the
+        same text, for the line every request gets (``extra`` names no attribute of a record)."""
+        entry = {"time": f"{_utc_second(int(created))}.{int((created - int(created)) * 1000):03d}Z",
+                 "level": "info", "logger": name, "message": _message(message, args)}
+        for key, value in extra.items():
+            if not key.startswith("_"):
+                entry[key] = value
+        return msgspec.json.encode(entry, enc_hook=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """``%(asctime)s %(message)s`` with the time of day: the text lines, for people."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    def routine(self, created: float, name: str, message: str, args: tuple[Any, ...], extra: dict[str, Any]) -> str:
+        """``format(_routine_record(...))`` without making the record (see ``JsonFormatter.routine``)."""
+        if self.converter is not time.localtime or self.datefmt != "%H:%M:%S" or self._fmt != "%(asctime)s %(message)s":
+            return self.format(_routine_record(created, name, message, args, extra))
+        return f"{_local_second(int(created))} {_message(message, args)}"
+
+
+def _message(message: str, args: tuple[Any, ...]) -> str:
+    """``LogRecord.getMessage`` for a record made with these (a lone non-empty mapping is the mapping)."""
+    if not args:
+        return str(message)
+    if len(args) == 1 and isinstance(args[0], Mapping) and args[0]:
+        return str(message) % args[0]
+    return str(message) % args
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_second(second: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+
+
+@functools.lru_cache(maxsize=4)
+def _local_second(second: int) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(second))
 
 
 class BatchedWriter(logging.Handler):
@@ -142,16 +185,24 @@ class BatchedWriter(logging.Handler):
         lines = [self._carry] if self._carry else []
         self._carry = ""
         records = self._records
+        routine = getattr(self.formatter, "routine", None)  # a formatter of this module's: no record needed
         self._due = False  # what is appended from here on sets it again
         while records:
             record = records.popleft()
             if type(record) is tuple:
                 created, name, line, values = record
                 try:
-                    record = _routine_record(created, name, *line(*values))
+                    message, args, extra = line(*values)
                 except Exception:  # a broken line function: said on stderr, as logging says a bad format
                     self.handleError(_routine_record(created, name, repr(line), (), {}))
                     continue
+                if routine is not None and _STANDARD.isdisjoint(extra):
+                    try:
+                        lines.append(routine(created, name, message, args, extra) + "\n")
+                        continue
+                    except Exception:  # (a bad format: the usual way below says so on stderr)
+                        pass
+                record = _routine_record(created, name, message, args, extra)
             try:
                 lines.append(self.format(record) + "\n")
             except Exception:
@@ -234,7 +285,7 @@ def configure_logging(log_format: str = "text") -> BatchedWriter:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        handler.setFormatter(TextFormatter())
     # No line says where in the source it was logged, nor by which thread or process: without these
     # lookups (a walk up the stack for the caller, above all) a record costs a few µs less to make.
     logging._srcfile = None  # the documented way to skip the caller's frame lookup
