@@ -27,13 +27,18 @@ Seen = dict[str, Any]  # the engine objects seen on the stream: usage, metrics, 
 Rule = Callable[[Seen], float | None]
 
 
-def _get(seen: Seen, path: str) -> Any:
+def _get(seen: Seen, path: tuple[str, ...]) -> Any:
     value: Any = seen
-    for part in path.split("."):
+    for part in path:
         if not isinstance(value, dict):
             return None
         value = value.get(part)
     return value
+
+
+def _path(dotted: str) -> tuple[str, ...]:
+    """``usage.prompt_tokens``, split once, when the rule is made (a rule runs once per answer)."""
+    return tuple(dotted.split("."))
 
 
 def _timing(value: Any) -> float | None:
@@ -44,30 +49,36 @@ def _timing(value: Any) -> float | None:
 
 
 def field(path: str) -> Rule:
-    return lambda seen: _timing(_get(seen, path))
+    parts = _path(path)
+    return lambda seen: _timing(_get(seen, parts))
 
 
 def count(path: str) -> Rule:
+    parts = _path(path)
+
     def rule(seen: Seen) -> float | None:
-        value = _get(seen, path)
+        value = _get(seen, parts)
         return None if isinstance(value, bool) or not isinstance(value, int) else value
 
     return rule
 
 
 def total(*paths: str) -> Rule:
+    split = [_path(path) for path in paths]
+
     def rule(seen: Seen) -> float | None:
-        parts = [_timing(_get(seen, p)) for p in paths]
-        return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
+        parts = [_timing(_get(seen, path)) for path in split]
+        return None if None in parts else sum(parts)  # type: ignore[arg-type]
 
     return rule
 
 
 def per_second(path: str) -> Rule:
     """A rate from a mean interval in milliseconds (vLLM's mean time between tokens)."""
+    parts = _path(path)
 
     def rule(seen: Seen) -> float | None:
-        interval = _timing(_get(seen, path))
+        interval = _timing(_get(seen, parts))
         return None if interval is None else 1000.0 / interval
 
     return rule
@@ -90,6 +101,7 @@ class MetricsRow(msgspec.Struct, frozen=True, kw_only=True):
 
 F = EngineFamily
 CACHED = count("usage.prompt_tokens_details.cached_tokens")
+_COMPLETION_TOKENS = count("usage.completion_tokens")
 METRICS_TABLE: tuple[MetricsRow, ...] = (
     MetricsRow(family=F.VLLM, low=(0, 29), high=(0, 33), note="vLLM per-request `metrics` (--enable-per-request-metrics)",
                figures={"ttft_ms": (total("metrics.queue_time_ms", "metrics.time_to_first_token_ms"), True),
@@ -167,7 +179,7 @@ class Meter:
     def router_decode_rate(self) -> float | None:
         if self.first_text_at is None or self.last_at is None:
             return None
-        tokens = count("usage.completion_tokens")(self.seen)
+        tokens = _COMPLETION_TOKENS(self.seen)
         tokens = self.text_chunks if tokens is None else tokens
         elapsed = self.last_at - self.first_text_at
         return (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else None
