@@ -1,6 +1,8 @@
-"""Two CapyCTL source trees side by side: the first token's added time of each, at the engine's recorded pace.
+"""Two CapyCTL source trees side by side: the first token's added time of each, at the engine's recorded pace,
+and with ``--cpu-rounds`` their CPU per relayed event under load.
 
     python bench/ab_ttft.py --a SRC_A --b SRC_B [--requests 1200] [--recording DIR] [--case NAME]
+    python bench/ab_ttft.py --a SRC_A --b SRC_B --requests 0 --cpu-rounds 5 [--cpu-seconds 3] [--cpu-streams 32]
 
 SRC_A and SRC_B are ``src`` folders of two checkouts (a worktree of the commit
 before a change, say, and the working tree). Each runs as its own CapyCTL
@@ -17,6 +19,15 @@ token minus the engine's own) and B - A with a bootstrap 95% interval; then
 the mean of the two halves' B - A, which cancels the start order.
 
 Differences under about 40 µs are within this machine's noise at 1,200 requests.
+
+With ``--cpu-rounds R``, both trees then serve ``--cpu-streams`` clients sending
+streams back to back, the engine at full speed, for ``--cpu-seconds`` each, A
+and B in turn (which goes first swaps every round), R rounds. Each load's CPU
+is its server's own (user and system, from /proc) over the events it relayed;
+printed per tree: every load's µs of CPU per event and per request, their
+medians, and B / A of the medians. ``--requests 0`` skips the first-token part.
+A change of a few per cent needs five rounds or more: loads one after another
+on a shared machine differ by about that much.
 """
 
 from __future__ import annotations
@@ -36,16 +47,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from relay import _LISTENING, paced_ttft  # noqa: E402
+from relay import _LISTENING, cpu_seconds, load, paced_ttft  # noqa: E402
 from tests.integration.harness import CapyServer  # noqa: E402
 
 
-def start(tmp: Path, name: str, src: str, engine: str) -> CapyServer:
+def start(tmp: Path, name: str, src: str, engine: str, *extra: str) -> CapyServer:
     """A CapyCTL running the code under ``src``, with the replay engine attached as ``bench``."""
     (tmp / name).mkdir()
     os.environ["PYTHONPATH"] = src
     try:
-        server = CapyServer(tmp / name / "state").start()
+        server = CapyServer(tmp / name / "state", *extra).start()
         (tmp / f"{name}.yaml").write_text(f"name: bench\nengine: vllm\nendpoint: {engine}\nengine_version: 0.32.0\n")
         server.cli("deploy", "model", "--file", str(tmp / f"{name}.yaml"))
     finally:
@@ -79,6 +90,35 @@ def half(tmp: Path, trees: dict[str, str], first: str, engine: str, requests: in
             server.stop()
 
 
+def cpu_loads(tmp: Path, trees: dict[str, str], engine: str, case: str, events: int, rounds: int, seconds: float,
+              streams: int) -> dict[str, list[float]]:
+    """µs of server CPU per relayed event in each of ``rounds`` alternated loads per tree."""
+    (tmp / "cpu").mkdir()
+    config = tmp / "cpu.yaml"  # a slot for every client: this measures the relay, not the queue
+    config.write_text(f"queue:\n  max_in_flight_per_instance: {streams}\n  max_pending_per_deployment: {streams}\n"
+                      f"  max_pending_total: {streams}\n")
+    servers = {}
+    try:
+        for name in ("A", "B"):
+            servers[name] = start(tmp / "cpu", name, trees[name], engine, "--config", str(config))
+        body = b'{"model":"bench","stream":true,"replay_case":"%b","messages":[{"role":"user","content":"hi"}]}' % (
+            case.encode())
+        for server in servers.values():  # warm both
+            asyncio.run(load("127.0.0.1", server.port, body, server.api_key, streams, 0.5, events))
+        per_event: dict[str, list[float]] = {"A": [], "B": []}
+        for round_ in range(rounds):
+            for name in (("A", "B") if round_ % 2 == 0 else ("B", "A")):
+                server = servers[name]
+                pid = server.process.pid  # type: ignore[union-attr]
+                before = cpu_seconds(pid)
+                got = asyncio.run(load("127.0.0.1", server.port, body, server.api_key, streams, seconds, events))
+                per_event[name].append((cpu_seconds(pid) - before) / got["chunks"] * 1e6)
+        return per_event
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def difference(times: dict[str, list[float]], rng: random.Random) -> tuple[float, float, float]:
     """B - A of the medians, and a bootstrap 95% interval of it."""
     a, b = times["A"], times["B"]
@@ -94,13 +134,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1200, help="requests to each tree, over both halves")
     parser.add_argument("--recording", default=str(ROOT / "tests/contract/recordings/vllm/0.32.0"))
     parser.add_argument("--case", default="chat_stream_usage")
+    parser.add_argument("--cpu-rounds", type=int, default=0,
+                        help="also alternate this many loads per tree and compare their CPU per event (0: no)")
+    parser.add_argument("--cpu-seconds", type=float, default=3.0, help="seconds per load")
+    parser.add_argument("--cpu-streams", type=int, default=32, help="clients sending streams back to back in a load")
     args = parser.parse_args()
     trees = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
     for name, src in trees.items():
         if not (Path(src) / "capyctl" / "__init__.py").is_file():
             parser.error(f"--{name.lower()} {src}: not a src folder (no capyctl/__init__.py in it)")
-    if args.requests < 20:
-        parser.error("--requests must be at least 20")
+    if args.requests < 20 and not (args.requests == 0 and args.cpu_rounds > 0):
+        parser.error("--requests must be at least 20 (or 0 with --cpu-rounds, to skip the first token)")
+    if args.cpu_rounds < 0 or args.cpu_seconds <= 0 or args.cpu_streams < 1:
+        parser.error("--cpu-rounds must be 0 or more, --cpu-seconds above 0, --cpu-streams at least 1")
+    events = (Path(args.recording) / f"{args.case}.sse").read_bytes().count(b"data: ") if args.cpu_rounds else 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop every child
 
     replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", args.recording, "--port", "0",
@@ -112,21 +159,39 @@ def main() -> None:
         engine = f"http://{match.group(1)}:{match.group(2)}"
         tmp = Path(tempfile.mkdtemp(prefix="capyctl-ab-"))
         rng = random.Random(0)
-        print(f"A {trees['A']}\nB {trees['B']}\n{args.requests // 2} paced requests to each, per half")
-        halves = []
-        for first in ("A", "B"):
-            (tmp / f"{first}-first").mkdir()
-            times = half(tmp, trees, first, engine, args.requests // 2)
-            engine_p50 = statistics.median(times["engine"])
-            d, low, high = difference(times, rng)
-            halves.append(d)
-            print(f"{first} started first: added A {statistics.median(times['A']) - engine_p50:.3f} ms, "
-                  f"B {statistics.median(times['B']) - engine_p50:.3f} ms, B - A {d * 1000:+.0f} µs "
-                  f"(95% {low * 1000:+.0f}..{high * 1000:+.0f})")
-        print(f"B - A, start order cancelled: {statistics.mean(halves) * 1000:+.0f} µs")
+        print(f"A {trees['A']}\nB {trees['B']}")
+        if args.requests:
+            first_token(tmp, trees, engine, args.requests, rng)
+        if args.cpu_rounds:
+            print(f"{args.cpu_rounds} loads per tree of {args.cpu_seconds:g} s, {args.cpu_streams} streams of "
+                  f"{args.case} ({events} events)")
+            per_event = cpu_loads(tmp, trees, engine, args.case, events, args.cpu_rounds, args.cpu_seconds,
+                                  args.cpu_streams)
+            for name in ("A", "B"):
+                loads = per_event[name]
+                print(f"{name} CPU µs per event: {' '.join(f'{v:.2f}' for v in loads)} (median "
+                      f"{statistics.median(loads):.2f}); per request: {' '.join(f'{v * events:.0f}' for v in loads)}")
+            ratio = statistics.median(per_event["B"]) / statistics.median(per_event["A"])
+            print(f"B / A, CPU per event (medians): {ratio:.3f}")
     finally:
         replay.terminate()
         replay.wait(10)
+
+
+def first_token(tmp: Path, trees: dict[str, str], engine: str, requests: int, rng: random.Random) -> None:
+    """The first-token part: two halves, each tree started first once."""
+    print(f"{requests // 2} paced requests to each, per half")
+    halves = []
+    for first in ("A", "B"):
+        (tmp / f"{first}-first").mkdir()
+        times = half(tmp, trees, first, engine, requests // 2)
+        engine_p50 = statistics.median(times["engine"])
+        d, low, high = difference(times, rng)
+        halves.append(d)
+        print(f"{first} started first: added A {statistics.median(times['A']) - engine_p50:.3f} ms, "
+              f"B {statistics.median(times['B']) - engine_p50:.3f} ms, B - A {d * 1000:+.0f} µs "
+              f"(95% {low * 1000:+.0f}..{high * 1000:+.0f})")
+    print(f"B - A, start order cancelled: {statistics.mean(halves) * 1000:+.0f} µs")
 
 
 if __name__ == "__main__":
