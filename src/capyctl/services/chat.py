@@ -201,11 +201,13 @@ class ChatService(RequestService):
                         streaming = True
                         yield self._call(controller, record, meter, events)
                 except EngineUnavailable as exc:
-                    gone = await controller.lost(route, self._settings.crash_notice)  # stopped, or crashed and restarting
+                    # stopped, or crashed and restarting
+                    gone = await controller.lost(route, self._settings.crash_notice)
                     if gone is not None:
                         raise gone from exc
                     if streaming:  # the engine is still there, but its answer broke off
-                        raise EdgeError(f"the engine's connection broke before the end of its stream ({exc.message})") from exc
+                        raise EdgeError("the engine's connection broke before the end of its stream "
+                                        f"({exc.message})") from exc
                     raise
                 finally:
                     self._meters.pop(record.id, None)
@@ -218,7 +220,8 @@ class ChatService(RequestService):
         of a chunk with an unverified key is sent."""
         engine = controller.engine
         stages: list[Stage] = [
-            DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
+            DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}",
+                          self._settings.max_tool_calls),
             meter,
             ModelRewrite(record.deployment),
         ]
