@@ -23,28 +23,33 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: time, level, logger, message, and the record's structured fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = value
+        entry = _entry(record.created, record.msecs, record.levelname.lower(), record.name, record.getMessage())
+        fields = {key: value for key, value in record.__dict__.items() if key not in _STANDARD}
         if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return msgspec.json.encode(entry, enc_hook=str).decode()
+            return _json_line(entry, fields, self.formatException(record.exc_info))
+        return _json_line(entry, fields)
 
     def routine(self, created: float, name: str, message: str, args: tuple[Any, ...], extra: dict[str, Any]) -> str:
         """``format(_routine_record(created, name, message, args, extra))``, without making the record: the
         same text, for the line every request gets (``extra`` names no attribute of a record)."""
-        entry = {"time": f"{_utc_second(int(created))}.{int((created - int(created)) * 1000):03d}Z",
-                 "level": "info", "logger": name, "message": _message(message, args)}
-        for key, value in extra.items():
-            if not key.startswith("_"):
-                entry[key] = value
-        return msgspec.json.encode(entry, enc_hook=str).decode()
+        entry = _entry(created, (created - int(created)) * 1000, "info", name, _message(message, args))
+        return _json_line(entry, extra)
+
+
+def _entry(created: float, msecs: float, level: str, name: str, message: str) -> dict[str, Any]:
+    """A JSON line's first fields: its time (UTC, to the millisecond), level, logger and message."""
+    return {"time": f"{_utc_second(int(created))}.{int(msecs):03d}Z", "level": level, "logger": name,
+            "message": message}
+
+
+def _json_line(entry: dict[str, Any], fields: dict[str, Any], exception: str | None = None) -> str:
+    """``entry`` with the structured ``fields`` (those not starting with ``_``), then the exception, as JSON."""
+    for key, value in fields.items():
+        if not key.startswith("_"):
+            entry[key] = value
+    if exception is not None:
+        entry["exception"] = exception
+    return msgspec.json.encode(entry, enc_hook=str).decode()
 
 
 class TextFormatter(logging.Formatter):
