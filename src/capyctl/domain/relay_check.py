@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -107,6 +107,40 @@ class Head(_Strict):
 
 DELTA_KEYS = Delta.__struct_fields__
 decode_head = msgspec.json.Decoder(Head).decode  # raises msgspec.DecodeError (or RecursionError) when it refuses
+decode_heads = msgspec.json.Decoder(Head).decode_lines
+
+try:  # the run scan in C, built with the package (see _scan.c); without it, every run is decoded into heads
+    from capyctl.domain._scan import scan_run as _scan_run
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _scan_run = None
+scan_run: Callable[[bytes], tuple[Any, ...] | None] | None = _scan_run
+"""``scan_run(body)``: a run's facts read straight from its bytes (see ``_scan.c``), or None where the scan is
+not sure (the run is then decoded into heads, as without it). None when the package was built without it."""
+
+
+class Undecoded(Sequence[Any]):
+    """A scanned run's heads: decoded when first read (a run the typed pass declines, a non-streamed answer),
+    as a run's heads always were; their count is known from the scan."""
+
+    __slots__ = ("_sse", "_count", "_heads")
+
+    def __init__(self, sse: bytes, count: int) -> None:
+        self._sse, self._count = sse, count
+        self._heads: list[Head] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._decoded()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._decoded())
+
+    def _decoded(self) -> list[Head]:
+        if self._heads is None:
+            self._heads = decode_heads(b"\n".join(self._sse[6:-2].split(b"\n\ndata: ")))
+        return self._heads
 
 
 class ChunkCheck(msgspec.Struct, frozen=True):
@@ -129,15 +163,18 @@ class TypedRelay:
     the chunk (read per chunk, as the Meter does).
     """
 
-    __slots__ = ("_refused", "_unset", "_max_tool_calls", "_meter", "_name", "_replacement", "_patterns")
+    __slots__ = ("_refused", "_unset", "_refused_bits", "_max_tool_calls", "_meter", "_name", "_token",
+                 "_replacement", "_patterns")
 
     def __init__(self, check: ChunkCheck, meter: Meter, name: str) -> None:
         self._refused, self._unset = _refused_getter(check.refused)
+        self._refused_bits = _bits(check.refused)
         self._max_tool_calls = check.max_tool_calls
         self._meter = meter
         self._name = name
-        self._replacement = b'"model":' + _encode(name)
-        self._patterns: dict[str, bytes] = {}
+        self._token = _encode(name)
+        self._replacement = b'"model":' + self._token
+        self._patterns: dict[Any, bytes] = {}
 
     def __call__(self, chunk: Chunk, now: float) -> bool:
         head = chunk.head
@@ -164,6 +201,8 @@ class TypedRelay:
         """A whole Run, as ``__call__`` would do its chunks one by one: True when every chunk passed (the
         meter updated, ``run.sse`` rewritten); False, with nothing touched, when one must go to the stages
         (the relay then takes the run's chunks one by one). ``now`` is the meter's clock."""
+        if run.facts is not None:
+            return self._scanned(run, now)
         name = self._name
         texts: list[bool] = []
         rewrite = False
@@ -197,6 +236,35 @@ class TypedRelay:
         for head in run.heads:
             if _has_objects(head):
                 self._keep(head)
+        return True
+
+    def _scanned(self, run: Run, now: Callable[[], float]) -> bool:
+        """``run`` for a scanned run, from its facts: the same checks, rewrite and meter updates as over its
+        heads, without them (only the chunks that carry an engine object the meter keeps are decoded)."""
+        count, model, keys, top_index, text_count, first_text, objects = run.facts
+        if keys & self._refused_bits or top_index >= self._max_tool_calls:
+            return False  # a chunk the stages must answer for, as _text says
+        if model is not None and model != self._token:  # every chunk sent this same plain string
+            pattern = self._patterns.get(model)
+            if pattern is None:
+                pattern = self._patterns[model] = b'"model":' + model
+            sse = self._rewrite_alike_pattern(run, pattern) or self._rewritten(run)
+            if sse is None:
+                return False
+            run.sse = sse
+        meter = self._meter
+        at = now()
+        if text_count:
+            meter.text_chunks += text_count
+            if meter.first_text_at is None:
+                meter.first_text_at = at
+                if first_text < count - 1:
+                    at = now()
+        meter.last_at = at
+        if objects:
+            payloads = run.payloads()
+            for index in objects:
+                self._keep(decode_head(payloads[index]))
         return True
 
     def _text(self, head: Any) -> bool | None:
@@ -240,11 +308,13 @@ class TypedRelay:
         and so holds ``"model":<sent>`` first where the prefix does. As many of those as chunks means that
         is each chunk's only one, and replacing them all is the first-occurrence splice of each.
         """
+        pattern = self._patterns.get(sent) or self._pattern(sent)
+        return None if pattern is None else self._rewrite_alike_pattern(run, pattern)
+
+    def _rewrite_alike_pattern(self, run: Run, pattern: bytes) -> bytes | None:
+        """``_rewrite_alike`` for the bytes ``"model":<sent>``."""
         sse = run.sse
         if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):  # data: {"<a letter or _>
-            return None
-        pattern = self._patterns.get(sent) or self._pattern(sent)
-        if pattern is None:
             return None
         end = sse.find(pattern, 0, sse.find(b"\n"))
         count = len(run.heads)
@@ -294,6 +364,11 @@ def _refused_getter(refused: tuple[str, ...]) -> tuple[Callable[[Any], Any] | No
     if not refused:
         return None, UNSET
     return operator.attrgetter(*refused), UNSET if len(refused) == 1 else (UNSET,) * len(refused)
+
+
+def _bits(refused: tuple[str, ...]) -> int:
+    """The scan's delta-key bits (one per ``Delta`` field, in its order) of the refused keys."""
+    return sum(1 << DELTA_KEYS.index(key) for key in refused)
 
 
 def _has_objects(head: Any) -> bool:

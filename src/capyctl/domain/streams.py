@@ -57,7 +57,8 @@ class Run(msgspec.Struct):
     """
 
     sse: bytes  # b"data: <payload>\n\n" for each chunk
-    heads: list[Any]  # a relay_check.Head for each chunk
+    heads: Sequence[Any]  # a relay_check.Head for each chunk (decoded when first read, for a scanned run)
+    facts: Any = None  # a scanned run's facts (relay_check.scan_run), which the typed pass reads instead of heads
 
     def payloads(self) -> list[bytes]:
         return self.sse[6:-2].split(b"\n\ndata: ")

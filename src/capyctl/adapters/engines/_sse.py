@@ -24,7 +24,7 @@ import msgspec
 from msgspec import UNSET
 
 from capyctl.domain.errors import EdgeError
-from capyctl.domain.relay_check import Head, decode_head
+from capyctl.domain.relay_check import Undecoded, decode_head, decode_heads, scan_run
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Run, StreamEvent
 
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
@@ -85,7 +85,6 @@ def parse_event(block: bytes, typed: bool = True) -> StreamEvent | None:
     return Chunk(payload, obj)
 
 
-_decode_heads = msgspec.json.Decoder(Head).decode_lines
 _DONE_EVENT = b"\n\ndata: [DONE]\n\n"  # [DONE] after other events (the blank line before it included)
 
 
@@ -96,6 +95,8 @@ def _run(body: bytes, max_event: int) -> Run | None:
     errors are that way's)."""
     if len(body) > max_event or not body.startswith(b"data: {") or not body.endswith(b"\n\n"):
         return None
+    if scan_run is not None and (facts := scan_run(body)) is not None:  # read in C: no heads decoded
+        return Run(body, Undecoded(body, facts[0]), facts)
     payloads = body[6:-2].split(b"\n\ndata: ")
     count = len(payloads)
     if count == 1:  # one event alone is cheaper as a Chunk
@@ -106,7 +107,7 @@ def _run(body: bytes, max_event: int) -> Run | None:
     if 10 in b"".join(payloads):  # 10: LF
         return None
     try:
-        heads = _decode_heads(b"\n".join(payloads))
+        heads = decode_heads(b"\n".join(payloads))
     except (msgspec.DecodeError, RecursionError):
         return None
     if len(heads) != count:  # a blank payload is skipped by decode_lines: not plain
