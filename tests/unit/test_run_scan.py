@@ -73,6 +73,17 @@ def facts_of(heads: list[Head]) -> tuple[Any, ...]:
             tuple(objects))
 
 
+def check_spliceable(body: bytes, facts: tuple[Any, ...]) -> None:
+    """A run the scan calls spliceable holds its model pattern once in each chunk (so replacing them all is
+    each chunk's first-occurrence splice); one whose pattern some chunk holds twice, or misses, is not."""
+    model, spliceable = facts[1], facts[7]
+    if model is None:
+        assert not spliceable
+        return
+    once = all(p.count(b'"model":' + model) == 1 for p in body[6:-2].split(b"\n\ndata: "))
+    assert not spliceable or once, body
+
+
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)  # any character but a lone surrogate
 VALUE = st.recursive(
     st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False, allow_infinity=False) | TEXT,
@@ -121,7 +132,8 @@ def check_against_decode(body: bytes) -> tuple[Any, ...] | None:
     if facts is not None:
         run = decoded_run(body)
         assert run is not None, body  # the scan accepted what msgspec refuses (or a failure event)
-        assert facts == facts_of(list(run.heads)), body
+        assert facts[:7] == facts_of(list(run.heads)), body
+        check_spliceable(body, facts)
     return facts
 
 
@@ -201,7 +213,18 @@ def test_the_scan_reads_what_each_delta_sends() -> None:
               b'{"model":"m","choices":[{"index":0,"delta":{"reasoning":0.0}},{"delta":{"content":[0]}}]}',
               b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":7},{"index":null}]}}],"usage":null}',
               b'{"model":"m","choices":[{"delta":{"reasoning_content":null,"tool_calls":[]}}],"usage":{}}']
-    assert check_against_decode(body_of(chunks)) == (4, b'"m"', 0b11111, 7, 2, 1, (3,))
+    assert check_against_decode(body_of(chunks)) == (4, b'"m"', 0b11111, 7, 2, 1, (3,), True)
+
+
+def test_a_run_is_spliceable_where_its_model_pattern_is_each_chunks_model_field_alone() -> None:
+    plain = b'{"model":"m","choices":[]}'
+    for chunk, spliceable in ((plain, True), (b'{"choices":[],"model":"m"}', True),
+                              (b'{"model" :"m","choices":[]}', False), (b'{"model": "m","choices":[]}', False),
+                              (b'{"choices":[{"logprobs":{"model":"m"}}],"model":"m"}', False),
+                              (b'{"choices":[{"delta":{"content":"\\"model\\":\\"m\\""}}],"model":"m"}', True),
+                              (b'{"usage":{"x":[{"model":1}]},"model":"m"}', False)):
+        facts = check_against_decode(body_of([plain, chunk]))
+        assert facts is not None and facts[7] is spliceable, chunk
 
 
 @pytest.mark.parametrize("value", [b'""', b'"a"', b'"\\u0000"', b"0", b"-0", b"7", b"0.0", b"0.5", b"-0.0e5", b"1e-5",

@@ -4,7 +4,7 @@
    payload is one that ``relay_check.Head`` decodes (``msgspec.json.Decoder(Head).decode_lines``) and
    none is the engine's failure event, the facts ``TypedRelay.run`` works from:
 
-       (count, model, delta_keys, top_index, text_count, first_text, objects)
+       (count, model, delta_keys, top_index, text_count, first_text, objects, spliceable)
 
    - count: the chunks;
    - model: the token every chunk sends as ``model`` (a JSON string with its quotes; the same bytes in
@@ -13,7 +13,10 @@
    - top_index: the highest tool-call index any delta sent, -1 when none did;
    - text_count, first_text: how many chunks carry generated text (a truthy content, reasoning_content,
      reasoning or a non-empty tool_calls in some choice's delta), and the first of them (-1 if none);
-   - objects: the indexes of the chunks that send usage, metrics, timings or tensorfold (not null).
+   - objects: the indexes of the chunks that send usage, metrics, timings or tensorfold (not null);
+   - spliceable: ``"model":<model>`` occurs once in each chunk, as its model field: no object below the
+     head has a key "model", and each chunk writes its model field without spaces. Replacing every
+     occurrence in the run's bytes is then each chunk's first-occurrence splice.
 
    It returns None for anything it is not sure of, and the caller then takes the way it took before
    (msgspec's decode): so what it accepts must be a subset of what msgspec accepts, and its facts must
@@ -37,14 +40,17 @@
 
 typedef struct {
     const unsigned char *p;
+    const unsigned char *start;
     const unsigned char *end;
     int non_ascii;
+    int nested_model;  /* an object below the head has a key "model" */
 } Scan;
 
 /* Per chunk: what its head says */
 typedef struct {
     const unsigned char *model;  /* the model token (quotes included), NULL when absent */
     Py_ssize_t model_len;
+    int model_tight;  /* the token follows its key and colon at once: "model":<token> */
     int text;
     int objects;
 } Chunk;
@@ -220,7 +226,9 @@ scan_container(Scan *s, int depth, int *truthy)
     }
     while (1) {
         if (object) {
+            const unsigned char *key = s->p + 1;
             if (!at(s, '"') || !scan_string(s, &nonempty, &plain)) return 0;
+            if (s->p - key == 6 && memcmp(key, "model", 5) == 0) s->nested_model = 1;
             skip_ws(s);
             if (!at(s, ':')) return 0;
             s->p++;
@@ -433,6 +441,7 @@ head_field(Scan *s, int index, void *context)
         case H_MODEL:
             if (!at(s, '"')) return 0;
             head->chunk->model = s->p;
+            head->chunk->model_tight = s->p - s->start >= 8 && memcmp(s->p - 8, "\"model\":", 8) == 0;
             if (!scan_string(s, &ignored, &plain) || !plain) return 0;
             head->chunk->model_len = s->p - head->chunk->model;
             return 1;
@@ -496,7 +505,7 @@ valid_utf8(const unsigned char *p, const unsigned char *end)
 static PyObject *
 scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room, Py_ssize_t *needed)
 {
-    Scan s = {body, body + size, 0};
+    Scan s = {body, body, body + size, 0, 0};
     Facts facts = {0, -1};
     Py_ssize_t count = 0;
     if (size < 8 || memcmp(body, "data: {", 7) != 0) Py_RETURN_NONE;
@@ -517,6 +526,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
         Chunk *chunk = &chunks[count];
         chunk->model = NULL;
         chunk->model_len = 0;
+        chunk->model_tight = 0;
         chunk->text = 0;
         chunk->objects = 0;
         HeadContext head = {&facts, chunk, 0, 0};
@@ -533,7 +543,9 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
     const unsigned char *model = chunks[0].model;
     Py_ssize_t model_len = chunks[0].model_len;
     Py_ssize_t text_count = 0, first_text = -1, objects = 0;
+    int spliceable = model != NULL && !s.nested_model;
     for (Py_ssize_t i = 0; i < count; i++) {
+        spliceable = spliceable && chunks[i].model_tight;
         if ((chunks[i].model == NULL) != (model == NULL)) Py_RETURN_NONE;
         if (model != NULL && (chunks[i].model_len != model_len || memcmp(chunks[i].model, model, model_len) != 0))
             Py_RETURN_NONE;
@@ -563,8 +575,8 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
         Py_DECREF(indexes);
         return NULL;
     }
-    return Py_BuildValue("(nNIlnnN)", count, token, facts.delta_keys, (long)facts.top_index, text_count,
-                         first_text, indexes);
+    return Py_BuildValue("(nNIlnnNO)", count, token, facts.delta_keys, (long)facts.top_index, text_count,
+                         first_text, indexes, spliceable ? Py_True : Py_False);
 }
 
 static PyObject *
@@ -590,7 +602,7 @@ scan_run(PyObject *module, PyObject *arg)
 
 static PyMethodDef methods[] = {
     {"scan_run", scan_run, METH_O,
-     "scan_run(body) -> (count, model, delta_keys, top_index, text_count, first_text, objects) | None"},
+     "scan_run(body) -> (count, model, delta_keys, top_index, text_count, first_text, objects, spliceable) | None"},
     {NULL, NULL, 0, NULL},
 };
 

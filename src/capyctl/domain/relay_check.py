@@ -241,14 +241,17 @@ class TypedRelay:
     def _scanned(self, run: Run, now: Callable[[], float]) -> bool:
         """``run`` for a scanned run, from its facts: the same checks, rewrite and meter updates as over its
         heads, without them (only the chunks that carry an engine object the meter keeps are decoded)."""
-        count, model, keys, top_index, text_count, first_text, objects = run.facts
+        count, model, keys, top_index, text_count, first_text, objects, spliceable = run.facts
         if keys & self._refused_bits or top_index >= self._max_tool_calls:
             return False  # a chunk the stages must answer for, as _text says
         if model is not None and model != self._token:  # every chunk sent this same plain string
             pattern = self._patterns.get(model)
             if pattern is None:
                 pattern = self._patterns[model] = b'"model":' + model
-            sse = self._rewrite_alike_pattern(run, pattern) or self._rewritten(run)
+            if spliceable:  # the pattern is each chunk's model field, and only that: one pass replaces them
+                sse: bytes | None = run.sse.replace(pattern, self._replacement)
+            else:
+                sse = self._rewrite_alike_pattern(run, pattern) or self._rewritten(run)
             if sse is None:
                 return False
             run.sse = sse
