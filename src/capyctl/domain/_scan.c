@@ -209,22 +209,47 @@ scan_literal(Scan *s, const char *word, Py_ssize_t len)
 
 static int scan_value(Scan *s, int depth, int *truthy);
 
+/* At a container's opening bracket: 1 when members follow, 0 when ``close`` ends it at once (taken) */
+static int
+open_container(Scan *s, unsigned char close)
+{
+    s->p++;
+    skip_ws(s);
+    if (at(s, close)) {
+        s->p++;
+        return 0;
+    }
+    return 1;
+}
+
+/* After a member: 1 when another follows (the comma taken), 0 when ``close`` ends the container (taken),
+   -1 for anything else */
+static int
+after_member(Scan *s, unsigned char close)
+{
+    skip_ws(s);
+    if (at(s, ',')) {
+        s->p++;
+        skip_ws(s);
+        return 1;
+    }
+    if (at(s, close)) {
+        s->p++;
+        return 0;
+    }
+    return -1;
+}
+
 /* An object or array of any values, at its opening bracket */
 static int
 scan_container(Scan *s, int depth, int *truthy)
 {
     int object = *s->p == '{';
     unsigned char close = object ? '}' : ']';
-    int ignored, nonempty, plain;
+    int ignored, nonempty, plain, more;
     if (depth > MAX_DEPTH) return 0;
-    s->p++;
-    skip_ws(s);
-    if (at(s, close)) {
-        s->p++;
-        *truthy = 0;
-        return 1;
-    }
-    while (1) {
+    *truthy = open_container(s, close);
+    while (*truthy) {
         if (object) {
             const unsigned char *key = s->p + 1;
             if (!at(s, '"') || !scan_string(s, &nonempty, &plain)) return 0;
@@ -234,20 +259,10 @@ scan_container(Scan *s, int depth, int *truthy)
             s->p++;
             skip_ws(s);
         }
-        if (!scan_value(s, depth + 1, &ignored)) return 0;
-        skip_ws(s);
-        if (at(s, ',')) {
-            s->p++;
-            skip_ws(s);
-            continue;
-        }
-        if (at(s, close)) {
-            s->p++;
-            *truthy = 1;
-            return 1;
-        }
-        return 0;
+        if (!scan_value(s, depth + 1, &ignored) || (more = after_member(s, close)) < 0) return 0;
+        if (!more) break;
     }
+    return 1;
 }
 
 static int
@@ -312,14 +327,10 @@ static int
 scan_struct(Scan *s, const Field *fields, FieldFn field, void *context)
 {
     unsigned int seen = 0;
+    int more;
     if (!at(s, '{')) return 0;
-    s->p++;
-    skip_ws(s);
-    if (at(s, '}')) {
-        s->p++;
-        return 1;
-    }
-    while (1) {
+    more = open_container(s, '}');
+    while (more) {
         if (!at(s, '"')) return 0;
         int index = scan_field(s, fields);
         if (index < 0 || (seen & (1u << index))) return 0;
@@ -328,19 +339,9 @@ scan_struct(Scan *s, const Field *fields, FieldFn field, void *context)
         if (!at(s, ':')) return 0;
         s->p++;
         skip_ws(s);
-        if (!field(s, index, context)) return 0;
-        skip_ws(s);
-        if (at(s, ',')) {
-            s->p++;
-            skip_ws(s);
-            continue;
-        }
-        if (at(s, '}')) {
-            s->p++;
-            return 1;
-        }
-        return 0;
+        if (!field(s, index, context) || (more = after_member(s, '}')) < 0) return 0;
     }
+    return 1;
 }
 
 /* ---- the structs ---- */
@@ -368,30 +369,15 @@ tool_call_field(Scan *s, int index, void *context)
 static int
 scan_struct_list(Scan *s, const Field *fields, FieldFn field, void *context, int *nonempty)
 {
+    int more;
     *nonempty = 0;
     if (at(s, 'n')) return scan_literal(s, "null", 4);
     if (!at(s, '[')) return 0;
-    s->p++;
-    skip_ws(s);
-    if (at(s, ']')) {
-        s->p++;
-        return 1;
+    more = *nonempty = open_container(s, ']');
+    while (more) {
+        if (!scan_struct(s, fields, field, context) || (more = after_member(s, ']')) < 0) return 0;
     }
-    *nonempty = 1;
-    while (1) {
-        if (!scan_struct(s, fields, field, context)) return 0;
-        skip_ws(s);
-        if (at(s, ',')) {
-            s->p++;
-            skip_ws(s);
-            continue;
-        }
-        if (at(s, ']')) {
-            s->p++;
-            return 1;
-        }
-        return 0;
-    }
+    return 1;
 }
 
 static int
