@@ -10,7 +10,9 @@ nothing.
 
 from __future__ import annotations
 
+import array
 import copy
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 from msgspec import UNSET
 
 from capyctl.adapters.engines import _sse
-from capyctl.domain import relay_check
+from capyctl.domain import _scan, relay_check
 from capyctl.domain.fields import row_for
 from capyctl.domain.metrics import Meter
 from capyctl.domain.relay_check import DELTA_KEYS, Choice, Delta, Head, ToolCall, TypedRelay, chunk_check, scan_run
@@ -48,8 +50,17 @@ def decoded_run(body: bytes) -> Run | None:
         return _sse._run(body, MAX_EVENT)
 
 
-def facts_of(heads: list[Head]) -> tuple[Any, ...]:
-    """The scan's facts, worked out from decoded heads the way the typed pass reads them."""
+def payload_spans(body: bytes) -> list[tuple[int, int]]:
+    """Where each payload of a run begins and ends in its bytes."""
+    spans, at = [], 6
+    for payload in body[6:-2].split(b"\n\ndata: "):
+        spans.append((at, at + len(payload)))
+        at += len(payload) + 8  # its blank line and the next "data: "
+    return spans
+
+
+def facts_of(heads: list[Head], body: bytes) -> tuple[Any, ...]:
+    """The scan's facts but the last, worked out from decoded heads the way the typed pass reads them."""
     keys, top, texts, objects = 0, -1, [], []
     for i, head in enumerate(heads):
         text = False
@@ -66,22 +77,26 @@ def facts_of(heads: list[Head]) -> tuple[Any, ...]:
             text = text or bool(delta.content or delta.reasoning_content or delta.reasoning or delta.tool_calls)
         texts.append(text)
         if relay_check._has_objects(head):
-            objects.append(i)
+            objects += payload_spans(body)[i]
     models = {msgspec.json.encode(head.model) if head.model is not UNSET else None for head in heads}
     assert len(models) == 1  # the scan accepts only a model every chunk sends alike (or none sends)
     return (len(heads), models.pop(), keys, top, sum(texts), texts.index(True) if True in texts else -1,
             tuple(objects))
 
 
-def check_spliceable(body: bytes, facts: tuple[Any, ...]) -> None:
-    """A run the scan calls spliceable holds its model pattern once in each chunk (so replacing them all is
-    each chunk's first-occurrence splice); one whose pattern some chunk holds twice, or misses, is not."""
-    model, spliceable = facts[1], facts[7]
-    if model is None:
-        assert not spliceable
+def check_positions(body: bytes, facts: tuple[Any, ...]) -> None:
+    """Positions, when the scan gives them, are each chunk's model token, right after ``"model":``, the only
+    occurrence of that pattern in its chunk (so respelling there is each chunk's first-occurrence splice)."""
+    model, positions = facts[1], facts[7]
+    if positions is None:
         return
-    once = all(p.count(b'"model":' + model) == 1 for p in body[6:-2].split(b"\n\ndata: "))
-    assert not spliceable or once, body
+    assert model is not None
+    at = array.array("I", positions).tolist()
+    spans = payload_spans(body)
+    assert len(at) == len(spans), body
+    for (begin, end), position in zip(spans, at):
+        assert begin < position < end and body[position - 8:position + len(model)] == b'"model":' + model, body
+        assert body[begin:end].count(b'"model":' + model) == 1, body
 
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)  # any character but a lone surrogate
@@ -132,8 +147,8 @@ def check_against_decode(body: bytes) -> tuple[Any, ...] | None:
     if facts is not None:
         run = decoded_run(body)
         assert run is not None, body  # the scan accepted what msgspec refuses (or a failure event)
-        assert facts[:7] == facts_of(list(run.heads)), body
-        check_spliceable(body, facts)
+        assert facts[:7] == facts_of(list(run.heads), body), body
+        check_positions(body, facts)
     return facts
 
 
@@ -145,7 +160,6 @@ def test_the_scan_knows_the_structs_field_for_field() -> None:
     """Its field lists are the structs' (a field it does not know it refuses; one it knows wrongly it would
     pass), and the structs are what it assumes of them: every field is decoded (unknown ones forbidden),
     the few it reads typed as it reads them, the rest Any."""
-    from capyctl.domain import _scan
 
     assert _scan.HEAD_FIELDS == Head.__struct_fields__ and _scan.CHOICE_FIELDS == Choice.__struct_fields__
     assert _scan.DELTA_FIELDS == Delta.__struct_fields__ == DELTA_KEYS
@@ -213,7 +227,10 @@ def test_the_scan_reads_what_each_delta_sends() -> None:
               b'{"model":"m","choices":[{"index":0,"delta":{"reasoning":0.0}},{"delta":{"content":[0]}}]}',
               b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":7},{"index":null}]}}],"usage":null}',
               b'{"model":"m","choices":[{"delta":{"reasoning_content":null,"tool_calls":[]}}],"usage":{}}']
-    assert check_against_decode(body_of(chunks)) == (4, b'"m"', 0b11111, 7, 2, 1, (3,), True)
+    body = body_of(chunks)
+    facts = check_against_decode(body)
+    assert facts is not None and facts[:7] == (4, b'"m"', 0b11111, 7, 2, 1, payload_spans(body)[3])
+    assert array.array("I", facts[7]).tolist() == [m.start() + 8 for m in re.finditer(b'"model":', body)]
 
 
 def test_a_run_is_spliceable_where_its_model_pattern_is_each_chunks_model_field_alone() -> None:
@@ -224,7 +241,24 @@ def test_a_run_is_spliceable_where_its_model_pattern_is_each_chunks_model_field_
                               (b'{"choices":[{"delta":{"content":"\\"model\\":\\"m\\""}}],"model":"m"}', True),
                               (b'{"usage":{"x":[{"model":1}]},"model":"m"}', False)):
         facts = check_against_decode(body_of([plain, chunk]))
-        assert facts is not None and facts[7] is spliceable, chunk
+        assert facts is not None and (facts[7] is not None) is spliceable, chunk
+
+
+def test_respell_writes_the_new_token_only_where_the_old_one_is() -> None:
+    body = body_of([b'{"model":"ab","choices":[]}', b'{"choices":[],"model":"ab"}'])
+    facts = scan_run(body)
+    assert facts is not None and facts[7] is not None
+    assert _scan.respell(body, facts[7], b'"ab"', b'"my-model"') == body.replace(b'"ab"', b'"my-model"')
+    assert _scan.respell(body, facts[7], b'"ab"', b'"x"') == body.replace(b'"ab"', b'"x"')
+    assert _scan.respell(body, b"", b'"ab"', b'"x"') == body
+    wrong = [array.array("I", [8, 8]).tobytes(), array.array("I", [9]).tobytes(), b"\x01\x02\x03",
+             array.array("I", [len(body) - 2]).tobytes(), array.array("I", [2**32 - 1]).tobytes()]
+    wrong.append(array.array("I", reversed(array.array("I", facts[7]))).tobytes())  # out of order
+    for positions in wrong:
+        with pytest.raises(ValueError):
+            _scan.respell(body, positions, b'"ab"', b'"x"')
+    with pytest.raises(TypeError):
+        _scan.respell(body, facts[7], "ab", b"x")
 
 
 @pytest.mark.parametrize("value", [b'""', b'"a"', b'"\\u0000"', b"0", b"-0", b"7", b"0.0", b"0.5", b"-0.0e5", b"1e-5",

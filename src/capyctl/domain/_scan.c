@@ -4,7 +4,7 @@
    payload is one that ``relay_check.Head`` decodes (``msgspec.json.Decoder(Head).decode_lines``) and
    none is the engine's failure event, the facts ``TypedRelay.run`` works from:
 
-       (count, model, delta_keys, top_index, text_count, first_text, objects, spliceable)
+       (count, model, delta_keys, top_index, text_count, first_text, objects, positions)
 
    - count: the chunks;
    - model: the token every chunk sends as ``model`` (a JSON string with its quotes; the same bytes in
@@ -13,10 +13,15 @@
    - top_index: the highest tool-call index any delta sent, -1 when none did;
    - text_count, first_text: how many chunks carry generated text (a truthy content, reasoning_content,
      reasoning or a non-empty tool_calls in some choice's delta), and the first of them (-1 if none);
-   - objects: the indexes of the chunks that send usage, metrics, timings or tensorfold (not null);
-   - spliceable: ``"model":<model>`` occurs once in each chunk, as its model field: no object below the
-     head has a key "model", and each chunk writes its model field without spaces. Replacing every
-     occurrence in the run's bytes is then each chunk's first-occurrence splice.
+   - objects: where the payloads of the chunks that send usage, metrics, timings or tensorfold (not null)
+     begin and end in ``body``, two offsets a chunk, flat;
+   - positions: when ``"model":<model>`` occurs once in each chunk, as its model field (no object below
+     the head has a key "model", and each chunk writes its model field without spaces), the offset of
+     each chunk's model token, as native uint32 values in one bytes object; None otherwise. Respelling
+     the tokens there (``respell``) is then each chunk's first-occurrence splice of the pattern.
+
+   respell(body, positions, old, new) writes ``body`` again with ``new`` in place of the ``old`` token at
+   each of ``positions``, checking that ``old`` is there (ValueError where it is not).
 
    It returns None for anything it is not sure of, and the caller then takes the way it took before
    (msgspec's decode): so what it accepts must be a subset of what msgspec accepts, and its facts must
@@ -32,6 +37,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #define MAX_DEPTH 64
@@ -53,6 +59,8 @@ typedef struct {
     int model_tight;  /* the token follows its key and colon at once: "model":<token> */
     int text;
     int objects;
+    const unsigned char *payload;  /* where its payload begins, and ends (at its blank line) */
+    const unsigned char *payload_end;
 } Chunk;
 
 typedef struct {
@@ -498,6 +506,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
     while (s.p < s.end) {
         if (s.end - s.p < 6 || memcmp(s.p, "data: ", 6) != 0) Py_RETURN_NONE;
         s.p += 6;
+        const unsigned char *payload = s.p;
         skip_ws(&s);
         if (count == room) {  /* more chunks than room: the caller tries again with enough */
             const unsigned char *q = s.p;
@@ -520,6 +529,8 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
         if (head.error && !head.choices) Py_RETURN_NONE;  /* the engine's failure event */
         skip_ws(&s);
         if (s.end - s.p < 2 || s.p[0] != '\n' || s.p[1] != '\n') Py_RETURN_NONE;
+        chunk->payload = payload;
+        chunk->payload_end = s.p;
         s.p += 2;
         count++;
     }
@@ -529,7 +540,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
     const unsigned char *model = chunks[0].model;
     Py_ssize_t model_len = chunks[0].model_len;
     Py_ssize_t text_count = 0, first_text = -1, objects = 0;
-    int spliceable = model != NULL && !s.nested_model;
+    int spliceable = model != NULL && !s.nested_model && size <= (Py_ssize_t)UINT32_MAX;
     for (Py_ssize_t i = 0; i < count; i++) {
         spliceable = spliceable && chunks[i].model_tight;
         if ((chunks[i].model == NULL) != (model == NULL)) Py_RETURN_NONE;
@@ -541,28 +552,47 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
         }
         objects += chunks[i].objects;
     }
-    PyObject *indexes = PyTuple_New(objects);
-    if (indexes == NULL) return NULL;
+    PyObject *offsets = PyTuple_New(2 * objects);
+    if (offsets == NULL) return NULL;
     for (Py_ssize_t i = 0, j = 0; i < count; i++) {
         if (chunks[i].objects) {
-            PyObject *n = PyLong_FromSsize_t(i);
-            if (n == NULL) {
-                Py_DECREF(indexes);
+            PyObject *start = PyLong_FromSsize_t(chunks[i].payload - body);
+            PyObject *end = PyLong_FromSsize_t(chunks[i].payload_end - body);
+            if (start == NULL || end == NULL) {
+                Py_XDECREF(start);
+                Py_XDECREF(end);
+                Py_DECREF(offsets);
                 return NULL;
             }
-            PyTuple_SET_ITEM(indexes, j++, n);
+            PyTuple_SET_ITEM(offsets, j++, start);
+            PyTuple_SET_ITEM(offsets, j++, end);
         }
     }
-    PyObject *token;
+    PyObject *token, *positions;
     if (model == NULL) {
         token = Py_NewRef(Py_None);
     }
     else if ((token = PyBytes_FromStringAndSize((const char *)model, model_len)) == NULL) {
-        Py_DECREF(indexes);
+        Py_DECREF(offsets);
         return NULL;
     }
-    return Py_BuildValue("(nNIlnnNO)", count, token, facts.delta_keys, (long)facts.top_index, text_count,
-                         first_text, indexes, spliceable ? Py_True : Py_False);
+    if (!spliceable) {
+        positions = Py_NewRef(Py_None);
+    }
+    else if ((positions = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t))) != NULL) {
+        char *out = PyBytes_AS_STRING(positions);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t at = (uint32_t)(chunks[i].model - body);
+            memcpy(out + i * sizeof(uint32_t), &at, sizeof(uint32_t));
+        }
+    }
+    else {
+        Py_DECREF(offsets);
+        Py_DECREF(token);
+        return NULL;
+    }
+    return Py_BuildValue("(nNIlnnNN)", count, token, facts.delta_keys, (long)facts.top_index, text_count,
+                         first_text, offsets, positions);
 }
 
 static PyObject *
@@ -586,9 +616,54 @@ scan_run(PyObject *module, PyObject *arg)
     return result;
 }
 
+static PyObject *
+respell(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1]) || !PyBytes_Check(args[2]) ||
+        !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "respell(body, positions, old, new) takes four bytes");
+        return NULL;
+    }
+    const char *body = PyBytes_AS_STRING(args[0]), *at = PyBytes_AS_STRING(args[1]);
+    const char *old = PyBytes_AS_STRING(args[2]), *new = PyBytes_AS_STRING(args[3]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]), old_len = PyBytes_GET_SIZE(args[2]);
+    Py_ssize_t new_len = PyBytes_GET_SIZE(args[3]), n = PyBytes_GET_SIZE(args[1]) / (Py_ssize_t)sizeof(uint32_t);
+    if (PyBytes_GET_SIZE(args[1]) % (Py_ssize_t)sizeof(uint32_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "respell(): positions is not a whole number of uint32 values");
+        return NULL;
+    }
+    Py_ssize_t next = 0;  /* the first byte a position may take */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t p;
+        memcpy(&p, at + i * sizeof(uint32_t), sizeof(uint32_t));
+        if ((Py_ssize_t)p < next || old_len > size - (Py_ssize_t)p || memcmp(body + p, old, old_len) != 0) {
+            PyErr_Format(PyExc_ValueError, "respell(): position %zd (%u) does not hold the old token", i, p);
+            return NULL;
+        }
+        next = (Py_ssize_t)p + old_len;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, size + n * (new_len - old_len));
+    if (result == NULL) return NULL;
+    char *out = PyBytes_AS_STRING(result);
+    Py_ssize_t from = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t p;
+        memcpy(&p, at + i * sizeof(uint32_t), sizeof(uint32_t));
+        memcpy(out, body + from, p - from);
+        out += p - from;
+        memcpy(out, new, new_len);
+        out += new_len;
+        from = (Py_ssize_t)p + old_len;
+    }
+    memcpy(out, body + from, size - from);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan_run", scan_run, METH_O,
-     "scan_run(body) -> (count, model, delta_keys, top_index, text_count, first_text, objects, spliceable) | None"},
+     "scan_run(body) -> (count, model, delta_keys, top_index, text_count, first_text, objects, positions) | None"},
+    {"respell", (PyCFunction)(void (*)(void))respell, METH_FASTCALL,
+     "respell(body, positions, old, new) -> body with new in place of old at each position"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -110,6 +110,7 @@ decode_head = msgspec.json.Decoder(Head).decode  # raises msgspec.DecodeError (o
 decode_heads = msgspec.json.Decoder(Head).decode_lines
 
 try:  # the run scan in C, built with the package (see _scan.c); without it, every run is decoded into heads
+    from capyctl.domain._scan import respell as _respell
     from capyctl.domain._scan import scan_run as _scan_run
 except ImportError:  # pragma: no cover - a build without a C compiler
     _scan_run = None
@@ -241,16 +242,17 @@ class TypedRelay:
     def _scanned(self, run: Run, now: Callable[[], float]) -> bool:
         """``run`` for a scanned run, from its facts: the same checks, rewrite and meter updates as over its
         heads, without them (only the chunks that carry an engine object the meter keeps are decoded)."""
-        count, model, keys, top_index, text_count, first_text, objects, spliceable = run.facts
+        count, model, keys, top_index, text_count, first_text, objects, positions = run.facts
         if keys & self._refused_bits or top_index >= self._max_tool_calls:
             return False  # a chunk the stages must answer for, as _text says
+        body = run.sse
         if model is not None and model != self._token:  # every chunk sent this same plain string
-            pattern = self._patterns.get(model)
-            if pattern is None:
-                pattern = self._patterns[model] = b'"model":' + model
-            if spliceable:  # the pattern is each chunk's model field, and only that: one pass replaces them
-                sse: bytes | None = run.sse.replace(pattern, self._replacement)
+            if positions is not None:  # each chunk's only "model":<model> is its model field: respelled there
+                sse: bytes | None = _respell(body, positions, model, self._token)
             else:
+                pattern = self._patterns.get(model)
+                if pattern is None:
+                    pattern = self._patterns[model] = b'"model":' + model
                 sse = self._rewrite_alike_pattern(run, pattern) or self._rewritten(run)
             if sse is None:
                 return False
@@ -264,10 +266,8 @@ class TypedRelay:
                 if first_text < count - 1:
                     at = now()
         meter.last_at = at
-        if objects:
-            payloads = run.payloads()
-            for index in objects:
-                self._keep(decode_head(payloads[index]))
+        for i in range(0, len(objects), 2):  # (begin, end) of each such payload in the bytes as they came
+            self._keep(decode_head(body[objects[i]:objects[i + 1]]))
         return True
 
     def _text(self, head: Any) -> bool | None:
