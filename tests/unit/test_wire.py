@@ -102,10 +102,17 @@ async def test_the_first_events_come_one_at_a_time_until_the_caller_has_its_firs
         assert seen == expected_chunks() + 1  # every chunk and [DONE], nothing lost or repeated
         assert len(sizes) < seen - singles  # past the first ones, a read's events come together again
     whole: list[int] = []
-    async with session.chat_stream(replay, BODY) as batches:  # without until: a batch per read
-        async for batch in batches:
-            whole.append(len(batch))
-    assert whole[0] > 1
+    async with httpx.AsyncClient(base_url=replay) as stats:
+        before = (await stats.get("/replay/stats")).json()["completed"]
+        async with session.chat_stream(replay, BODY) as batches:  # without until: a batch per read
+            # the whole answer is in before the first batch is taken (not left to how the engine's writes and
+            # this reader happen to interleave): the events read so far must come as one batch, not singly
+            with anyio.fail_after(10):
+                while (await stats.get("/replay/stats")).json()["completed"] == before:
+                    await anyio.sleep(0.01)
+            async for batch in batches:
+                whole.append(len(batch))
+    assert whole[0] > 1 and sum(whole) == expected_chunks() + 1
 
 
 
