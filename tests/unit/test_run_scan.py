@@ -303,6 +303,19 @@ def test_the_typed_pass_over_a_scanned_run_is_the_pass_over_its_heads(payloads: 
     assert outcomes[0] == outcomes[1]
 
 
+@pytest.mark.parametrize("count", [255, 256, 257, 1100])
+def test_a_run_of_more_chunks_than_the_scan_keeps_on_its_stack_reads_the_same(count: int) -> None:
+    """Past 256 chunks the scan moves its chunks to the heap (and doubles that room as it goes)."""
+    chunks = [b'{"model":"m","choices":[{"index":0,"delta":{"content":"%d"}}]%b}' % (i, b',"usage":{"n":%d}' % i
+                                                                                 if i % 300 == 299 else b"")
+              for i in range(count)]
+    body = body_of(chunks)
+    facts = check_against_decode(body)
+    assert facts is not None and facts[0] == count and len(facts[6]) == 2 * (count // 300)
+    check_positions(body, facts)
+    assert facts[7] is not None and len(array.array("I", facts[7])) == count
+
+
 def test_a_declined_scanned_run_decodes_its_heads_when_read() -> None:
     good = b'{"model":"tiny-llama","choices":[{"index":0,"delta":{"content":"hi"}}]}'
     refused = b'{"model":"tiny-llama","choices":[{"index":0,"delta":{"reasoning_content":"x"}}]}'

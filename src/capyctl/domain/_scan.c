@@ -84,7 +84,7 @@ static const Field CHOICE_FIELDS[] = {F("index"), F("delta"), F("logprobs"), F("
 enum {C_INDEX = 0, C_DELTA = 1};
 
 static const Field DELTA_FIELDS[] = {F("role"), F("content"), F("reasoning"), F("reasoning_content"), F("tool_calls"), {NULL, 0}};
-enum {D_CONTENT = 1, D_REASONING = 2, D_REASONING_CONTENT = 3, D_TOOL_CALLS = 4};
+enum {D_ROLE = 0, D_TOOL_CALLS = 4};
 
 static const Field TOOL_CALL_FIELDS[] = {F("index"), F("id"), F("type"), F("function"), {NULL, 0}};
 enum {T_INDEX = 0};
@@ -400,7 +400,7 @@ delta_field(Scan *s, int index, void *context)
     else if (!scan_value(s, 3, &truthy)) {
         return 0;
     }
-    if (truthy && index != 0) choice->text = 1;  /* 0: role, which is no text */
+    if (truthy && index != D_ROLE) choice->text = 1;  /* a role is no text */
     return 1;
 }
 
@@ -496,8 +496,32 @@ valid_utf8(const unsigned char *p, const unsigned char *end)
 
 #define STACK_CHUNKS 256
 
+/* The chunks of a run: on the stack, moved to the heap (its room doubled each time) past STACK_CHUNKS */
+typedef struct {
+    Chunk *items;
+    Py_ssize_t room;
+    Chunk stack[STACK_CHUNKS];
+} Chunks;
+
+/* Room for the chunk at ``count``; 0 (MemoryError set) when there is no memory for it */
+static int
+make_room(Chunks *chunks, Py_ssize_t count)
+{
+    if (count < chunks->room) return 1;
+    Chunk *items = PyMem_Malloc(2 * chunks->room * sizeof(Chunk));
+    if (items == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    memcpy(items, chunks->items, count * sizeof(Chunk));
+    if (chunks->items != chunks->stack) PyMem_Free(chunks->items);
+    chunks->items = items;
+    chunks->room *= 2;
+    return 1;
+}
+
 static PyObject *
-scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room, Py_ssize_t *needed)
+scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
 {
     Scan s = {body, body, body + size, 0, 0};
     Facts facts = {0, -1};
@@ -508,17 +532,8 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
         s.p += 6;
         const unsigned char *payload = s.p;
         skip_ws(&s);
-        if (count == room) {  /* more chunks than room: the caller tries again with enough */
-            const unsigned char *q = s.p;
-            Py_ssize_t more = 0;
-            while ((q = memchr(q, '\n', s.end - q)) != NULL) {
-                more++;
-                q++;
-            }
-            *needed = count + more;
-            return NULL;
-        }
-        Chunk *chunk = &chunks[count];
+        if (!make_room(room, count)) return NULL;
+        Chunk *chunk = &room->items[count];
         chunk->model = NULL;
         chunk->model_len = 0;
         chunk->model_tight = 0;
@@ -537,6 +552,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunk *chunks, Py_ssize_t room,
     if (count < 2) Py_RETURN_NONE;  /* one chunk alone is read as a chunk */
     if (s.non_ascii && !valid_utf8(body, body + size)) Py_RETURN_NONE;
 
+    const Chunk *chunks = room->items;
     const unsigned char *model = chunks[0].model;
     Py_ssize_t model_len = chunks[0].model_len;
     Py_ssize_t text_count = 0, first_text = -1, objects = 0;
@@ -604,15 +620,11 @@ scan_run(PyObject *module, PyObject *arg)
     }
     const unsigned char *body = (const unsigned char *)PyBytes_AS_STRING(arg);
     Py_ssize_t size = PyBytes_GET_SIZE(arg);
-    Chunk stack[STACK_CHUNKS];
-    Py_ssize_t needed = 0;
-    PyObject *result = scan(body, size, stack, STACK_CHUNKS, &needed);
-    if (result != NULL || needed == 0) return result;
-    Chunk *heap = PyMem_Malloc(sizeof(Chunk) * needed);
-    if (heap == NULL) return PyErr_NoMemory();
-    result = scan(body, size, heap, needed, &needed);
-    PyMem_Free(heap);
-    if (result == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    Chunks chunks;
+    chunks.items = chunks.stack;
+    chunks.room = STACK_CHUNKS;
+    PyObject *result = scan(body, size, &chunks);
+    if (chunks.items != chunks.stack) PyMem_Free(chunks.items);
     return result;
 }
 
