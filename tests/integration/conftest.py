@@ -16,6 +16,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A failed test that used a CapyCTL server shows the end of that server's log beside its failure."""
+    report = yield
+    if report.failed and report.when == "call":
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, CapyServer):
+                report.sections.append((f"CapyCTL's log ({name}), its last 8 KB", value.log()[-8192:]))
+    return report
+
+
 @pytest.fixture(scope="session")
 def llama() -> LlamaPaths:
     paths = llama_paths()

@@ -43,6 +43,33 @@ def test_an_engine_that_cannot_start_ends_failed_and_answers_llm_unavailable(
     assert started_launches(capy, "broken") == launches  # a request does not start a failed deployment
 
 
+def test_an_engine_that_cannot_be_launched_fails_alone_and_says_why(
+    capy: CapyServer, llama: LlamaPaths, tmp_path: Path
+) -> None:
+    capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
+    blocker = capy.state_dir / "logs" / "blocked"  # a file where the deployment's log folder must be made
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a folder")
+    capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "blocked", "llama-server", llama.model)))
+    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
+                   json={"model": "blocked", "messages": MESSAGES, "max_tokens": 4})
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "llm-unavailable", r.text
+    assert error["reason"] == f"could not launch the engine: FileExistsError: [Errno 17] File exists: '{blocker}'"
+    status = capy.cli_json("status", "deployment", "blocked")
+    assert status["state"] == "failed"
+    lines = capy.cli("events", "--deployment", "blocked", "--json").stdout.splitlines()
+    kinds = [msgspec.json.decode(line)["kind"] for line in lines]
+    assert kinds.count("engine_start_failed") == 5 and "engine_started" not in kinds  # each try counted, none ran
+    # CapyCTL itself goes on: another deployment starts and answers beside the failed one
+    capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "smollm2", "llama-server", llama.model)))
+    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
+                   json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+
+
 def test_an_operators_stop_cuts_requests_with_deployment_stopped_and_holds(
     served: CapyServer
 ) -> None:

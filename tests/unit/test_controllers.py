@@ -153,6 +153,57 @@ async def test_an_engine_that_never_starts_fails_with_its_error(world: World) ->
     assert len(world.processes.spawned) == SETTINGS.max_start_failures
 
 
+async def test_a_launch_that_raises_is_a_failed_start_and_the_deployment_ends_failed(world: World) -> None:
+    spawn = world.processes.spawn
+    attempts: list[int] = []
+
+    async def second_spawn_raises(*args: object) -> object:  # a log folder that cannot be made, a failed fork ...
+        attempts.append(1)
+        if len(attempts) == 2:
+            raise OSError(28, "No space left on device")
+        return await spawn(*args)  # type: ignore[arg-type]
+
+    world.processes.spawn = second_spawn_raises  # type: ignore[method-assign]
+    world.processes.exit_at_once = True
+    with pytest.raises(LlmUnavailable, match="while starting"):  # the last launch's own error
+        await world.controller.route(60)
+    assert world.controller.status.state is S.FAILED
+    assert len(attempts) == SETTINGS.max_start_failures  # the broken launch counts against the budget
+    failed = [e["detail"] for e in world.store.events if e["kind"] == "engine_start_failed"]
+    assert [d.get("reason", d.get("status")) for d in failed] == [
+        1, "could not launch the engine: OSError: [Errno 28] No space left on device", 1]
+    assert [e["detail"]["after_s"] for e in world.store.events if e["kind"] == "engine_restarting"] == [0.5, 1.0]
+
+
+async def test_a_controller_that_meets_an_unexpected_error_fails_alone_until_an_operators_start() -> None:
+    broken, healthy = World(), World()
+    step = broken.controller._step
+    raised: list[str] = []
+
+    async def step_once_broken() -> None:
+        if not raised:
+            raised.append("once")
+            raise RuntimeError("a bug in the controller")
+        await step()
+
+    broken.controller._step = step_once_broken  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:  # one task group, as the fleet's: the fault must stay in its task
+        broken.controller.bind(tg)
+        healthy.controller.bind(tg)
+        with pytest.raises(LlmUnavailable, match="controller failed: RuntimeError: a bug in the controller"):
+            await broken.controller.route(5)
+        assert broken.controller.status.state is S.FAILED and broken.processes.spawned == []
+        assert [e["kind"] for e in broken.store.events].count("controller_failed") == 1
+        assert (await healthy.controller.route(5)).url == "http://127.0.0.1:5555"  # the other one serves
+        with pytest.raises(LlmUnavailable):  # nothing is tried again on a request's behalf
+            await broken.controller.route(1)
+        assert broken.processes.spawned == []
+        broken.controller.want(Desired.RUN)  # an operator's start: a new budget, and it serves
+        assert (await broken.controller.route(5)).url == "http://127.0.0.1:5555"
+        assert len(broken.processes.running()) == 1
+        tg.cancel_scope.cancel()
+
+
 async def test_an_engine_that_crashes_after_each_start_backs_off_then_fails(world: World) -> None:
     launched: list[float] = []
 

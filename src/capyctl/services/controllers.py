@@ -384,19 +384,31 @@ class ManagedController(_Controller):
         try:
             with scope:
                 while True:
-                    step = next_step(self.desired, self.status.state, self._failures, self._settings.max_start_failures)
-                    if step is Step.LAUNCH:
-                        await self._launch()
-                    elif step is Step.FAIL:
-                        self._set(S.FAILED)
-                    elif step is Step.SETTLE:
-                        self._to_stopped()
-                    else:
-                        await self._changed.wait()
+                    try:
+                        await self._step()
+                    except Exception as exc:  # noqa: BLE001 - one deployment's fault must not end the others
+                        log.exception("the controller of %s met an unexpected error", self.name)
+                        self.status.last_error = f"CapyCTL's controller failed: {type(exc).__name__}: {exc}"
+                        self._events.emit(self.name, "controller_failed", instance=0, reason=self.status.last_error)
+                        self._failures, self._relaunch = self._settings.max_start_failures, False
+                        self.status.state = S.FAILED  # no engine runs here (launches end theirs): FAILED until
+                        self._notify()  # an operator's start; what requests wait for is told at once
+                        await self._changed.wait()  # and nothing is tried again before a command
         finally:
             self._to_stopped()  # the launch's own cleanup has terminated the engine
             finished.set()
             self._notify()
+
+    async def _step(self) -> None:
+        step = next_step(self.desired, self.status.state, self._failures, self._settings.max_start_failures)
+        if step is Step.LAUNCH:
+            await self._launch()
+        elif step is Step.FAIL:
+            self._set(S.FAILED)
+        elif step is Step.SETTLE:
+            self._to_stopped()
+        else:
+            await self._changed.wait()
 
     async def _launch(self) -> None:
         """One launch, after the backoff its failures call for; a change of the desired state cancels it."""
@@ -417,6 +429,12 @@ class ManagedController(_Controller):
                 self.desired = Desired.ON_DEMAND
                 self._to_stopped()
                 return
+            except Exception as exc:  # noqa: BLE001 - a launch that broke (no log folder, a failed fork ...)
+                # is a failed start, after the launch's own cleanup ended its process: backoff, then FAILED
+                log.exception("the launch of %s's engine failed", self.name)
+                self.status.last_error = f"could not launch the engine: {type(exc).__name__}: {exc}"
+                self._events.emit(self.name, "engine_start_failed", instance=0, reason=self.status.last_error)
+                stable = False
             self._failures = 0 if stable else self._failures + 1
             self._relaunch = True
         self._launch_scope = None
