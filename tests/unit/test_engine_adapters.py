@@ -346,6 +346,13 @@ def test_prometheus_gauges_sum_over_label_sets() -> None:
     assert _prom.running_waiting(b"a 2\n", ["a"], ["b"]) == (2, 0)
 
 
+def test_prometheus_infinities_are_no_count() -> None:
+    # an engine's gauge at +Inf must read as missing, not end the settlement's reading with OverflowError
+    assert _prom.gauges(b"a +Inf\nb -Inf\nc 1\n", ["a", "b", "c"]) == {"c": 1.0}
+    assert _prom.running_waiting(b"a +Inf\nb 1\n", ["a"], ["b"]) is None
+    assert _prom.running_waiting(b"a 1\nb Inf\n", ["a"], ["b"]) == (1, 0)
+
+
 # --- ready / load / probe_version over HTTP ---------------------------------------------------
 
 

@@ -247,3 +247,28 @@ async def test_idle_timers_park_or_stop_a_quiet_model_and_not_a_busy_one(tmp_pat
         await w.request("quick")  # and the next request starts it again
         assert w.answered[-1] == "quick"
         outer.cancel_scope.cancel()
+
+
+async def test_an_idle_timer_that_meets_an_error_leaves_the_others_running(tmp_path: Path) -> None:
+    w = World(tmp_path)
+    w.board._idle = Idle(stop_after=5.0)
+    async with anyio.create_task_group() as outer:  # the fleet's task group: an error escaping it ends every model
+        await outer.start(w.fleet.run)
+        await w.deploy("a", "b")
+        await w.request("a", 0.1)
+        await w.request("b", 0.1)
+        broken = w.fleet.get("a")
+
+        async def give_way(park: bool = False) -> None:
+            raise RuntimeError("a bug on the way out")
+
+        broken.give_way = give_way  # type: ignore[method-assign]
+        await anyio.sleep(10)
+        assert w.fleet.get("b").status.state.value == "stopped"  # b's timer did its work
+        assert broken.ready  # a's failed; it still serves
+        await w.request("a", 0.1)
+        assert w.answered[-1] == "a"
+        del broken.give_way  # fixed: the timers go on looking, and stop it now
+        await anyio.sleep(10)
+        assert broken.status.state.value == "stopped"
+        outer.cancel_scope.cancel()

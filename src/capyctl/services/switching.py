@@ -120,9 +120,12 @@ class Switchboard:
         while True:
             await anyio.sleep(IDLE_CHECK)
             for occupant in list(self._occupants()):
-                step = self._idle_step(occupant)
-                if step is not None:
-                    await self._idle_away(occupant, step)
+                try:
+                    step = self._idle_step(occupant)
+                    if step is not None:
+                        await self._idle_away(occupant, step)
+                except Exception:  # noqa: BLE001 - one model's fault must not end the timers, or the fleet
+                    log.exception("the idle timer of %s met an unexpected error", occupant.name)
 
     def _idle_step(self, occupant: Occupant) -> str | None:
         spec, name = occupant.spec, occupant.name

@@ -7,6 +7,7 @@ all its label sets. A gauge with no sample at all is reported missing, never 0.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 
@@ -29,7 +30,7 @@ def gauges(text: bytes, names: Iterable[str]) -> dict[str, float]:
             value = float(match.group(2))
         except ValueError:
             continue
-        if value != value:  # NaN: the engine could not count it
+        if not math.isfinite(value):  # NaN (the engine could not count it) or an infinity: no count at all
             continue
         found[name] = found.get(name, 0.0) + value
     return found
