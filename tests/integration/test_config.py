@@ -94,13 +94,17 @@ def test_devices_auto_without_a_gpu_stops_the_server_and_says_what_to_do(tmp_pat
     config = tmp_path / "server.yaml"
     config.write_text("memory:\n  devices: auto\n")
     empty = tmp_path / "bin"
-    empty.mkdir()  # a PATH with no nvidia-smi; NVML finds no driver on a machine without a GPU
+    empty.mkdir()  # a PATH with no nvidia-smi
+    # and an NVML whose driver library is missing, as on a machine without a GPU, whatever this one has
+    (tmp_path / "nvml").mkdir()
+    (tmp_path / "nvml" / "pynvml.py").write_text(
+        "class NVMLError(Exception):\n    pass\n\n\n"
+        "def nvmlInit():\n    raise NVMLError('NVML Shared Library Not Found')\n")
     done = subprocess.run([sys.executable, "-m", "capyctl", "start", "standalone", "--config", str(config),
                            "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--management",
                            "127.0.0.1:0"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": str(empty)})
-    if "NVML did not load" not in done.stderr:
-        pytest.skip("this machine has an NVIDIA driver: auto finds its GPUs")
+                          env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(tmp_path / "nvml")})
+    assert "NVML did not load (NVML Shared Library Not Found)" in done.stderr
     assert done.returncode == 6
     assert "error [invalid_config]: memory.devices: auto found no GPU" in done.stderr
     assert "declare the devices in the file" in done.stderr
