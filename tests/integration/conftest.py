@@ -22,8 +22,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if report.failed and report.when == "call":
         for name, value in getattr(item, "funcargs", {}).items():
-            if isinstance(value, CapyServer):
-                report.sections.append((f"CapyCTL's log ({name}), its last 8 KB", value.log()[-8192:]))
+            for server in value if isinstance(value, tuple) else (value,):  # a fixture may yield it in a tuple
+                if isinstance(server, CapyServer):
+                    report.sections.append((f"CapyCTL's log ({name}), its last 8 KB", server.log()[-8192:]))
     return report
 
 
