@@ -494,6 +494,7 @@ TOOLS = {  # other programs the pages run, and how the test asks for their --hel
     "python -m capyctl.replay": [sys.executable, "-m", "capyctl.replay"],
     "python bench/relay.py": [sys.executable, "bench/relay.py"],
     "python bench/ab_ttft.py": [sys.executable, "bench/ab_ttft.py"],
+    "python bench/cold.py": [sys.executable, "bench/cold.py"],
     "python -m pytest": [sys.executable, "-m", "pytest"],
 }
 
