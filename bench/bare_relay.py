@@ -1,12 +1,20 @@
 """A featureless relay in Python, the floor for bench/relay.py: what the language and its event loop cost.
 
-    python bench/bare_relay.py ENGINE_HOST ENGINE_PORT [--decode]
+    python bench/bare_relay.py ENGINE_HOST ENGINE_PORT [--decode] [--checks KEY]
 
 It does only what any relay must: accept a client (uvloop, httptools), send its request body to the engine
 over a kept-alive connection, and write each engine read to the client as it comes (chunked), closing the
 engine connection when the client hangs up. No key, no admission, no request ID, no metrics, no log, no
 check of what is relayed; with ``--decode``, each read's whole events are decoded into CapyCTL's typed
 chunk structs (``domain/relay_check.Head``), the least a relay that checks every chunk has to do.
+
+With ``--checks KEY`` it also does, in one flat method per request before the engine is asked, the least
+of CapyCTL's own front: a ULID for the request (``adapters/http/ids``), the ``Authorization`` key's
+SHA-256 compared in constant time with KEY's, the body decoded and its ``model`` and ``stream`` read, a
+place taken under a limit of requests in flight (given back when the answer ends), and the model's
+name spliced into the engine's body; the answer's head carries the request's ID. A yardstick of what
+flat code with those steps costs, against CapyCTL's layered path: not a product, no error answers
+(a request that fails a check is closed).
 
 It prints ``listening on http://127.0.0.1:PORT`` and serves until killed. It is a yardstick, not a product:
 it answers nothing but a streamed POST, and trusts the engine's answer.
@@ -16,13 +24,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import sys
 from pathlib import Path
 
 import httptools
+import msgspec
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from capyctl.adapters.http.ids import new_request_id  # noqa: E402
+from capyctl.domain.keys import _sha256 as sha256  # noqa: E402 - the digest CapyCTL checks keys by
+
+_PREFIX = b"capy_"
+_MOST_IN_FLIGHT = 4096  # as CapyCTL in bench/relay.py, a place for every client: the check is what costs
 
 _HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
          b"connection: close\r\n\r\n")
@@ -37,6 +53,7 @@ class Engine(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.client: asyncio.Transport | None = None
         self.body: list[bytes] = []
+        self.head: bytes | None = None  # the answer's head, when --checks made one for this request
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -48,13 +65,14 @@ class Engine(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if self.client is not None:
-            self.client.write(_HEAD)
+            self.client.write(_HEAD if self.head is None else self.head)
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
         client, self.client = self.client, None
+        self._give_back()
         if client is not None:
             if self.body:
                 self._write(client)
@@ -79,7 +97,13 @@ class Engine(asyncio.Protocol):
                 pass
         client.write(b"%x\r\n%b\r\n" % (len(data), data))
 
+    def _give_back(self) -> None:
+        if self.head is not None:  # the place --checks took for this request
+            self.head = None
+            self.relay.in_flight -= 1
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._give_back()
         if self in self.relay.idle:
             self.relay.idle.remove(self)
         if self.client is not None:
@@ -93,6 +117,8 @@ class Client(asyncio.Protocol):
         self.body: list[bytes] = []
         self.transport: asyncio.Transport | None = None
         self.engine: Engine | None = None
+        self.authorization = b""
+        self.head: bytes | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -100,11 +126,29 @@ class Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) == 13 and name.lower() == b"authorization":
+            self.authorization = value
+
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
+        relay = self.relay
+        if relay.checks is not None:  # CapyCTL's least front, flat
+            request_id = new_request_id()
+            scheme, _, token = self.authorization.partition(b" ")
+            digest = sha256(token[len(_PREFIX):]).hexdigest().encode() if token.startswith(_PREFIX) else b""
+            obj = relay.decode_body(body) if scheme.lower() == b"bearer" else None
+            if (not hmac.compare_digest(digest, relay.checks) or not isinstance(obj, dict)
+                    or obj.get("model") != "x" or obj.get("stream") is not True or relay.in_flight >= _MOST_IN_FLIGHT):
+                assert self.transport is not None
+                self.transport.close()
+                return
+            relay.in_flight += 1
+            body = body.replace(b'"model":"x"', b'"model":"engine-x"', 1)
+            self.head = _HEAD[:-2] + b"x-capyctl-request-id: %b\r\n\r\n" % request_id.encode()
         request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
         idle = self.relay.idle
@@ -125,9 +169,12 @@ class Client(asyncio.Protocol):
     def _send(self, engine: Engine, request: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
             self.relay.idle.append(engine)
+            if self.head is not None:  # the place --checks took for it
+                self.relay.in_flight -= 1
             return
         self.engine = engine
         engine.client = self.transport
+        engine.head = self.head
         assert engine.transport is not None
         engine.transport.write(request)
 
@@ -141,15 +188,16 @@ class Client(asyncio.Protocol):
 
 
 class Relay:
-    def __init__(self, host: str, port: int, decode: bool) -> None:
+    def __init__(self, host: str, port: int, decode: bool, key: str | None = None) -> None:
         self.host = host
         self.port = port
+        self.checks = sha256(key[len(_PREFIX):].encode()).hexdigest().encode() if key else None
+        self.in_flight = 0
+        self.decode_body = msgspec.json.Decoder().decode
         self.idle: list[Engine] = []
         self.connecting: set[asyncio.Future[None]] = set()
         self.decode = None
         if decode:
-            import msgspec
-
             from capyctl.domain.relay_check import Head
 
             self.decode = msgspec.json.Decoder(Head).decode_lines
@@ -167,8 +215,12 @@ def main() -> None:
     parser.add_argument("engine_host")
     parser.add_argument("engine_port", type=int)
     parser.add_argument("--decode", action="store_true", help="decode each chunk into CapyCTL's typed structs")
+    parser.add_argument("--checks", metavar="KEY", help="also do the least of CapyCTL's front per request, with "
+                        "this key (capy_...) as the only one let in")
     args = parser.parse_args()
-    uvloop.run(serve(Relay(args.engine_host, args.engine_port, args.decode)))
+    if args.checks is not None and not args.checks.startswith("capy_"):
+        parser.error(f"--checks takes a key that starts with capy_; got {args.checks!r}")
+    uvloop.run(serve(Relay(args.engine_host, args.engine_port, args.decode, args.checks)))
 
 
 if __name__ == "__main__":

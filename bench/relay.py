@@ -16,6 +16,9 @@ CPU µs per chunk at each N, and the ratios CapyCTL/nginx.
 
 With --floor a fourth path is measured: bench/bare_relay.py --decode, a relay in Python with none of
 CapyCTL's features that only decodes each chunk (the floor of a checking relay in Python here).
+With --floor-checks one more: bench/bare_relay.py --decode --checks, the same relay doing the least of
+CapyCTL's front per request (a ULID, the key's digest, the body's decode, a place under a limit, the
+model's name in the engine's body) in flat code.
 
 nginx is Debian's nginx-light (apt-get install nginx-light), started by the
 bench as its child with a generated config (one worker, on a free loopback
@@ -417,6 +420,10 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also measure bench/bare_relay.py --decode: a featureless Python relay that only decodes "
                              "each chunk, the floor of what a relay in Python costs on this machine")
+    parser.add_argument("--floor-checks", action="store_true",
+                        help="also measure bench/bare_relay.py --decode --checks: the floor relay doing the least "
+                             "of CapyCTL's front per request (ULID, key digest, body decode, in-flight limit) in "
+                             "flat code")
     parser.add_argument("--nginx", default=find_nginx(),
                         help="nginx binary for the nginx path (default: nginx on PATH, else /usr/sbin/nginx)")
     args = parser.parse_args()
@@ -443,6 +450,7 @@ def main() -> None:
     capy = CapyServer(tmp / "state", "--config", str(relay_config))
     nginx: Nginx | None = None
     bare: subprocess.Popen[bytes] | None = None
+    checked: subprocess.Popen[bytes] | None = None
     try:
         line = replay.stdout.readline().decode()  # type: ignore[union-attr]
         match = _LISTENING.search(line)
@@ -481,6 +489,14 @@ def main() -> None:
             assert match, "bench/bare_relay.py did not start"
             routes.append(Route("bare python", "127.0.0.1", int(match.group(2)), plain, None,
                                 lambda: cpu_seconds(bare.pid)))
+        if args.floor_checks:
+            key = "capy_" + "k" * 52
+            checked = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_relay.py"), rhost, str(rport),
+                                        "--decode", "--checks", key], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            match = _LISTENING.search(checked.stdout.readline().decode())  # type: ignore[union-attr]
+            assert match, "bench/bare_relay.py --checks did not start"
+            routes.append(Route("python + checks", "127.0.0.1", int(match.group(2)), plain, key,
+                                lambda: cpu_seconds(checked.pid)))
         routes.append(capyctl)
         for route in routes:  # warm each path (connections, first-use code paths) before anything is measured
             asyncio.run(load(route.host, route.port, route.body, route.key, 1, 0.2, expect))
@@ -561,9 +577,10 @@ def main() -> None:
     finally:
         if nginx is not None:
             nginx.stop()
-        if bare is not None:
-            bare.kill()
-            bare.wait(10)
+        for floor in (bare, checked):
+            if floor is not None:
+                floor.kill()
+                floor.wait(10)
         capy.stop()
         replay.terminate()
         replay.wait(10)
