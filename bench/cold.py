@@ -4,9 +4,10 @@ timed back to back and after sleeping, in one process.
     python bench/cold.py [--repeat 300] [--idle-ms 0,1,5,50] [--json]
 
 Each step is one thing every relayed request does before its engine is asked, done in C or Python as
-CapyCTL does it: a call of an empty Python function, the SHA-256 of a key's 43-character secret (the
-digest a key is checked by), the decoding of a small chat body with msgspec, and the parsing of a
-request's head with httptools. For each idle time the process sleeps that long before each timed step
+CapyCTL does it: a call of an empty Python function, the SHA-256 of a key's 43-character secret
+(``domain/keys.digest``, what a key is checked by), the decoding of a small chat body
+(``adapters/http/chat.decode_body``, msgspec), and the parsing of a request's head with httptools.
+For each idle time the process sleeps that long before each timed step
 (``time.sleep``, the CPU left to others), then times the step alone (``time.perf_counter_ns``); printed
 are the medians in µs and each one's ratio to the same step back to back (idle 0).
 
@@ -24,20 +25,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httptools
-import msgspec
 
-try:
-    from _sha256 import sha256  # what domain/keys.py uses (CPython 3.11)
-except ImportError:  # pragma: no cover - CPython 3.12+
-    from _sha2 import sha256  # type: ignore[no-redef]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-_SECRET = b"k" * 43
+from capyctl.adapters.http.chat import decode_body  # noqa: E402 - the steps as CapyCTL takes them
+from capyctl.domain.keys import digest  # noqa: E402
+
+_SECRET = "k" * 43
 _BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
 _HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8443\r\nAuthorization: Bearer capy_x\r\n"
          b"Content-Type: application/json\r\nContent-Length: 71\r\n\r\n")
-_decode = msgspec.json.Decoder().decode
 
 
 class _Head:
@@ -55,11 +55,11 @@ def _empty() -> None:
 
 
 def _digest() -> None:
-    sha256(_SECRET).hexdigest()
+    digest(_SECRET)
 
 
 def _decode_body() -> None:
-    _decode(_BODY)
+    decode_body(_BODY)
 
 
 def _parse_head() -> None:

@@ -86,8 +86,8 @@ def test_a_decision_hung_up_after_seconds_at_the_engine_is_cut_and_counted(world
         until(lambda: sum(line.get("event") == "decision_cut" for line in read_timeline(timeline)) == 3, 10,
               "the engine went on with decisions whose clients were gone")
     except AssertionError as failure:  # seen once under a full CI run: the engine's side for the next look
-        raise AssertionError(f"{failure}\nthe engine's timeline: {read_timeline(timeline)}") from None  # (and
-        # CapyCTL's side: the report of a failed test shows its server's log, see conftest.py)
+        # (CapyCTL's side: the report of a failed test shows its server's log, see conftest.py)
+        raise AssertionError(f"{failure}\nthe engine's timeline: {read_timeline(timeline)}") from None
     cuts = [line for line in read_timeline(timeline) if line.get("event") == "decision_cut"]
     assert {line["reason"] for line in cuts} == {"client_gone"}
     assert server.log().count("decider: client_gone, engine connection closed") == 3
