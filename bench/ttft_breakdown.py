@@ -111,6 +111,9 @@ def serve(argv: list[str]) -> None:
     wrap_sync(exchange.WireExchange, "write_now", "send head+chunk / chunk")  # a pumped stream's writes
     wrap_async(exchange.WireExchange, "end", "send end")
     wrap_async(exchange.WireExchange, "read_body", "read body")
+    wrap_sync(door.FrontDoor, "begin", "early front")  # as the last byte comes, before the task runs
+    wrap_sync(chat.ChatService, "send_now", "send now")
+    wrap_sync(_wire.WireEngineSession, "send_now", "engine write now")
     wrap_async(door.FrontDoor, "_handle", "front door")
     wrap_sync(keys.Keyring, "authenticate", "authenticate")
     wrap_sync(door, "decode_body", "decode body")

@@ -74,6 +74,54 @@ async def test_a_cut_stream_closes_its_connection(replay: str) -> None:
             await anyio.sleep(0.02)
 
 
+async def test_a_cut_connection_is_replaced_by_an_idle_one_that_the_next_request_is_written_on_at_once(
+        replay: str) -> None:
+    session = WireEngineSession()
+    key = ("127.0.0.1", int(replay.rsplit(":", 1)[1]))
+    assert session.send_now(replay, BODY) is None  # no connection idle: nothing is written
+    slow = BODY[:-1] + b',"replay_interval_ms":20}'
+    with anyio.CancelScope() as cut:
+        async with session.chat_stream(replay, slow) as batches:
+            async for _ in batches:
+                cut.cancel()  # the client hung up after the first batch: its request is cancelled
+    assert cut.cancelled_caught
+    with anyio.fail_after(5):  # the cut one was closed; a new one comes to stand idle in its place
+        while not session._idle.get(key):
+            await anyio.sleep(0.01)
+    spare = session._idle[key][0]
+    before = httpx.get(replay + "/replay/stats").json()["requests"]
+    sent = session.send_now(replay, BODY)
+    assert sent is spare and session._idle[key] == []
+    with anyio.fail_after(5):  # written already: the engine has it before chat_stream is entered
+        while httpx.get(replay + "/replay/stats").json()["requests"] == before:
+            await anyio.sleep(0.01)
+    events = []
+    async with session.chat_stream(replay, BODY, sent=sent) as batches:
+        async for batch in batches:
+            events += batch
+    assert sum(isinstance(e, Chunk) for e in events) == expected_chunks()
+    assert isinstance(events[-1], Done)
+    assert httpx.get(replay + "/replay/stats").json()["requests"] == before + 1  # sent once, not again
+    assert session._idle[key] == [spare]  # and kept alive for the next
+
+
+async def test_a_request_written_on_a_connection_the_engine_closed_meanwhile_is_sent_again_on_a_new_one(
+        replay: str) -> None:
+    session = WireEngineSession()
+    await read_all(session, replay)
+    key = ("127.0.0.1", int(replay.rsplit(":", 1)[1]))
+    stale = session._idle[key][0]
+    sent = session.send_now(replay, BODY)
+    assert sent is stale
+    stale.transport.abort()  # as if the engine had closed it just before the request went out
+    events = []
+    async with session.chat_stream(replay, BODY, sent=sent) as batches:
+        async for batch in batches:
+            events += batch
+    assert sum(isinstance(e, Chunk) for e in events) == expected_chunks()
+    assert session._idle[key] and session._idle[key][0] is not stale
+
+
 async def test_engine_refusals_and_unreachable_engines(replay: str) -> None:
     session = WireEngineSession()
     with pytest.raises(EngineError) as refused:

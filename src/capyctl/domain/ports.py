@@ -140,6 +140,12 @@ class EngineSession(Protocol):
         until ``drain()`` returns, or ENDED); ``pump`` returns True once it said
         ENDED, False when the answer ended first, and raises as pulling would.
 
+        A session may also have ``send_now(base_url, body)``: the request
+        written at once, from a callback, on a kept-alive connection it holds
+        idle (None, nothing done, when it holds none); ``chat_stream`` given
+        what it returned as ``sent=`` reads that request's answer instead of
+        sending the request again.
+
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it
         cannot be reached. Leaving the context, normally or by cancellation,

@@ -42,7 +42,7 @@ from capyctl.domain.streams import (
     Stage,
     StreamEvent,
 )
-from capyctl.domain.scheduling import QueueLimits
+from capyctl.domain.scheduling import QueueLimits, Route
 from capyctl.services.admission import AdmissionService, Lease
 from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
@@ -175,29 +175,78 @@ class ChatService(RequestService):
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self._checks: dict[tuple[str, str], ChunkCheck] = {}
         # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
-        self._runs: dict[str, bool] = {"runs": True} if getattr(session, "relays_runs", False) else {}
+        self._runs: dict[str, Any] = {"runs": True} if getattr(session, "relays_runs", False) else {}
+        self._send_now: Callable[[str, bytes], Any] | None = getattr(session, "send_now", None)
+
+    def send_now(self, record: RequestRecord, obj: dict[str, Any]) -> Sent | None:
+        """``open``'s way up to the engine done at once, from a callback (the request's task has not run yet),
+        when nothing on it has to wait: the model is ready and admission grants a place at once. The request
+        is then also written to the engine, when the session holds a kept-alive connection to it idle. None,
+        with nothing changed, when something would wait; raises what ``open`` would raise first. Hand what it
+        returns to ``open`` (``sent=``), which takes up from there: everything else, the selection event
+        included, comes after the engine has the request."""
+        send = self._send_now
+        if send is None:
+            return None
+        controller: Serving = self._fleet.resolve(record.deployment, "chat")
+        route = controller.route_now()
+        if route is None:
+            return None
+        check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
+        body = engine_body(obj, controller.spec.served_model, record.stream)
+        lease = self._admission.admit_now(controller, record)
+        if lease is None:
+            return None
+        try:
+            if self._keys is not None:
+                self._keys.admitted(record.id)
+            self.live[record.id] = record
+            record.sent(instance=0)
+            meter = Meter(self._clock.monotonic)
+            conn = send(route.url, body)
+            return Sent(controller, body, lease, route, meter, conn)
+        except BaseException:
+            lease.give_back()
+            self.live.pop(record.id, None)
+            raise
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> AsyncIterator[EngineCall]:
+    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
+                   sent: Sent | None = None) -> AsyncIterator[EngineCall]:
         """Yield the engine call answering ``obj``: its relayed events, and its metrics at the end.
 
         Raises domain errors before anything is yielded (unknown model, engine
-        refusal ...). Leaving the context closes the engine connection.
+        refusal ...). Leaving the context closes the engine connection. ``sent``: what ``send_now`` did
+        for this request already.
         """
-        controller: Serving = self._fleet.resolve(record.deployment, "chat")
-        check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
+        if sent is None:
+            controller: Serving = self._fleet.resolve(record.deployment, "chat")
+            check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
+        else:
+            controller = sent.controller
         self.live[record.id] = record
         try:
-            body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
-            record.phase = Phase.WAITING
-            async with self._admitted(controller, record, wait):
-                route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
-                self._selected(record)
-                meter = self._meters[record.id] = Meter(self._clock.monotonic)
+            if sent is None:
+                body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
+                record.phase = Phase.WAITING
+                admitted: Any = self._admitted(controller, record, wait)
+            else:
+                body, admitted = sent.body, sent.lease
+            async with admitted:
+                if sent is None:
+                    route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
+                    record.sent(instance=0)
+                    meter = Meter(self._clock.monotonic)
+                    options = self._runs
+                else:
+                    route, meter = sent.route, sent.meter
+                    options = {**self._runs, "sent": sent.conn} if sent.conn is not None else self._runs
+                self._events.selection(record.id, record.deployment, self._settings.host_name, 0, record.key)
+                self._meters[record.id] = meter
                 streaming = False
                 try:
                     async with self._session.chat_stream(route.url, body, lambda: record.answered,
-                                                         **self._runs) as events:
+                                                         **options) as events:
                         streaming = True
                         yield self._call(controller, record, meter, events)
                 except EngineUnavailable as exc:
@@ -244,10 +293,11 @@ class ChatService(RequestService):
             check = self._checks[key] = chunk_check(controller.fields.row, self._settings.max_tool_calls)
         return TypedRelay(check, meter, record.deployment)
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> dict[str, Any]:
+    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
+                       sent: Sent | None = None) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
         assembler = Assembler(record.deployment, self._settings.max_tool_calls)
-        async with self.open(record, obj, wait) as call:
+        async with self.open(record, obj, wait, sent) as call:
             async for batch in call.events:
                 for event in batch:
                     if isinstance(event, Chunk):
@@ -257,6 +307,18 @@ class ChatService(RequestService):
         answer = assembler.result()
         answer["capyctl"] = {"metrics": call.metrics()}
         return answer
+
+
+class Sent:
+    """What ``ChatService.send_now`` did for a request: admitted (``lease``, entered), sent (``record`` and
+    ``meter`` say so) and, when ``conn`` is not None, written to its engine on that connection."""
+
+    __slots__ = ("controller", "body", "lease", "route", "meter", "conn")
+
+    def __init__(self, controller: Serving, body: bytes, lease: Lease, route: Route, meter: Meter,
+                 conn: Any) -> None:
+        self.controller, self.body, self.lease, self.route, self.meter, self.conn = (
+            controller, body, lease, route, meter, conn)
 
 
 class EngineCall:

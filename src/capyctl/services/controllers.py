@@ -84,6 +84,9 @@ class Serving(Protocol):
         """Wait until the engine is ready (asking for it); raises DeploymentStopped, LlmUnavailable,
         EngineUnavailable or DeadlineExceeded."""
 
+    def route_now(self) -> Route | None:
+        """The engine's route while it is ready (what ``route`` returns at once then); None otherwise."""
+
     async def lost(self, route: Route, notice: float) -> CapyError | None:
         """After a broken engine connection: the error that says why, when the engine of ``route`` is gone
         (waiting up to ``notice`` seconds to see it exit); None while it still runs."""
@@ -308,6 +311,9 @@ class ManagedController(_Controller):
         return self._finished is not None and self._finished.is_set()
 
     # --- what requests ask ------------------------------------------------------
+    def route_now(self) -> Route | None:
+        return Route(self._url, self.launch) if self.status.state is S.READY else None
+
     async def route(self, timeout: float) -> Route:
         if self.status.state is S.READY:  # the common case: no scope, no waiting
             return Route(self._url, self.launch)
@@ -660,6 +666,9 @@ class AttachedController(_Controller):
             await self.route(self.attach_wait)
         except (EngineUnavailable, DeploymentStopped):
             pass  # stays UNAVAILABLE (or stopped); the next request checks again
+
+    def route_now(self) -> Route | None:
+        return Route(self.base_url, self.launch) if self.status.state is S.READY else None
 
     async def route(self, timeout: float) -> Route:
         if self.status.state is S.READY:

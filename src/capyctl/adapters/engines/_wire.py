@@ -133,6 +133,7 @@ class WireEngineSession(EngineSession):
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
         self._targets: dict[tuple[str, str, str], tuple[str, int, bytes]] = {}
+        self._spares: dict[tuple[str, int], asyncio.Future[None]] = {}  # connections being opened ahead
 
     def _target(self, base_url: str, route: str, accept: str) -> tuple[str, int, bytes]:
         """(host, port, the request's head up to its Content-Length value) for ``route`` under ``base_url``:
@@ -162,13 +163,35 @@ class WireEngineSession(EngineSession):
             raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
         return conn, False
 
-    async def _send(self, host: str, port: int, head: bytes, body: bytes) -> _Response:
+    def send_now(self, base_url: str, body: bytes) -> _Response | None:
+        """The chat request written at once on an idle kept-alive connection to the engine, when one is
+        open (hand it to ``chat_stream(..., sent=)``, which reads the answer); None, nothing done, when
+        none is."""
+        host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
+        idle = self._idle.get((host, port))
+        while idle:
+            conn = idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing():
+                conn.reset()
+                conn.transport.write(b"%b%d\r\n\r\n%b" % (head, len(body), body))
+                return conn
+        return None
+
+    async def _send(self, host: str, port: int, head: bytes, body: bytes, sent: _Response | None = None
+                    ) -> _Response:
+        """The request written (``sent``: already, on that pooled connection) and the answer's head read."""
         request = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
-            conn, reused = await self._connection(host, port)
-            conn.reset()
+            if sent is not None:
+                conn, reused, sent = sent, True, None
+                written = True
+            else:
+                conn, reused = await self._connection(host, port)
+                conn.reset()
+                written = False
             try:
-                conn.transport.write(request)  # type: ignore[union-attr]
+                if not written:
+                    conn.transport.write(request)  # type: ignore[union-attr]
                 while not conn.headers_done and conn.lost is None:
                     await conn.wait()
             except BaseException:
@@ -181,9 +204,10 @@ class WireEngineSession(EngineSession):
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
     def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
-                    runs: bool = False) -> _ChatStream:
+                    runs: bool = False, sent: _Response | None = None) -> _ChatStream:
+        """(see ``EngineSession``); ``sent``: what ``send_now`` returned for this request and body."""
         host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
-        return _ChatStream(self, host, port, head, body, until, runs)
+        return _ChatStream(self, host, port, head, body, until, runs, sent)
 
     async def decide(self, base_url: str, body: bytes) -> bytes:
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
@@ -213,6 +237,29 @@ class WireEngineSession(EngineSession):
         self._release(conn, (host, port))
         return b"".join(parts)
 
+    def _spare(self, key: tuple[str, int]) -> None:
+        """Open a connection to the engine at ``key`` to stand idle, when none does: one CapyCTL closed to cut
+        a request is replaced at once, so that the next request is written to the engine as it comes
+        (``send_now``) rather than after a connect. An engine that refuses it, or closes it later, is left
+        be: a request then connects as it would have."""
+        if self._idle.get(key) or key in self._spares:
+            return
+
+        async def spare() -> None:
+            try:
+                _, conn = await asyncio.get_running_loop().create_connection(_Response, *key)
+            except OSError:
+                return
+            finally:
+                del self._spares[key]
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < _IDLE_PER_ENGINE:
+                idle.append(conn)
+            else:
+                conn.close()
+
+        self._spares[key] = asyncio.ensure_future(spare())  # (kept here: the loop holds a task weakly)
+
     def _release(self, conn: _Response, key: tuple[str, int]) -> None:
         """Keep a finished connection for the next request to this engine."""
         idle = self._idle.setdefault(key, [])
@@ -241,17 +288,19 @@ class _ChatStream:
     short (client gone, refused chunk, error): closing tells the engine to stop. A class rather than a
     generator: a request's way in and out of it is two calls, not a generator's machinery."""
 
-    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_until", "_runs", "_conn")
+    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_until", "_runs", "_conn", "_sent")
 
     def __init__(self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes,
-                 until: Callable[[], bool] | None, runs: bool) -> None:
+                 until: Callable[[], bool] | None, runs: bool, sent: _Response | None = None) -> None:
         self._session = session
         self._host, self._port, self._head, self._body = host, port, head, body
         self._until, self._runs = until, runs
         self._conn: _Response | None = None
+        self._sent = sent
 
     async def __aenter__(self) -> _Stream:
-        conn = self._conn = await self._session._send(self._host, self._port, self._head, self._body)
+        sent, self._sent = self._sent, None
+        conn = self._conn = await self._session._send(self._host, self._port, self._head, self._body, sent)
         try:
             if conn.status != 200:
                 while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
@@ -268,7 +317,10 @@ class _ChatStream:
         conn = self._conn
         assert conn is not None
         if kind is not None:
+            healthy = conn.lost is None and conn.transport is not None
             conn.close()  # cut short: closing tells the engine to stop
+            if healthy:  # the engine is there: the next request finds a connection open
+                self._session._spare((self._host, self._port))
             return
         if conn.saw_done and not conn.complete and conn.lost is None:
             # only the end of the HTTP message is missing and it is a few bytes behind:

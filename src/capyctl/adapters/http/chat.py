@@ -26,7 +26,7 @@ from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.exchange import AsgiExchange, ClientGone, Exchange, find_header, header_values
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
 from capyctl.adapters.http.prometheus import RequestStats
-from capyctl.domain.keys import bind_salt, check_scope
+from capyctl.domain.keys import ApiKey, bind_salt, check_scope
 from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
@@ -38,7 +38,7 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Relayed, Run, StreamEvent
-from capyctl.services.chat import ChatService, EngineCall, RequestService, failure_error, read_target
+from capyctl.services.chat import ChatService, EngineCall, RequestService, Sent, failure_error, read_target
 from capyctl.services.context import caller_request_id
 from capyctl.services.keys import Keyring
 
@@ -127,7 +127,8 @@ class Endpoint(Protocol):
         """The model named and whether the client wants a stream; raises for what cannot be served."""
 
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float) -> None: ...
+                     headers: Headers, outcome: Outcome, received_at: float, sent: Any = None) -> None:
+        """``sent``: what the endpoint's ``send_now`` (where it has one) did for this request already."""
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
 
@@ -150,48 +151,95 @@ class FrontDoor:
             await self.serve(AsgiExchange(scope, receive, send, tasks))
             tasks.cancel_scope.cancel()
 
+    def begin(self, exchange: Exchange) -> None:
+        """The request's front, and its engine's write where its endpoint can (``send_now``), done at once as
+        its last byte arrives, before its task first runs: the engine starts on it while the rest is set up
+        (``serve`` takes up from what was done, ``exchange.begun``). Only where the task would do the same: a
+        POST whose whole body has come, without X-Request-Id (the task's context carries that). Whatever
+        fails here is left to the task, which meets it again and answers it; nothing is answered from here."""
+        endpoint = self.endpoints[exchange.path]
+        send_now = getattr(endpoint, "send_now", None)
+        if send_now is None or exchange.method != "POST":
+            return
+        body = exchange.body_now(self._max_body)
+        if body is None or find_header(exchange.headers, b"x-request-id") is not None:
+            return
+        try:
+            request_id = new_request_id()
+            try:
+                key = self._key(exchange, endpoint)
+                wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
+                obj, model, stream = self._body(endpoint, key, body, request_id)
+            except CapyError:
+                return
+            record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
+                                   salt_bound=key.cache_salt is not None)
+            begun = exchange.begun = Begun(request_id, key, wait, obj, record, endpoint.service.now())
+            try:
+                begun.sent = send_now(record, obj)
+            except CapyError:
+                pass  # the task's own way to the engine raises it again, and answers it
+        except Exception:  # a fault of CapyCTL's: the task answers the request (its last resort included)
+            log.exception("the request's early start failed; its task serves it from the start")
+
     async def serve(self, exchange: Exchange) -> None:
-        request_id = new_request_id()
+        begun = exchange.begun
+        request_id = new_request_id() if begun is None else begun.request_id
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         try:
-            await self._handle(exchange, request_id, headers)
+            await self._handle(exchange, request_id, headers, begun)
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
             log.exception("request %s: internal error", request_id)
             await internal_error(exchange, request_id, headers)
 
-    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers) -> None:
+    def _key(self, exchange: Exchange, endpoint: Endpoint) -> ApiKey:
+        """The first checks: the method, then the key."""
+        if exchange.method != "POST":
+            raise MethodNotAllowed(f"{exchange.method} is not allowed on {endpoint.path}; use POST")
+        return self._keys.authenticate(find_header(exchange.headers, b"authorization"))
+
+    def _body(self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str) -> tuple[dict[str, Any], str, bool]:
+        """The body decoded and its target read, the key's scope and salt applied, and the key's place for the
+        day taken (``let_in``, last: given back by ``done``)."""
+        obj = decode_body(body)
+        model, stream = endpoint.target(obj)
+        check_scope(key, model, endpoint.service.names)
+        bind_salt(key, obj)
+        self._keys.let_in(key, request_id)
+        return obj, model, stream
+
+    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers, begun: Begun | None) -> None:
         endpoint = self.endpoints[exchange.path]
         service = endpoint.service
-        try:
-            if exchange.method != "POST":
-                raise MethodNotAllowed(f"{exchange.method} is not allowed on {endpoint.path}; use POST")
-            key = self._keys.authenticate(find_header(exchange.headers, b"authorization"))
-            caller_values = header_values(exchange.headers, b"x-request-id")
-            if caller_values:  # handed back as given, once it is known to be valid
-                caller = check_caller_id(caller_values)
-                headers.append((b"x-request-id", str(caller).encode()))
-                caller_request_id.set(caller)
-            wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
-            obj = decode_body(await exchange.read_body(self._max_body))
-            model, stream = endpoint.target(obj)
-            check_scope(key, model, service.names)
-            bind_salt(key, obj)
-            self._keys.let_in(key, request_id)
-        except ClientGone:
-            return
-        except CapyError as error:
-            self._stats.refused(error.code)
-            await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
-            return
-        record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
-                               salt_bound=key.cache_salt is not None)
+        if begun is not None:
+            key, wait, obj, record, sent = begun.key, begun.wait, begun.obj, begun.record, begun.sent
+            model = record.deployment
+        else:
+            try:
+                key = self._key(exchange, endpoint)
+                caller_values = header_values(exchange.headers, b"x-request-id")
+                if caller_values:  # handed back as given, once it is known to be valid
+                    caller = check_caller_id(caller_values)
+                    headers.append((b"x-request-id", str(caller).encode()))
+                    caller_request_id.set(caller)
+                wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
+                obj, model, stream = self._body(endpoint, key, await exchange.read_body(self._max_body), request_id)
+            except ClientGone:
+                return
+            except CapyError as error:
+                self._stats.refused(error.code)
+                await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
+                return
+            record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
+                                   salt_bound=key.cache_salt is not None)
+            sent = None
         outcome = Outcome()
         try:
             with exchange.cut_scope() as cut:
-                received_at = service.now()
+                received_at = service.now() if begun is None else begun.received_at
                 exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, record, received_at))
                 try:
-                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at)
+                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at, sent)
                 finally:
                     exchange.unwatch()
         finally:
@@ -209,6 +257,19 @@ class FrontDoor:
             self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
+
+
+class Begun:
+    """What ``FrontDoor.begin`` did for a request before its task ran: the front's results and, when its
+    endpoint could, what ``send_now`` did (``sent``: None when it did nothing)."""
+
+    __slots__ = ("request_id", "key", "wait", "obj", "record", "received_at", "sent")
+
+    def __init__(self, request_id: str, key: ApiKey, wait: float | None, obj: dict[str, Any], record: RequestRecord,
+                 received_at: float) -> None:
+        self.request_id, self.key, self.wait, self.obj, self.record = request_id, key, wait, obj, record
+        self.received_at = received_at
+        self.sent: Any = None
 
 
 async def internal_error(exchange: Exchange, request_id: str, headers: Headers) -> None:
@@ -236,12 +297,17 @@ class ChatEndpoint:
             raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
         return read_target(obj, self._service.default_model)
 
+    def send_now(self, record: RequestRecord, obj: dict[str, Any]) -> Sent | None:
+        return self._service.send_now(record, obj)
+
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float) -> None:
+                     headers: Headers, outcome: Outcome, received_at: float, sent: Sent | None = None) -> None:
         if record.stream:
-            await self._stream(record, obj, wait, exchange, headers, outcome)
+            await self._stream(record, obj, wait, exchange, headers, outcome, sent)
         else:
-            await send_one_answer(self._service.complete(record, obj, wait), record, exchange, headers, outcome)
+            answering = self._service.complete(record, obj, wait) if sent is None else (
+                self._service.complete(record, obj, wait, sent))
+            await send_one_answer(answering, record, exchange, headers, outcome)
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:
@@ -251,12 +317,14 @@ class ChatEndpoint:
 
     async def _stream(
         self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange, headers: Headers,
-        outcome: Outcome,
+        outcome: Outcome, sent: Sent | None,
     ) -> None:
         opened = False
         framing = _Framing()
         try:
-            async with self._service.open(record, obj, wait) as call:
+            opening = self._service.open(record, obj, wait) if sent is None else self._service.open(record, obj, wait,
+                                                                                                    sent)
+            async with opening as call:
                 opened = True
                 if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read
                     await call.pump(functools.partial(self._deliver, record, exchange, headers, outcome, framing,

@@ -67,6 +67,11 @@ class Exchange:
     started: bool  # the status line went out
     ended: bool  # the whole answer went out
     pushes = False  # write_now (a write from a callback, outside the request's task) is there
+    begun: Any = None  # what the front door did for the request before its task ran (``FrontDoor.begin``)
+
+    def body_now(self, limit: int) -> bytes | None:
+        """The whole body, when it has all come (within ``limit`` bytes) and the client is there; else None."""
+        return None
 
     async def read_body(self, limit: int) -> bytes:
         """The whole request body; ``TooLarge`` past ``limit`` bytes, ``ClientGone`` if the client left."""
@@ -237,6 +242,7 @@ class WireExchange(Exchange):
         self._timer: asyncio.TimerHandle | None = None
         self._head: bytes = b""
         self.on_response: Callable[[], None] = protocol.on_response_complete
+        self.early = False  # the protocol started its task and may call the front door's ``begin`` until it runs
 
     # uvicorn's names for what it reads on its cycle
     @property
@@ -258,6 +264,7 @@ class WireExchange(Exchange):
     async def run_asgi(self, door: Any) -> None:
         """Serve this request with ``door`` (``FrontDoor.serve``): called by the protocol as it would run an
         ASGI app. Whatever escapes closes the connection rather than leaving the client waiting."""
+        self.early = False
         try:
             await door.serve(self)
         except asyncio.CancelledError:  # the server's shutdown, past its grace period
@@ -273,6 +280,11 @@ class WireExchange(Exchange):
             self._transport.close()
 
     # the request
+    def body_now(self, limit: int) -> bytes | None:
+        if self.more_body or self.disconnected or len(self.body) > limit or self._expect_continue:
+            return None
+        return bytes(self.body)
+
     async def read_body(self, limit: int) -> bytes:
         if _declared_too_large(self.headers, limit):
             raise TooLarge(limit)

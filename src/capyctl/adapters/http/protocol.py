@@ -140,6 +140,7 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             existing, self.cycle = self.cycle, exchange  # type: ignore[assignment]
             if existing is None or existing.response_complete:
                 self._start_asgi_task(exchange, door)  # type: ignore[arg-type]
+                exchange.early = True  # its front may begin as its last byte comes, before the task runs
             else:  # pipelined behind an answer still going out, as uvicorn queues its own
                 self.flow.pause_reading()
                 self.pipeline.appendleft((exchange, door))  # type: ignore[arg-type]
@@ -148,6 +149,10 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
         def on_message_complete(self) -> None:
             self._disarm()
             super().on_message_complete()
+            cycle = self.cycle
+            if hot and type(cycle) is WireExchange and cycle.early:
+                cycle.early = False
+                door.begin(cycle)
 
         def _arm(self, seconds: float, phase: str) -> None:
             self._disarm()
