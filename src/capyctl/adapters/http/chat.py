@@ -326,6 +326,7 @@ class ChatEndpoint:
                                                                                                     sent)
             async with opening as call:
                 opened = True
+                exchange.start(_SSE_HEADERS + headers[1:])  # made while the engine works on the first token
                 if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read
                     await call.pump(functools.partial(self._deliver, record, exchange, headers, outcome, framing,
                                                       call), exchange.drain)
@@ -339,7 +340,6 @@ class ChatEndpoint:
                         else:  # headers go out with the first chunk: one wake-up for the client
                             began = time.perf_counter()
                             outcome.started = True
-                            exchange.start(_SSE_HEADERS + headers[1:])
                             await exchange.write(data)
                             self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
             failure = framing.failure
@@ -366,7 +366,6 @@ class ChatEndpoint:
         else:  # the whole answer came in one read
             began = time.perf_counter()
             outcome.started = True
-            exchange.start(_SSE_HEADERS + headers[1:])
             await exchange.end(last)
             if last:
                 self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
@@ -380,7 +379,6 @@ class ChatEndpoint:
         if not outcome.started:  # headers go out with the first chunk
             began = time.perf_counter()
             outcome.started = True
-            exchange.start(_SSE_HEADERS + headers[1:])
             full = exchange.write_now(data)
             self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
             return Relayed.FULL if full else Relayed.MORE

@@ -242,7 +242,7 @@ class WireExchange(Exchange):
         self._timer: asyncio.TimerHandle | None = None
         self._head: bytes = b""
         self.on_response: Callable[[], None] = protocol.on_response_complete
-        self.early = False  # the protocol started its task and may call the front door's ``begin`` until it runs
+        self.early = False  # its task waits for its last byte, which calls the front door's ``begin`` first
 
     # uvicorn's names for what it reads on its cycle
     @property

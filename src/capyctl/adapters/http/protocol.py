@@ -139,8 +139,10 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
                                     version != "1.0" and parser.should_keep_alive(), self.expect_100_continue)
             existing, self.cycle = self.cycle, exchange  # type: ignore[assignment]
             if existing is None or existing.response_complete:
-                self._start_asgi_task(exchange, door)  # type: ignore[arg-type]
-                exchange.early = True  # its front may begin as its last byte comes, before the task runs
+                if self.expect_100_continue:
+                    self._start_asgi_task(exchange, door)  # type: ignore[arg-type]
+                else:
+                    exchange.early = True  # its task starts with its last byte, after the front's begin
             else:  # pipelined behind an answer still going out, as uvicorn queues its own
                 self.flow.pause_reading()
                 self.pipeline.appendleft((exchange, door))  # type: ignore[arg-type]
@@ -153,6 +155,14 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             if hot and type(cycle) is WireExchange and cycle.early:
                 cycle.early = False
                 door.begin(cycle)
+                self._start_asgi_task(cycle, door)  # type: ignore[arg-type]
+
+        def on_body(self, body: bytes) -> None:
+            super().on_body(body)
+            cycle = self.cycle
+            if hot and type(cycle) is WireExchange and cycle.early and self.flow.read_paused:
+                cycle.early = False  # a body too large to hold: its task reads it (and resumes reading)
+                self._start_asgi_task(cycle, door)  # type: ignore[arg-type]
 
         def _arm(self, seconds: float, phase: str) -> None:
             self._disarm()
