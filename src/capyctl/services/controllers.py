@@ -315,8 +315,8 @@ class ManagedController(_Controller):
         return Route(self._url, self.launch) if self.status.state is S.READY else None
 
     async def route(self, timeout: float) -> Route:
-        if self.status.state is S.READY:  # the common case: no scope, no waiting
-            return Route(self._url, self.launch)
+        if (ready := self.route_now()) is not None:  # the common case: no scope, no waiting
+            return ready
         self.ask()
         attempt = self._asks
         with anyio.move_on_after(timeout):
@@ -671,8 +671,8 @@ class AttachedController(_Controller):
         return Route(self.base_url, self.launch) if self.status.state is S.READY else None
 
     async def route(self, timeout: float) -> Route:
-        if self.status.state is S.READY:
-            return Route(self.base_url, self.launch)
+        if (ready := self.route_now()) is not None:
+            return ready
         with anyio.move_on_after(min(timeout, self.attach_wait)):
             while True:
                 if self.desired is Desired.STOP:

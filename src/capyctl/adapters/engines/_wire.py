@@ -150,12 +150,19 @@ class WireEngineSession(EngineSession):
             known = self._targets[(base_url, route, accept)] = (host, port, head)
         return known
 
-    async def _connection(self, host: str, port: int) -> tuple[_Response, bool]:
+    def _idle_connection(self, host: str, port: int) -> _Response | None:
+        """A kept-alive connection to the engine that is still open, taken from the pool; None if none is."""
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
             if conn.transport is not None and not conn.transport.is_closing():
-                return conn, True
+                return conn
+        return None
+
+    async def _connection(self, host: str, port: int) -> tuple[_Response, bool]:
+        conn = self._idle_connection(host, port)
+        if conn is not None:
+            return conn, True
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(_Response, host, port)
@@ -168,35 +175,30 @@ class WireEngineSession(EngineSession):
         open (hand it to ``chat_stream(..., sent=)``, which reads the answer); None, nothing done, when
         none is."""
         host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
-        idle = self._idle.get((host, port))
-        while idle:
-            conn = idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing():
-                conn.reset()
-                conn.transport.write(b"%b%d\r\n\r\n%b" % (head, len(body), body))
-                return conn
-        return None
+        conn = self._idle_connection(host, port)
+        if conn is not None:
+            conn.reset()
+            conn.transport.write(_request(head, body))  # type: ignore[union-attr]
+        return conn
 
     async def _send(self, host: str, port: int, head: bytes, body: bytes, sent: _Response | None = None
                     ) -> _Response:
         """The request written (``sent``: already, on that pooled connection) and the answer's head read."""
-        request = b"%b%d\r\n\r\n%b" % (head, len(body), body)
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
-            if sent is not None:
-                conn, reused, sent = sent, True, None
-                written = True
-            else:
+            if sent is None:
                 conn, reused = await self._connection(host, port)
-                conn.reset()
-                written = False
+            else:  # written already, by send_now
+                conn, reused = sent, True
             try:
-                if not written:
-                    conn.transport.write(request)  # type: ignore[union-attr]
+                if conn is not sent:
+                    conn.reset()
+                    conn.transport.write(_request(head, body))  # type: ignore[union-attr]
                 while not conn.headers_done and conn.lost is None:
                     await conn.wait()
             except BaseException:
                 conn.close()  # cut before the engine answered: closing is how it learns to stop
                 raise
+            sent = None
             if conn.headers_done:
                 return conn
             if not reused:
@@ -274,6 +276,11 @@ class WireEngineSession(EngineSession):
             asyncio.get_running_loop().call_later(5.0, _close_unreleased, conn)
         else:
             conn.close()
+
+
+def _request(head: bytes, body: bytes) -> bytes:
+    """A request to send: its head up to the Content-Length value (``_target``), then the body."""
+    return b"%b%d\r\n\r\n%b" % (head, len(body), body)
 
 
 def _close_unreleased(conn: _Response) -> None:

@@ -172,8 +172,7 @@ class FrontDoor:
                 obj, model, stream = self._body(endpoint, key, body, request_id)
             except CapyError:
                 return
-            record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
-                                   salt_bound=key.cache_salt is not None)
+            record = _record(request_id, model, stream, key)
             begun = exchange.begun = Begun(request_id, key, wait, obj, record, endpoint.service.now())
             try:
                 begun.sent = send_now(record, obj)
@@ -230,8 +229,7 @@ class FrontDoor:
                 self._stats.refused(error.code)
                 await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
                 return
-            record = RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
-                                   salt_bound=key.cache_salt is not None)
+            record = _record(request_id, model, stream, key)
             sent = None
         outcome = Outcome()
         try:
@@ -257,6 +255,11 @@ class FrontDoor:
             self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
+
+
+def _record(request_id: str, model: str, stream: bool, key: ApiKey) -> RequestRecord:
+    return RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
+                         salt_bound=key.cache_salt is not None)
 
 
 class Begun:
