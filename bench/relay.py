@@ -23,7 +23,10 @@ model's name in the engine's body) in flat code.
 nginx is Debian's nginx-light (apt-get install nginx-light), started by the
 bench as its child with a generated config (one worker, on a free loopback
 port, prefix in a temp dir); without it the nginx path is skipped.
-Figures are ratios against the direct baseline measured in the same run.
+Figures are ratios against the direct baseline measured in the same run. With --paced, one more line
+gives this machine's own cost of a hop for scale: a one-byte round trip over loopback between two idle
+processes (a relay adds one hop each way to the first token, nginx too); added first-token times of
+different machines compare only beside it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -171,6 +175,38 @@ async def paced_ttft(host: str, port: int, body: bytes, key: str | None) -> floa
     writer.transport.abort()
     await asyncio.sleep(0.02)  # let both sides finish with the cut stream before the next one
     return first
+
+
+_ECHO = """
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (d := c.recv(64)):
+    c.sendall(d)
+"""
+
+
+def loopback_round_trip(count: int = 200, pause: float = 0.005) -> float:
+    """Median µs of a one-byte round trip over loopback TCP to another process, ``pause`` s apart: what
+    one hop there and back costs on this machine when both ends have idled (as for a paced first token),
+    whatever the program. A relay puts two more hops on the way to the first token."""
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE)
+    try:
+        port = int(echo.stdout.readline())  # type: ignore[union-attr]
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            trips = []
+            for _ in range(count):
+                began = time.perf_counter()
+                sock.sendall(b"x")
+                sock.recv(64)
+                trips.append((time.perf_counter() - began) * 1e6)
+                time.sleep(pause)
+        return statistics.median(trips)
+    finally:
+        echo.kill()
+        echo.wait(10)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -543,6 +579,9 @@ def main() -> None:
             print(f"time to first token, engine at its recorded pace, one stream: direct p50 {pct(direct_t, .5):.2f} ms, "
                   f"relayed p50 {pct(relay_t, .5):.2f} ms, added {pct(relay_t, .5) - pct(direct_t, .5):.2f} ms "
                   f"over {args.paced} streams each")
+            print(f"for scale, this machine's own hop: a one-byte round trip between two processes over loopback, "
+                  f"5 ms apart as paced streams are: p50 {loopback_round_trip():.0f} µs (any relay adds two hops, "
+                  f"one each way, to the first token)")
             if nginx is not None:
                 nginx_t = [t for r in routes[1].paced for t in r]
                 print(f"time to first token, engine at its recorded pace, one stream, through nginx: "

@@ -24,9 +24,11 @@ cycle; every other request is uvicorn's as before.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 from uvicorn.logging import TRACE_LOG_LEVEL
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -60,6 +62,34 @@ def raw_error(error: CapyError, retry_after: int | None = None) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+class LeanFlowControl(FlowControl):
+    """uvicorn's flow control, whose event for a paused write is made only when a write pauses (most
+    connections never do) rather than with every connection."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:  # (no super().__init__: its event is the cost)
+        self._transport = transport
+        self.read_paused = False
+        self.write_paused = False
+        self._is_writable_event: asyncio.Event | None = None  # type: ignore[assignment]
+
+    async def drain(self) -> None:
+        if self._is_writable_event is not None:
+            await self._is_writable_event.wait()
+
+    def pause_writing(self) -> None:
+        if not self.write_paused:
+            self.write_paused = True
+            if self._is_writable_event is None:
+                self._is_writable_event = asyncio.Event()
+            self._is_writable_event.clear()
+
+    def resume_writing(self) -> None:
+        if self.write_paused:
+            self.write_paused = False
+            if self._is_writable_event is not None:
+                self._is_writable_event.set()
+
+
 def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = None) -> type[HttpToolsProtocol]:
     """The protocol class to give uvicorn (``http=``), bound to these limits; with ``door`` (an object with
     ``endpoints``, a dict by path, and ``serve(exchange)``), that door answers its paths on the wire."""
@@ -68,6 +98,44 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
     class GuardedProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
         _addresses: tuple[Any, Any, Any] | None = None  # (server, client, scheme), read when first asked
+        _body_due = False  # a request's headers are in and its body's timer is to be armed
+        _loggers: tuple[Any, Any, bool]
+        _made_for: tuple[Any, Any, Any, Any] | None = None  # (config, server_state, app_state, loop)
+
+        def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                     _loop: asyncio.AbstractEventLoop | None = None) -> None:
+            # uvicorn's __init__ looks up its two loggers (a lock each) and asks one for its handlers on every
+            # connection; the first connection of a server does that, the others take its answers
+            made = self._made_for
+            if made is None or made[0] is not config or made[1] is not server_state or made[2] is not app_state:
+                super().__init__(config, server_state, app_state, _loop)
+                cls = type(self)
+                cls._made_for = (config, server_state, app_state, self.loop)
+                cls._loggers = (self.logger, self.access_logger, self.access_log)
+                return
+            self.config = config
+            self.app = config.loaded_app
+            self.loop = _loop or made[3]
+            self.logger, self.access_logger, self.access_log = self._loggers
+            self.parser = httptools.HttpRequestParser(self)
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            self.ws_protocol_class = config.ws_protocol_class
+            self.root_path = config.root_path
+            self.asgi_version = config.asgi_version
+            self.limit_concurrency = config.limit_concurrency
+            self.app_state = app_state
+            self.timeout_keep_alive_task = None
+            self.timeout_keep_alive = config.timeout_keep_alive
+            self.server_state = server_state
+            self.connections = server_state.connections
+            self.tasks = server_state.tasks
+            self.transport = None  # type: ignore[assignment]
+            self.flow = None  # type: ignore[assignment]
+            self.pipeline = deque()
+            self.scope = None  # type: ignore[assignment]
+            self.headers = None  # type: ignore[assignment]
+            self.expect_100_continue = False
+            self.cycle = None  # type: ignore[assignment]
 
         # uvicorn reads the connection's addresses and scheme as it is made (three calls into the transport
         # and a socket object each time); only an ASGI request's scope and uvicorn's trace log use them,
@@ -87,7 +155,7 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             # uvicorn's connection_made, less the addresses (see above)
             self.connections.add(self)
             self.transport = transport
-            self.flow = FlowControl(transport)
+            self.flow = LeanFlowControl(transport)
             if self.logger.level <= TRACE_LOG_LEVEL:
                 prefix = "%s:%d - " % self.client if self.client else ""
                 self.logger.log(TRACE_LOG_LEVEL, "%sHTTP connection made", prefix)
@@ -118,7 +186,13 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
                 if hot:
                     self._asgi_scope()
                 super().on_headers_complete()
-            self._arm(limits.body_timeout, "body")
+            self._body_due = True  # the body's time starts now: armed after this read, unless it brought it all
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._body_due:  # a request whose body did not all come with its headers
+                self._body_due = False
+                self._arm(limits.body_timeout, "body")
 
         def _asgi_scope(self) -> None:
             """The scope uvicorn makes as a message begins, for the request read so far."""
@@ -149,6 +223,7 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             return True
 
         def on_message_complete(self) -> None:
+            self._body_due = False
             self._disarm()
             super().on_message_complete()
             cycle = self.cycle
