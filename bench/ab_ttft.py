@@ -2,7 +2,7 @@
 and with ``--cpu-rounds`` their CPU per relayed event under load.
 
     python bench/ab_ttft.py --a SRC_A --b SRC_B [--requests 1200] [--recording DIR] [--case NAME]
-    python bench/ab_ttft.py --a SRC_A --b SRC_B --requests 0 --cpu-rounds 5 [--cpu-seconds 3] [--cpu-streams 32]
+    python bench/ab_ttft.py --a SRC_A --b SRC_B --requests 0 --cpu-rounds 5 [--cpu-seconds 3] [--cpu-streams 32] [--cpu-paced]
 
 SRC_A and SRC_B are ``src`` folders of two checkouts (a worktree of the commit
 before a change, say, and the working tree). Each runs as its own CapyCTL
@@ -21,7 +21,8 @@ the mean of the two halves' B - A, which cancels the start order.
 Differences under about 40 µs are within this machine's noise at 1,200 requests.
 
 With ``--cpu-rounds R``, both trees then serve ``--cpu-streams`` clients sending
-streams back to back, the engine at full speed, for ``--cpu-seconds`` each, A
+streams back to back, the engine at full speed (with ``--cpu-paced``: at its recorded
+pace, a token a read as from a real engine), for ``--cpu-seconds`` each, A
 and B in turn (which goes first swaps every round), R rounds. Each load's CPU
 is its server's own (user and system, from /proc) over the events it relayed;
 printed per tree: every load's µs of CPU per event and per request, their
@@ -91,8 +92,9 @@ def half(tmp: Path, trees: dict[str, str], first: str, engine: str, requests: in
 
 
 def cpu_loads(tmp: Path, trees: dict[str, str], engine: str, case: str, events: int, rounds: int, seconds: float,
-              streams: int) -> dict[str, list[float]]:
-    """µs of server CPU per relayed event in each of ``rounds`` alternated loads per tree."""
+              streams: int, paced: bool = False) -> dict[str, list[float]]:
+    """µs of server CPU per relayed event in each of ``rounds`` alternated loads per tree; ``paced``: the engine
+    sends at its recorded pace (a token a read, as a real engine does), not as fast as it can."""
     (tmp / "cpu").mkdir()
     config = tmp / "cpu.yaml"  # a slot for every client: this measures the relay, not the queue
     config.write_text(f"queue:\n  max_in_flight_per_instance: {streams}\n  max_pending_per_deployment: {streams}\n"
@@ -103,6 +105,8 @@ def cpu_loads(tmp: Path, trees: dict[str, str], engine: str, case: str, events: 
             servers[name] = start(tmp / "cpu", name, trees[name], engine, "--config", str(config))
         body = b'{"model":"bench","stream":true,"replay_case":"%b","messages":[{"role":"user","content":"hi"}]}' % (
             case.encode())
+        if paced:
+            body = body[:-1] + b',"replay_pace":"recorded"}'
         for server in servers.values():  # warm both
             asyncio.run(load("127.0.0.1", server.port, body, server.api_key, streams, 0.5, events))
         per_event: dict[str, list[float]] = {"A": [], "B": []}
@@ -138,6 +142,9 @@ def main() -> None:
                         help="also alternate this many loads per tree and compare their CPU per event (0: no)")
     parser.add_argument("--cpu-seconds", type=float, default=3.0, help="seconds per load")
     parser.add_argument("--cpu-streams", type=int, default=32, help="clients sending streams back to back in a load")
+    parser.add_argument("--cpu-paced", action="store_true",
+                        help="the engine sends the CPU loads' streams at its recorded pace (a token a read, as a real "
+                             "engine does) rather than as fast as it can")
     args = parser.parse_args()
     trees = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
     for name, src in trees.items():
@@ -164,9 +171,10 @@ def main() -> None:
             first_token(tmp, trees, engine, args.requests, rng)
         if args.cpu_rounds:
             print(f"{args.cpu_rounds} loads per tree of {args.cpu_seconds:g} s, {args.cpu_streams} streams of "
-                  f"{args.case} ({events} events)")
+                  f"{args.case} ({events} events), the engine "
+                  f"{'at its recorded pace' if args.cpu_paced else 'at full speed'}")
             per_event = cpu_loads(tmp, trees, engine, args.case, events, args.cpu_rounds, args.cpu_seconds,
-                                  args.cpu_streams)
+                                  args.cpu_streams, args.cpu_paced)
             for name in ("A", "B"):
                 loads = per_event[name]
                 print(f"{name} CPU µs per event: {' '.join(f'{v:.2f}' for v in loads)} (median "

@@ -11,7 +11,7 @@ order, beside the same request sent straight to the engine. ``--paced``
 makes the engine wait as it did when recorded before its first chunk (the
 case where CapyCTL's caches and CPUs have gone cold meanwhile).
 
-The wrappers cost about 0.5 µs each and there are some thirty per request:
+The wrappers cost about 0.5 µs each and there are some forty per request:
 read the steps, not the total. Nothing here changes CapyCTL's behaviour;
 the stamps exist only in the process this script starts.
 """
@@ -127,6 +127,15 @@ def serve(argv: list[str]) -> None:
     wrap_async(controllers.ManagedController, "route", "route")
     wrap_sync(events.Events, "selection", "selection event")
     wrap_async(_wire.WireEngineSession, "_connection", "engine connection")
+    # the first chunk's way from the engine read to the client write
+    from capyctl.adapters.engines import _sse
+    from capyctl.domain import relay_check
+
+    for owner, name, label in ((_wire._Response, "take", "take"), (_sse, "parse_event", "parse event"),
+                               (_sse, "decode_head", "decode head"), (chat._Relay, "step", "relay step"),
+                               (relay_check.TypedRelay, "__call__", "typed check"),
+                               (door.ChatEndpoint, "_deliver", "deliver"), (door._Framing, "frame", "frame")):
+        wrap_sync(owner, name, label)
 
     def dump(*_: Any) -> None:
         Path(os.environ["STAMP_OUT"]).write_bytes(msgspec.json.encode(STAMPS))

@@ -284,3 +284,51 @@ async def test_each_request_leaves_with_the_head_for_its_engine_address() -> Non
         f"POST /v1/systemone HTTP/1.1\r\n{prefix}Accept: application/json\r\n"
         f"Content-Length: 7\r\n\r\n".encode() + b'{"q":1}',
     ]
+
+
+class _Conn:
+    saw_done = False
+
+
+def _feed_only() -> type:
+    from capyctl.adapters.engines import _sse
+
+    class FeedOnly(_sse.SseParser):
+        __slots__ = ()
+
+        def lone(self, data: bytes) -> object:
+            return _sse.MANY  # every read the general way
+
+    return FeedOnly
+
+
+_FeedOnly = _feed_only()
+
+
+@pytest.mark.parametrize("answered_after", [0, 3, 100])
+def test_a_stream_read_a_token_a_read_comes_in_the_same_batches_as_through_feed(answered_after: int) -> None:
+    """Reads of one whole event each (a stream at a model's pace) take the parser's one-event way; the
+    batches, the one-at-a-time start and the end are what the general way gives for the same reads."""
+    from capyctl.adapters.engines import _sse
+    from capyctl.adapters.engines._wire import _Reads
+
+    data = (RECORDING / "chat_stream_usage.sse").read_bytes()
+    reads = [event + b"\n\n" for event in data.split(b"\n\n") if event]
+    reads.insert(5, reads[5] + reads[6])  # one read of two events among them
+    del reads[6:8]
+    assert len(reads) > 100 and reads[-1] == b"data: [DONE]\n\n"
+
+    def batches(one_way: bool) -> tuple[list[list[str]], bool, int]:
+        conn = _Conn()
+        seen: list[list[str]] = []
+        reads_ = _Reads(conn, _sse.DEFAULT_MAX_EVENT, lambda: len(seen) >= answered_after, runs=True)
+        if not one_way:
+            reads_.parser = _FeedOnly(_sse.DEFAULT_MAX_EVENT, runs=True)
+        for read in reads:
+            for batch in reads_.batches(read):
+                seen.append([type(event).__name__ + ":" + repr(getattr(event, "raw", b""))[:40] for event in batch])
+        return seen, conn.saw_done, reads_.singly
+
+    assert batches(True) == batches(False)
+    seen, saw_done, _ = batches(True)
+    assert seen[-1] == ["Done:b''"] and saw_done

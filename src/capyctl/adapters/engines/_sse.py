@@ -85,6 +85,9 @@ def parse_event(block: bytes, typed: bool = True) -> StreamEvent | None:
     return Chunk(payload, obj)
 
 
+MANY = object()  # SseParser.lone: the read is not one whole event alone
+
+
 _DONE_EVENT = b"\n\ndata: [DONE]\n\n"  # [DONE] after other events (the blank line before it included)
 
 
@@ -128,6 +131,20 @@ class SseParser:
         self._max = max_event
         self._typed = typed  # False: every chunk decoded as a dict at once (the reference way, for benchmarks)
         self._runs = runs and typed  # plain events that came together are handed over as one Run
+
+    def lone(self, data: bytes) -> StreamEvent | None | object:
+        """What ``feed(data)`` yields, at once and without its generators, when ``data`` is one whole event
+        on one line and nothing else, with nothing held from before: the event, or None where ``feed`` would
+        yield nothing. ``MANY`` for any other read (two events, part of one, an event on several lines ...),
+        which ``feed`` then takes. A stream at a model's pace comes a token a read: this is its every read,
+        the first token's included."""
+        end = len(data) - 2
+        # its only LF is the first of the blank line that ends it (a one-byte search is a memchr; see _blank)
+        if self._pending or self._cr or end < 0 or data.find(b"\n") != end or data[-1] != 10 or 13 in data:
+            return MANY
+        if end > self._max:
+            self._check(end)
+        return parse_event(data[:end], self._typed) if end else None
 
     def feed(self, data: bytes) -> Iterator[StreamEvent]:
         if self._cr:

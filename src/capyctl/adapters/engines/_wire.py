@@ -19,7 +19,7 @@ import anyio
 import httptools
 
 from capyctl.adapters.engines._http import engine_error
-from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
+from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, MANY, SseParser
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, Relayed, StreamEvent
@@ -366,6 +366,15 @@ class _Reads:
         self.singly = _ONE_BY_ONE if until is not None else 0
 
     def batches(self, data: bytes) -> Iterator[list[StreamEvent]]:
+        event = self.parser.lone(data)
+        if event is not MANY:  # one whole event alone (a token a read): the same batch, without feed's generators
+            if event is not None:
+                if self.singly and not self.until():  # type: ignore[misc]
+                    self.singly -= 1
+                if isinstance(event, Done):
+                    self.conn.saw_done = True
+                yield [event]  # type: ignore[list-item]
+            return
         events = self.parser.feed(data)
         while self.singly and not self.until():  # type: ignore[misc]
             event = next(events, None)
