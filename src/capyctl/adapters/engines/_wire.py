@@ -1,9 +1,10 @@
 """The streamed chat call to an engine: HTTP/1.1 on asyncio with httptools' C parser.
 
 This is the relay's hot path, so it avoids a general HTTP client: each
-socket read is parsed once (chunked framing included) by ``httptools`` and
-handed on whole, so the SSE parser and the client-side write see every event
-that arrived together as one batch. Connections are kept alive and reused
+socket read is parsed once by ``httptools`` (an answer's head) or unframed
+in one call of ``_chunked.dechunk`` (a chunked body) and handed on whole, so
+the SSE parser and the client-side write see every event that arrived
+together as one batch. Connections are kept alive and reused
 per engine address; a stream that was cut short closes its connection, which
 is how an engine learns that its client is gone.
 """
@@ -24,6 +25,11 @@ from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, Relayed, StreamEvent
 
+try:  # optional (see pyproject.toml): without it httptools unframes chunked bodies too, a call per chunk
+    from capyctl.adapters.engines._chunked import DONE as _UNFRAMED, dechunk as _dechunk
+except ImportError:  # pragma: no cover - a machine without a C compiler
+    _dechunk = None
+
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
 _IDLE_PER_ENGINE = 64
@@ -32,10 +38,17 @@ _TARGETS = 256  # engine addresses whose request heads are kept
 
 
 class _Response(asyncio.Protocol):
-    """One connection; parses whatever the engine sends and wakes the reader."""
+    """One connection; parses whatever the engine sends and wakes the reader.
+
+    httptools parses each answer's head. When the head ends in the answer's first read and says the body is
+    chunked, the body is unframed by ``_chunked.dechunk``, one call a read, instead of httptools' call into
+    Python per chunk (an engine streams an event a chunk); the parser, left at that head, is made anew for
+    the next answer. Any other answer (a head over several reads, a body of known length) is httptools'
+    alone. Both ways give ``on_body`` the same bytes and end the answer the same way."""
 
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
+        self.unframing = False  # this answer's body goes to dechunk; the parser stopped at its head
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -45,6 +58,13 @@ class _Response(asyncio.Protocol):
 
     def reset(self) -> None:
         """Ready for the next request on this connection."""
+        if self.unframing:
+            self.parser = httptools.HttpResponseParser(self)
+            self.unframing = False
+        self.first_read = True  # the answer's first read is yet to come
+        self.chunked = False
+        self.chunk_state = self.chunk_left = 0  # dechunk's place in the framing between reads
+        self.pending = b""  # a size or trailer line begun at the end of a read, for the next one
         self.status = 0
         self.content_type = b""
         self.headers_done = False
@@ -60,10 +80,12 @@ class _Response(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.lost = exc
+        if self.unframing:
+            self._unframe(data)
+        elif self.first_read and _dechunk is not None:
+            self._first(data)
+        else:
+            self._feed(data)
         if self.sink is not None:  # relayed right here, in this read's callback
             self.sink()
             return
@@ -71,6 +93,49 @@ class _Response(asyncio.Protocol):
             self.transport.pause_reading()
             self.paused = True
         self._wake()
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.lost = exc
+
+    def _first(self, data: bytes) -> None:
+        """An answer's first read: its head to httptools and, when the head ends here and the body is
+        chunked, what follows to dechunk. A head that goes on into a later read stays httptools' whole."""
+        self.first_read = False
+        end = data.find(b"\r\n\r\n") + 4
+        if end == 3:
+            self._feed(data)
+            return
+        self._feed(data[:end] if end < len(data) else data)
+        if self.chunked and self.headers_done and not self.complete and self.lost is None and self.status >= 200:
+            self.unframing = True
+            if end < len(data):
+                self._unframe(data[end:])
+        elif end < len(data) and self.lost is None:
+            self._feed(data[end:])  # an interim (1xx) answer's head, or a body of known length
+
+    def _unframe(self, data: bytes) -> None:
+        if self.complete:  # bytes after the answer's end: the connection can serve no other answer
+            if self.transport is not None:
+                self.transport.close()
+            return
+        if self.pending:
+            data, self.pending = self.pending + data, b""
+        try:
+            payload, self.chunk_state, self.chunk_left, used = _dechunk(data, self.chunk_state, self.chunk_left)
+        except ValueError as exc:
+            self.lost = httptools.HttpParserError(f"the engine's chunked body: {exc}")
+            return
+        if payload:
+            self.on_body(payload)
+        if self.chunk_state == _UNFRAMED:
+            if used < len(data):  # more than the answer: not to be reused
+                self.keep_alive = False
+            self.on_message_complete()
+        elif used < len(data):
+            self.pending = data[used:]
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self.complete:
@@ -84,6 +149,8 @@ class _Response(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 12 and name.lower() == b"content-type":
             self.content_type = value.lower()
+        elif len(name) == 17 and name.lower() == b"transfer-encoding":
+            self.chunked = value.lower().rstrip().endswith(b"chunked")
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
