@@ -140,3 +140,37 @@ def test_one_event_past_the_limit_is_refused_at_once_as_feed_refuses_it() -> Non
     with pytest.raises(EdgeError, match="larger than the limit of 100 bytes"):
         list(SseParser(max_event=100).feed(read))
     assert isinstance(SseParser(max_event=len(read) - 2).lone(read), Chunk)  # at the limit: relayed
+
+
+_A = b'data: {"id":"c1","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+_B = b'data: {"id":"c1","model":"m","choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+RUN_READS = [_A + _B, _A + _B + _A + b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("read", RUN_READS)
+def test_a_read_of_whole_plain_events_is_one_run_at_once_as_feed_gives_it(read: bytes) -> None:
+    at_once, fed = SseParser(runs=True), SseParser(runs=True)
+    from_feed = list(fed.feed(read))
+    got = at_once.runs(read)
+    assert got is not MANY and [type(e).__name__ for e in got][:1] == ["Run"]  # type: ignore[union-attr]
+    assert [type(e) for e in got] == [type(e) for e in from_feed]  # type: ignore[union-attr]
+    assert [getattr(e, "sse", None) for e in got] == [getattr(e, "sse", None) for e in from_feed]  # type: ignore[union-attr]
+    after = b'data: {"b":2}\n\ndata: {"c"'  # and both parsers read on alike
+    assert list(at_once.feed(after)) == list(fed.feed(after))
+
+
+@pytest.mark.parametrize("before, read", [
+    (b"", b'data: {"a":1}\n\n'),  # one event: lone's
+    (b"", b'data: {"a":1}\n\ndata: {"b"'),  # the start of the next
+    (b"", b'data: {"a":1}\r\n\r\ndata: {"b":2}\r\n\r\n'),  # CRLF line ends
+    (b"", b'data: {"a":1}\n\n: keep-alive\n\ndata: {"b":2}\n\n'),  # a comment among them: not plain
+    (b"", b'data: {"a":1}\n\ndata: {"error":{"code":500,"message":"x"}}\n\n'),  # the engine's failure
+    (b'data: {"a"', b':1}\n\ndata: {"b":2}\n\n'),  # an event under way
+    (b"", _A + b"data: [DONE]\n\n"),  # one event and [DONE]: a Chunk, not a run
+])
+def test_any_other_read_is_left_to_feed_by_runs(before: bytes, read: bytes) -> None:
+    parser, reference = SseParser(runs=True), SseParser(runs=True)
+    assert list(parser.feed(before)) == list(reference.feed(before))
+    assert parser.runs(read) is MANY
+    assert list(parser.feed(read)) == list(reference.feed(read))
+    assert SseParser(runs=False).runs(RUN_READS[0]) is MANY  # a parser that makes no runs makes none here

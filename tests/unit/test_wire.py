@@ -299,6 +299,9 @@ def _feed_only() -> type:
         def lone(self, data: bytes) -> object:
             return _sse.MANY  # every read the general way
 
+        def runs(self, data: bytes) -> object:
+            return _sse.MANY
+
     return FeedOnly
 
 
@@ -332,3 +335,35 @@ def test_a_stream_read_a_token_a_read_comes_in_the_same_batches_as_through_feed(
     assert batches(True) == batches(False)
     seen, saw_done, _ = batches(True)
     assert seen[-1] == ["Done:b''"] and saw_done
+
+
+@pytest.mark.parametrize("per_read", [2, 7, 40])
+@pytest.mark.parametrize("answered_after", [0, 3])
+def test_a_stream_read_many_events_a_read_comes_in_the_same_batches_as_through_feed(per_read: int,
+                                                                                    answered_after: int) -> None:
+    """Reads of several whole events (an engine at full speed) take the parser's Run way; the batches, the
+    one-at-a-time start and the end are what the general way gives for the same reads."""
+    from capyctl.adapters.engines import _sse
+    from capyctl.adapters.engines._wire import _Reads
+
+    events = [event + b"\n\n" for event in (RECORDING / "chat_stream_usage.sse").read_bytes().split(b"\n\n") if event]
+    reads = [b"".join(events[i:i + per_read]) for i in range(0, len(events), per_read)]
+    reads[3:4] = [reads[3][:17], reads[3][17:]]  # one read that ends inside an event, and the next
+    reads[-1:] = [reads[-1][:-14], reads[-1][-14:]] if per_read == 40 else reads[-1:]  # [DONE] alone, once
+
+    def batches(fast: bool) -> tuple[list[list[str]], bool]:
+        conn = _Conn()
+        seen: list[list[str]] = []
+        reads_ = _Reads(conn, _sse.DEFAULT_MAX_EVENT, lambda: len(seen) >= answered_after, runs=True)
+        if not fast:
+            reads_.parser = _FeedOnly(_sse.DEFAULT_MAX_EVENT, runs=True)
+        for read in reads:
+            for batch in reads_.batches(read):
+                seen.append([type(event).__name__ + ":" + repr(getattr(event, "sse", getattr(event, "raw", b"")))
+                             for event in batch])
+        return seen, conn.saw_done
+
+    assert batches(True) == batches(False)
+    seen, saw_done = batches(True)
+    assert saw_done and seen[-1][-1] == "Done:b''"
+    assert sum(kind.startswith("Run:") for batch in seen for kind in batch) >= len(reads) // 2

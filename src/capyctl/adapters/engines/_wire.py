@@ -12,7 +12,7 @@ is how an engine learns that its client is gone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -128,8 +128,9 @@ class _Response(asyncio.Protocol):
         except ValueError as exc:
             self.lost = httptools.HttpParserError(f"the engine's chunked body: {exc}")
             return
-        if payload:
-            self.on_body(payload)
+        if payload:  # (on_body, inline: a call less a read)
+            self.body.append(payload)
+            self.buffered += len(payload)
         if self.chunk_state == _UNFRAMED:
             if used < len(data):  # more than the answer: not to be reused
                 self.keep_alive = False
@@ -432,16 +433,28 @@ class _Reads:
         self.until = until
         self.singly = _ONE_BY_ONE if until is not None else 0
 
-    def batches(self, data: bytes) -> Iterator[list[StreamEvent]]:
-        event = self.parser.lone(data)
+    def batches(self, data: bytes) -> Iterable[list[StreamEvent]]:
+        parser = self.parser
+        event = parser.lone(data)
         if event is not MANY:  # one whole event alone (a token a read): the same batch, without feed's generators
-            if event is not None:
-                if self.singly and not self.until():  # type: ignore[misc]
-                    self.singly -= 1
-                if isinstance(event, Done):
+            if event is None:
+                return ()
+            if self.singly and not self.until():  # type: ignore[misc]
+                self.singly -= 1
+            if isinstance(event, Done):
+                self.conn.saw_done = True
+            return ([event],)  # type: ignore[list-item]
+        if not self.singly or self.until():  # type: ignore[misc]
+            # whole plain events as one Run (an engine at full speed), once none is to come alone: the same batch
+            batch = parser.runs(data)
+            if batch is not MANY:
+                if isinstance(batch[-1], Done):  # type: ignore[index]
                     self.conn.saw_done = True
-                yield [event]  # type: ignore[list-item]
-            return
+                return (batch,)  # type: ignore[return-value]
+        return self._fed(data)
+
+    def _fed(self, data: bytes) -> Iterator[list[StreamEvent]]:
+        """``batches`` the general way: the parser's ``feed``, its first events one at a time until ``until``."""
         events = self.parser.feed(data)
         while self.singly and not self.until():  # type: ignore[misc]
             event = next(events, None)
