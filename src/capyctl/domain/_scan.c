@@ -289,9 +289,11 @@ scan_value(Scan *s, int depth, int *truthy)
     }
 }
 
-/* A field name of a struct, at its opening quote: its position in ``fields``, or -1 (unknown, escaped) */
+/* A field name of a struct, at its opening quote: its position in ``fields``, or -1 (unknown, escaped).
+   ``hint`` is tried first: engines send a struct's fields in the order relay_check declares them, so the
+   field after the last one read is most often the next (hint may be the end of ``fields``). */
 static int
-scan_field(Scan *s, const Field *fields)
+scan_field(Scan *s, const Field *fields, int hint)
 {
     const unsigned char *start = ++s->p;
     while (s->p < s->end && *s->p != '"') {
@@ -301,8 +303,10 @@ scan_field(Scan *s, const Field *fields)
     if (s->p >= s->end) return -1;
     Py_ssize_t len = s->p - start;
     s->p++;
+    if (fields[hint].name != NULL && fields[hint].len == len && memcmp(fields[hint].name, start, len) == 0)
+        return hint;
     for (int i = 0; fields[i].name != NULL; i++) {
-        if (fields[i].len == len && memcmp(fields[i].name, start, len) == 0) return i;
+        if (i != hint && fields[i].len == len && memcmp(fields[i].name, start, len) == 0) return i;
     }
     return -1;
 }
@@ -335,14 +339,15 @@ static int
 scan_struct(Scan *s, const Field *fields, FieldFn field, void *context)
 {
     unsigned int seen = 0;
-    int more;
+    int more, hint = 0;
     if (!at(s, '{')) return 0;
     more = open_container(s, '}');
     while (more) {
         if (!at(s, '"')) return 0;
-        int index = scan_field(s, fields);
+        int index = scan_field(s, fields, hint);
         if (index < 0 || (seen & (1u << index))) return 0;
         seen |= 1u << index;
+        hint = index + 1;
         skip_ws(s);
         if (!at(s, ':')) return 0;
         s->p++;
