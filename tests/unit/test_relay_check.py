@@ -416,3 +416,16 @@ def test_a_shared_start_is_only_trusted_when_every_chunk_begins_with_it() -> Non
     run = next(iter(SseParser(runs=True).feed(model_first * 3)))
     assert TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)._rewrite_alike(
         run, "tiny-llama") == (model_first * 3).replace(b"tiny-llama", b"my-model")
+
+
+def test_streams_of_one_name_share_what_they_learn_and_not_their_figures() -> None:
+    """What a TypedRelay keeps of its check and name is made once and shared by every stream of them: a model
+    name the engine sent, learnt by one stream, is spliced the same by the next; more names than are kept
+    (64) are still each spliced right; each stream's meter counts only its own chunks."""
+    reads = [b"".join(b'data: {"model":"engine-%d","choices":[{"index":0,"delta":{"content":"t"}}]}\n\n' % i
+                      for i in range(start, start + 50)) for start in (0, 50, 100)]
+    for many in (reads, [b"".join(reads)]):
+        first = relay(True, many, "vllm", "0.32.0", 256, runs=True)
+        assert first == relay(False, many, "vllm", "0.32.0", 256)
+        assert first == relay(True, many, "vllm", "0.32.0", 256, runs=True)  # a second stream, its own meter
+        assert first["meter"][3] == 150 and all(b"engine-" not in sent for sent in first["sent"])

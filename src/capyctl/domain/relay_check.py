@@ -155,6 +155,13 @@ def chunk_check(row: FieldRow, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> 
     return ChunkCheck(tuple(key for key in DELTA_KEYS if key not in row.delta), max_tool_calls)
 
 
+# What a TypedRelay needs of its check and name that is the same for every stream of them (the refused keys'
+# getter and bits, the name's JSON and the model patterns met), made by the first stream, not each one
+_MADE: dict[tuple[ChunkCheck, str], tuple[Any, ...]] = {}
+_MADE_MOST = 1024  # (check, name) pairs kept: engine versions times deployments
+_PATTERNS_MOST = 64  # model names an engine sent kept per (check, name)
+
+
 class TypedRelay:
     """One stream's ``DeltaVerifier``, ``Meter`` and ``ModelRewrite``, on a chunk's ``head``, in one pass.
 
@@ -168,14 +175,18 @@ class TypedRelay:
                  "_replacement", "_patterns")
 
     def __init__(self, check: ChunkCheck, meter: Meter, name: str) -> None:
-        self._refused, self._unset = _refused_getter(check.refused)
-        self._refused_bits = _bits(check.refused)
-        self._max_tool_calls = check.max_tool_calls
+        made = _MADE.get((check, name))
+        if made is None:  # the first stream of this engine version under this name
+            if len(_MADE) >= _MADE_MOST:
+                _MADE.clear()
+            refused, unset = _refused_getter(check.refused)
+            token = _encode(name)
+            made = _MADE[(check, name)] = (refused, unset, _bits(check.refused), check.max_tool_calls, token,
+                                           b'"model":' + token, {})
+        (self._refused, self._unset, self._refused_bits, self._max_tool_calls, self._token, self._replacement,
+         self._patterns) = made
         self._meter = meter
         self._name = name
-        self._token = _encode(name)
-        self._replacement = b'"model":' + self._token
-        self._patterns: dict[Any, bytes] = {}
 
     def __call__(self, chunk: Chunk, now: float) -> bool:
         head = chunk.head
@@ -252,7 +263,8 @@ class TypedRelay:
             else:
                 pattern = self._patterns.get(model)
                 if pattern is None:
-                    pattern = self._patterns[model] = b'"model":' + model
+                    pattern = b'"model":' + model
+                    self._keep_pattern(model, pattern)
                 sse = self._rewrite_alike_pattern(run, pattern) or self._rewritten(run)
             if sse is None:
                 return False
@@ -349,8 +361,15 @@ class TypedRelay:
         except Exception:  # whatever it is, the stages raise it, in their order
             return None
         if type(sent) is str:
-            self._patterns[sent] = pattern
+            self._keep_pattern(sent, pattern)
         return pattern
+
+    def _keep_pattern(self, sent: Any, pattern: bytes) -> None:
+        """Remember ``"model":<sent>`` for the streams of this name: a few names at most, unless the engine
+        sends a new one each time (then the oldest are forgotten)."""
+        if len(self._patterns) >= _PATTERNS_MOST:
+            self._patterns.clear()
+        self._patterns[sent] = pattern
 
     def _keep(self, head: Any) -> None:
         seen = self._meter.seen

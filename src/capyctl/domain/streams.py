@@ -116,6 +116,8 @@ class ModelRewrite:
         if pattern is None:
             pattern = b'"model":' + _encode(sent)
             if isinstance(sent, str):
+                if len(self._cache) >= 64:  # (an engine that sends a new name each time: the oldest are forgotten)
+                    self._cache.clear()
                 self._cache[sent] = pattern
         obj["model"] = self._name
         if pattern in chunk.raw:

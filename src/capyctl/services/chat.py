@@ -174,6 +174,7 @@ class ChatService(RequestService):
         super().__init__(fleet, session, clock, events, settings, admission, keys)
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self._checks: dict[tuple[str, str], ChunkCheck] = {}
+        self._stages: dict[tuple[str, str, str], tuple[DeltaVerifier, ModelRewrite]] = {}
         # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
         self._runs: dict[str, Any] = {"runs": True} if getattr(session, "relays_runs", False) else {}
         self._send_now: Callable[[str, bytes], Any] | None = getattr(session, "send_now", None)
@@ -268,12 +269,15 @@ class ChatService(RequestService):
         while it works on the first token, not before the request leaves. The verifier runs first: nothing
         of a chunk with an unverified key is sent."""
         engine = controller.engine
-        stages: list[Stage] = [
-            DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}",
-                          self._settings.max_tool_calls),
-            meter,
-            ModelRewrite(record.deployment),
-        ]
+        made = self._stages.get((engine.family, engine.version, record.deployment))
+        if made is None:  # the stages around the meter hold nothing of a stream: made once per engine and name
+            if len(self._stages) >= 1024:
+                self._stages.clear()
+            made = self._stages[(engine.family, engine.version, record.deployment)] = (
+                DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}",
+                              self._settings.max_tool_calls),
+                ModelRewrite(record.deployment))
+        stages: list[Stage] = [made[0], meter, made[1]]
         row = self._metrics_rows.get((engine.family, engine.version))
         if row is None:
             row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)

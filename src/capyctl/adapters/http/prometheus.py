@@ -1,8 +1,9 @@
 """CapyCTL's own Prometheus metrics (MET-5), served at ``GET /metrics`` behind the API key.
 
-Counters and histograms are updated once per request (never per chunk);
-in-flight and waiting requests, deployment states and engine restarts are
-read from the live objects when Prometheus scrapes.
+Counters and histograms get one figure per request (never per chunk), held
+in a list and counted in one go when Prometheus scrapes (or every few
+thousand requests); in-flight and waiting requests, deployment states and
+engine restarts are read from the live objects when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from capyctl.services.fleet import Fleet
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _WAIT_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+_HELD_MOST = 4096  # per-request figures held before they are counted (see RequestStats._held)
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -104,6 +106,10 @@ class RequestStats:
         # the labelled children of the per-request metrics, by labels: prometheus_client's labels() checks and
         # looks them up under a lock each call; the children live as long as the registry (none is removed)
         self._children: dict[tuple[Any, ...], Any] = {}
+        # the per-request figures not yet counted: (child, None) for a counter's 1, (child, value) for a
+        # histogram's observation; counted when Prometheus reads them (exposition) or past _HELD_MOST, in one
+        # loop, rather than under two or three locks and a bucket search during each request
+        self._held: list[tuple[Any, float | None]] = []
 
     def _child(self, metric: Any, *labels: str) -> Any:
         child = self._children.get((metric, *labels))
@@ -127,12 +133,25 @@ class RequestStats:
             self.switches.labels(detail["device"], kind.removeprefix("switch_")).inc()
 
     def answered(self, deployment: str, code: str, ttft_ms: float | None, key: str = "-") -> None:
-        self._child(self.requests, deployment, code, key).inc()
+        held = self._held
+        held.append((self._child(self.requests, deployment, code, key), None))
         if ttft_ms is not None:
-            self._child(self.ttft, deployment).observe(ttft_ms / 1000)
+            held.append((self._child(self.ttft, deployment), ttft_ms / 1000))
+        if len(held) >= _HELD_MOST:
+            self._count_held()
 
     def waited(self, deployment: str, seconds: float) -> None:
-        self._child(self.waits, deployment).observe(seconds)
+        self._held.append((self._child(self.waits, deployment), seconds))
+        if len(self._held) >= _HELD_MOST:
+            self._count_held()
+
+    def _count_held(self) -> None:
+        held, self._held = self._held, []
+        for child, value in held:
+            if value is None:
+                child.inc()
+            else:
+                child.observe(value)
 
     def refused(self, code: str) -> None:
         self.refusals.labels(code).inc()
@@ -141,7 +160,10 @@ class RequestStats:
         self.cuts.labels(reason).inc()
 
     def relayed_first_chunk(self, deployment: str, seconds: float) -> None:
-        self._child(self.relay, deployment).observe(seconds)
+        self._held.append((self._child(self.relay, deployment), seconds))
+        if len(self._held) >= _HELD_MOST:
+            self._count_held()
 
     def exposition(self) -> bytes:
+        self._count_held()
         return generate_latest(self.registry)
