@@ -175,6 +175,25 @@ async def test_a_launch_that_raises_is_a_failed_start_and_the_deployment_ends_fa
     assert [e["detail"]["after_s"] for e in world.store.events if e["kind"] == "engine_restarting"] == [0.5, 1.0]
 
 
+async def test_a_readiness_probe_that_raises_is_a_failed_start_not_a_broken_controller(world: World) -> None:
+    """A probe that raises while its engine still runs (an HTTP client's own fault on a socket the dying engine
+    closed): the launch ends its engine and counts as a failed start, in STARTING, so the budget's last one
+    ends FAILED with the launch's error, not the controller with an illegal transition."""
+
+    async def ready(base_url: str) -> bool:
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    world.adapter.ready = ready  # type: ignore[method-assign]
+    with pytest.raises(LlmUnavailable, match="could not launch the engine: AttributeError"):
+        await world.controller.route(60)
+    assert world.controller.status.state is S.FAILED
+    assert len(world.processes.spawned) == SETTINGS.max_start_failures
+    assert all(p.returncode() is not None for p in world.processes.spawned)  # each engine was ended
+    kinds = [e["kind"] for e in world.store.events]
+    assert "controller_failed" not in kinds and kinds.count("engine_start_failed") == SETTINGS.max_start_failures
+    assert "stopping" not in world.states()  # a failed start is not a stop
+
+
 async def test_a_controller_that_meets_an_unexpected_error_fails_alone_until_an_operators_start() -> None:
     broken, healthy = World(), World()
     step = broken.controller._step

@@ -509,3 +509,22 @@ def test_which_installations_serve_decisions(tmp_path: Path, client: httpx.Async
     assert VllmEngine(client).serves_decisions(install(EngineFamily.VLLM, tmp_path, "0.32.0"))
     assert not VllmEngine(client).serves_decisions(install(EngineFamily.VLLM, tmp_path, "0.31.0"))
     assert not TensorfoldEngine(client).serves_decisions(install(EngineFamily.TENSORFOLD, tmp_path, "0.6.3"))
+
+
+async def test_a_probe_on_a_socket_the_engine_closed_mid_connect_is_not_ready() -> None:
+    """httpcore over anyio can ask a socket closed under it for its peer's address, and raise AttributeError
+    instead of a connection error: for a readiness probe that is an engine not answering, no more. Any
+    other AttributeError is CapyCTL's own bug and goes on."""
+    from capyctl.adapters.engines._http import fetch_ok
+
+    def closed(request: httpx.Request) -> httpx.Response:
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise AttributeError("'Engine' object has no attribute 'base_url'")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(closed)) as client:
+        assert await fetch_ok(client, "http://127.0.0.1:9/health") is None
+    async with httpx.AsyncClient(transport=httpx.MockTransport(broken)) as client:
+        with pytest.raises(AttributeError, match="base_url"):
+            await fetch_ok(client, "http://127.0.0.1:9/health")

@@ -482,6 +482,7 @@ class ManagedController(_Controller):
         self._process = process = await self._processes.spawn(argv, log_path, env)
         self.status.pid = process.pid
         self._events.emit(self.name, "engine_started", instance=0, pid=process.pid, port=port)
+        cancelled = False
         try:
             if not await self._until_ready(process):
                 return False
@@ -500,10 +501,18 @@ class ManagedController(_Controller):
             self._events.emit(self.name, "engine_crashed", instance=0, status=code, log=str(log_path))
             self._set(S.STARTING)  # at once: no request may be routed to the dead engine
             return self._clock.monotonic() - ready_at >= self._settings.stable_after
+        except anyio.get_cancelled_exc_class():
+            cancelled = True
+            raise
         finally:
             with anyio.CancelScope(shield=True):
-                if process.returncode() is None:  # only a cancellation leaves it running here
-                    self._set(S.STOPPING)
+                # a stop (a cancellation) is shown as STOPPING while the engine ends; a launch that broke (its
+                # error goes on to _launch: a failed start) ends its engine in STARTING, as a failed start does
+                if process.returncode() is None:
+                    if cancelled:
+                        self._set(S.STOPPING)
+                    elif self.status.state is not S.STARTING:
+                        self._set(S.STARTING)  # (no request may be routed to the engine being ended)
                 await process.terminate(self._settings.stop_grace)
                 self.status.pid = None
                 self.settlement.engine_ended()  # the process is gone: what it counted is settled

@@ -55,6 +55,10 @@ async def fetch_ok(client: httpx.AsyncClient, url: str) -> httpx.Response | None
         response = await client.get(url, timeout=2.0)
     except httpx.HTTPError:
         return None
+    except AttributeError as exc:  # httpcore over anyio asks a socket the engine closed mid-connect for its
+        if "getpeername" not in str(exc):  # peer's address, and raises this rather than a ConnectError
+            raise
+        return None
     return response if response.status_code == 200 else None
 
 
