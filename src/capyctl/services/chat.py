@@ -242,7 +242,8 @@ class ChatService(RequestService):
                 else:
                     route, meter = sent.route, sent.meter
                     options = {**self._runs, "sent": sent.conn} if sent.conn is not None else self._runs
-                self._events.selection(record.id, record.deployment, self._settings.host_name, 0, record.key)
+                self._events.selection(record.id, record.deployment, self._settings.host_name, 0, record.key,
+                                       sent is not None and sent.conn is not None)
                 self._meters[record.id] = meter
                 streaming = False
                 try:
