@@ -133,15 +133,16 @@ class RequestStats:
             self.switches.labels(detail["device"], kind.removeprefix("switch_")).inc()
 
     def answered(self, deployment: str, code: str, ttft_ms: float | None, key: str = "-") -> None:
-        held = self._held
-        held.append((self._child(self.requests, deployment, code, key), None))
+        self._hold(self._child(self.requests, deployment, code, key), None)
         if ttft_ms is not None:
-            held.append((self._child(self.ttft, deployment), ttft_ms / 1000))
-        if len(held) >= _HELD_MOST:
-            self._count_held()
+            self._hold(self._child(self.ttft, deployment), ttft_ms / 1000)
 
     def waited(self, deployment: str, seconds: float) -> None:
-        self._held.append((self._child(self.waits, deployment), seconds))
+        self._hold(self._child(self.waits, deployment), seconds)
+
+    def _hold(self, child: Any, value: float | None) -> None:
+        """A counter's 1 (``value`` None) or a histogram's observation, counted later (see ``_held``)."""
+        self._held.append((child, value))
         if len(self._held) >= _HELD_MOST:
             self._count_held()
 
@@ -160,9 +161,7 @@ class RequestStats:
         self.cuts.labels(reason).inc()
 
     def relayed_first_chunk(self, deployment: str, seconds: float) -> None:
-        self._held.append((self._child(self.relay, deployment), seconds))
-        if len(self._held) >= _HELD_MOST:
-            self._count_held()
+        self._hold(self._child(self.relay, deployment), seconds)
 
     def exposition(self) -> bytes:
         self._count_held()
