@@ -159,6 +159,30 @@ def test_a_key_from_before_named_keys_becomes_the_default_key() -> None:
         keyring.authenticate(auth(legacy[:-1] + "x"))
 
 
+def test_a_token_gets_the_same_answer_whether_its_id_is_looked_up_directly_or_through_split_key() -> None:
+    """authenticate looks a key of the ring up by the id where the named form has it, and sends every
+    other token through split_key: a named key, its wrong secrets, look-alikes of the named form and a key
+    from before named keys that has that form get the answers they got before."""
+    keyring, _, _ = ring()
+    legacy = "capy_ABCDEFGH23_" + "L" * 43  # named form, but an id no named key can have (upper case)
+    keyring.bootstrap(legacy, lambda _: pytest.fail("an existing key must not be replaced"))
+    assert keyring.authenticate(auth(legacy)).legacy
+    key, token = keyring.create("ci")
+    assert keyring.authenticate(auth(token)) is key
+    key_id, secret = split_key(token)  # type: ignore[misc]
+    legacy_id = keyring.get("default")[0].id
+    for wrong in [
+        format_key(key_id, secret[:-1] + ("x" if secret[-1] != "x" else "y")),  # its id, another secret
+        f"capy-{key_id}_{secret}",  # its id and secret, another prefix
+        f"capy_{key_id}-{secret}",  # its id and secret, no separator
+        format_key(legacy_id, "L" * 43),  # the legacy key's own id in the named form
+        format_key("abcdefgh23", secret),  # an id of no key
+        legacy.replace("capy_", "capy-"),
+    ]:
+        with pytest.raises(InvalidApiKey):
+            keyring.authenticate(auth(wrong))
+
+
 def test_a_revoked_default_key_is_not_made_again_and_its_file_is_cleared() -> None:
     store, clock = FakeStore(), FakeClock()
     forgotten: list[bool] = []

@@ -84,7 +84,7 @@ def format_key(key_id: str, secret: str) -> str:
     return f"{PREFIX}{key_id}_{secret}"
 
 
-_KEY_LENGTH = len(PREFIX) + ID_LENGTH + 1 + 43
+KEY_LENGTH = len(PREFIX) + ID_LENGTH + 1 + 43  # capy_<id>_<secret>
 _ID_CHARS = frozenset(ID_ALPHABET)
 
 
@@ -94,7 +94,7 @@ def split_key(token: str) -> tuple[str, str] | None:
     Plain slicing, no regular expression: it runs on every request. The secret's characters need no
     check: one that is not the key's fails the digest comparison.
     """
-    if len(token) != _KEY_LENGTH or not token.startswith(PREFIX) or token[len(PREFIX) + ID_LENGTH] != "_":
+    if len(token) != KEY_LENGTH or not token.startswith(PREFIX) or token[len(PREFIX) + ID_LENGTH] != "_":
         return None
     key_id = token[len(PREFIX):len(PREFIX) + ID_LENGTH]
     if not _ID_CHARS.issuperset(key_id):

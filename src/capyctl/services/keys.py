@@ -21,6 +21,8 @@ from capyctl.domain.keys import (
     DEFAULT_NAME,
     ID_ALPHABET,
     ID_LENGTH,
+    KEY_LENGTH,
+    PREFIX,
     ApiKey,
     Usage,
     bearer,
@@ -39,6 +41,8 @@ from capyctl.domain.keys import (
 from capyctl.domain.ports import Clock, KeyStore
 from capyctl.services.events import Events
 
+_ID_AT = len(PREFIX)  # where a named key's id begins and ends: capy_<id>_<secret>
+_ID_END = _ID_AT + ID_LENGTH
 _BOOTSTRAPPED = "default_key"  # meta: the key named default was made or imported once
 
 
@@ -101,8 +105,14 @@ class Keyring:
     def authenticate(self, authorization: str | None) -> ApiKey:
         """The key of this ``Authorization`` header, or 401 missing_api_key / invalid_api_key."""
         token = bearer(authorization)
-        parts = split_key(token)
-        key = check_key(self._by_id.get(parts[0]), parts[1]) if parts else check_key(self._legacy, token)
+        # A key of this keyring is found by the id where the named form has it: such an id passed
+        # split_key when its key was made. Anything else goes through split_key, as every key once did.
+        stored = self._by_id.get(token[_ID_AT:_ID_END]) if len(token) == KEY_LENGTH else None
+        if stored is not None and token[_ID_END] == "_" and token.startswith(PREFIX):
+            key = check_key(stored, token[_ID_END + 1:])
+        else:
+            parts = split_key(token)
+            key = check_key(self._by_id.get(parts[0]), parts[1]) if parts else check_key(self._legacy, token)
         wall = self._clock.wall()
         usage = self._today(key.id, wall)
         usage.last_used = wall
