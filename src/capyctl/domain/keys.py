@@ -84,8 +84,17 @@ def format_key(key_id: str, secret: str) -> str:
     return f"{PREFIX}{key_id}_{secret}"
 
 
-KEY_LENGTH = len(PREFIX) + ID_LENGTH + 1 + 43  # capy_<id>_<secret>
+_KEY_LENGTH = len(PREFIX) + ID_LENGTH + 1 + 43  # capy_<id>_<secret>
+_ID_END = len(PREFIX) + ID_LENGTH
 _ID_CHARS = frozenset(ID_ALPHABET)
+
+
+def key_shape(token: str) -> tuple[str, str] | None:
+    """(id, secret) of a token shaped as a named key, the id's characters unchecked; None for any other.
+    A keyring looks its keys up with it (an id it holds passed ``split_key`` when its key was made)."""
+    if len(token) != _KEY_LENGTH or token[_ID_END] != "_" or not token.startswith(PREFIX):
+        return None
+    return token[len(PREFIX):_ID_END], token[_ID_END + 1:]
 
 
 def split_key(token: str) -> tuple[str, str] | None:
@@ -94,12 +103,10 @@ def split_key(token: str) -> tuple[str, str] | None:
     Plain slicing, no regular expression: it runs on every request. The secret's characters need no
     check: one that is not the key's fails the digest comparison.
     """
-    if len(token) != KEY_LENGTH or not token.startswith(PREFIX) or token[len(PREFIX) + ID_LENGTH] != "_":
+    parts = key_shape(token)
+    if parts is None or not _ID_CHARS.issuperset(parts[0]):
         return None
-    key_id = token[len(PREFIX):len(PREFIX) + ID_LENGTH]
-    if not _ID_CHARS.issuperset(key_id):
-        return None
-    return key_id, token[len(PREFIX) + ID_LENGTH + 1:]
+    return parts
 
 
 def bearer(authorization: str | None) -> str:

@@ -21,8 +21,6 @@ from capyctl.domain.keys import (
     DEFAULT_NAME,
     ID_ALPHABET,
     ID_LENGTH,
-    KEY_LENGTH,
-    PREFIX,
     ApiKey,
     Usage,
     bearer,
@@ -33,6 +31,7 @@ from capyctl.domain.keys import (
     check_name,
     digest,
     format_key,
+    key_shape,
     split_key,
     take,
     today,
@@ -41,8 +40,6 @@ from capyctl.domain.keys import (
 from capyctl.domain.ports import Clock, KeyStore
 from capyctl.services.events import Events
 
-_ID_AT = len(PREFIX)  # where a named key's id begins and ends: capy_<id>_<secret>
-_ID_END = _ID_AT + ID_LENGTH
 _BOOTSTRAPPED = "default_key"  # meta: the key named default was made or imported once
 
 
@@ -105,11 +102,11 @@ class Keyring:
     def authenticate(self, authorization: str | None) -> ApiKey:
         """The key of this ``Authorization`` header, or 401 missing_api_key / invalid_api_key."""
         token = bearer(authorization)
-        # A key of this keyring is found by the id where the named form has it: such an id passed
-        # split_key when its key was made. Anything else goes through split_key, as every key once did.
-        stored = self._by_id.get(token[_ID_AT:_ID_END]) if len(token) == KEY_LENGTH else None
-        if stored is not None and token[_ID_END] == "_" and token.startswith(PREFIX):
-            key = check_key(stored, token[_ID_END + 1:])
+        # a key of this keyring by the id where the named form has it; anything else through split_key
+        shaped = key_shape(token)
+        stored = self._by_id.get(shaped[0]) if shaped is not None else None
+        if shaped is not None and stored is not None:
+            key = check_key(stored, shaped[1])
         else:
             parts = split_key(token)
             key = check_key(self._by_id.get(parts[0]), parts[1]) if parts else check_key(self._legacy, token)
