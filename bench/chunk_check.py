@@ -1,14 +1,13 @@
-"""Per-chunk CPU of the relay: the stages over dicts, the typed pass and runs, on one recording, in one run.
+"""Per-chunk CPU of the relay: the stages over dicts and the typed pass, on one recording, in one run.
 
     python bench/chunk_check.py [--recording tests/contract/recordings/vllm/0.32.0/chat_stream_usage.sse]
                                 [--rounds 7] [--repeat 200]
 
 Both pipelines are the product's code: ``SseParser`` (``typed=False``: every
 payload decoded into a dict, as before the typed pass; default: the typed
-structs; ``runs=True``: the plain events of a read as one Run, as the wire
-session asks for), then ``services.chat._relay`` (with the stages only, or
+structs), then ``services.chat._relay`` (with the stages only, or
 with ``TypedRelay`` beside them), then the SSE framing the HTTP adapter does
-(``data: `` + raw + blank line, or a Run's bytes as they are, joined per batch). ``_relay`` is driven
+(``data: `` + raw + blank line, joined per batch). ``_relay`` is driven
 without an event loop (its source never really waits), so what is timed is
 parse + decode + checks + meter + model rewrite + framing, per chunk.
 
@@ -37,7 +36,7 @@ from capyctl.domain.fields import DeltaVerifier, row_for  # noqa: E402
 from capyctl.domain.metrics import Meter  # noqa: E402
 from capyctl.domain.relay_check import TypedRelay, chunk_check  # noqa: E402
 from capyctl.domain.requests import RequestRecord  # noqa: E402
-from capyctl.domain.streams import Chunk, ModelRewrite, Run, StreamEvent  # noqa: E402
+from capyctl.domain.streams import Chunk, ModelRewrite, StreamEvent  # noqa: E402
 from capyctl.services.chat import _relay  # noqa: E402
 
 DEFAULT = ROOT / "tests/contract/recordings/vllm/0.32.0/chat_stream_usage.sse"
@@ -61,17 +60,14 @@ def _drive(events: AsyncIterator[list[StreamEvent]]) -> list[bytes]:
         except StopIteration as done:
             parts: list[bytes] = []
             for event in done.value:
-                if isinstance(event, Run):
-                    parts.append(event.sse)
-                elif isinstance(event, Chunk):
+                if isinstance(event, Chunk):
                     parts += (b"data: ", event.raw, b"\n\n")
             out.append(b"".join(parts))
         except StopAsyncIteration:
             return out
 
 
-def pipeline(typed: bool, family: str, version: str, runs: bool = False
-             ) -> Callable[[list[bytes]], tuple[list[bytes], Meter]]:
+def pipeline(typed: bool, family: str, version: str) -> Callable[[list[bytes]], tuple[list[bytes], Meter]]:
     row = row_for(family, version).row
     check = chunk_check(row)
 
@@ -80,7 +76,7 @@ def pipeline(typed: bool, family: str, version: str, runs: bool = False
         meter = Meter(clock)
         stages = [DeltaVerifier(row.delta, f"{family} {version}"), meter, ModelRewrite(record.deployment)]
         fast = TypedRelay(check, meter, record.deployment) if typed else None
-        return _drive(_relay(_reads(SseParser(typed=typed, runs=runs), reads), stages, record, meter, fast, clock)), meter
+        return _drive(_relay(_reads(SseParser(typed=typed), reads), stages, record, meter, fast, clock)), meter
 
     return run
 
@@ -102,8 +98,7 @@ def main() -> None:
     data = args.recording.read_bytes().replace(b"\r\n", b"\n")
     events = [block + b"\n\n" for block in data.split(b"\n\n") if block]
     chunks = sum(1 for e in events if e.startswith(b"data: {"))
-    ways = {"stages over dicts": pipeline(False, family, version), "typed pass": pipeline(True, family, version),
-            "runs": pipeline(True, family, version, runs=True)}
+    ways = {"stages over dicts": pipeline(False, family, version), "typed pass": pipeline(True, family, version)}
     print(f"{args.recording.relative_to(ROOT) if args.recording.is_relative_to(ROOT) else args.recording}: "
           f"{len(events)} events, {chunks} chunks; {family} {version}")
     for label, reads in (("one read per event", events), ("one read in all", [data])):

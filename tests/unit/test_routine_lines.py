@@ -322,9 +322,9 @@ def test_configure_logging_writes_text_lines_with_the_time_of_day(monkeypatch: p
     assert text.endswith(" request 01ABC\n") and time.strptime(text.split(" ")[0], "%H:%M:%S")
 
 
-async def test_a_selection_line_waits_for_the_next_turn_unless_the_engine_has_the_request_already() -> None:
-    """Before the engine write, the selection's line is handed to the log at the loop's next turn (the write
-    goes first); once the engine has the request (``sent``), at once. The stored event is the same."""
+async def test_a_selection_line_waits_for_the_next_turn() -> None:
+    """The selection's line is handed to the log at the loop's next turn (the engine write goes first); the
+    event is stored at once."""
     import asyncio
 
     from capyctl.services.events import Events, selection_line
@@ -335,9 +335,8 @@ async def test_a_selection_line_waits_for_the_next_turn_unless_the_engine_has_th
     clock: Any = SimpleNamespace(wall=lambda: 1.0)
     events = Events(store, clock, lambda logger, line, values: handed.append(values))
     events.selection("01A", "m", "host", 0, "alice")
-    events.selection("01B", "m", "host", 0, "alice", sent=True)
-    assert [values[0] for values in handed] == ["01B"]
+    assert handed == []
+    assert [e["detail"]["capyctl_request_id"] for e in store.events if e["kind"] == "router_selection"] == ["01A"]
     await asyncio.sleep(0)
-    assert [values[0] for values in handed] == ["01B", "01A"]
-    assert [e["detail"]["capyctl_request_id"] for e in store.events if e["kind"] == "router_selection"] == ["01A", "01B"]
-    assert selection_line(*handed[0])[2]["capyctl_request_id"] == "01B"
+    assert [values[0] for values in handed] == ["01A"]
+    assert selection_line(*handed[0])[2]["capyctl_request_id"] == "01A"

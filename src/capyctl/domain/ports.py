@@ -129,23 +129,6 @@ class EngineSession(Protocol):
         that holds a large part of the answer does not hold back its first
         token while the rest is parsed and checked.
 
-        A session whose ``relays_runs`` attribute is true also takes
-        ``runs=True``: then the plain events of one read may come as one
-        ``Run`` (checked, and sent on, as one piece) instead of a Chunk each.
-
-        What is yielded may also have ``pump(deliver, drain)``: the same
-        batches handed to ``deliver`` as each read arrives, from the
-        connection's own callback, instead of being pulled. ``deliver`` says
-        what became of each (``Relayed``: MORE, FULL, that is pause reading
-        until ``drain()`` returns, or ENDED); ``pump`` returns True once it said
-        ENDED, False when the answer ended first, and raises as pulling would.
-
-        A session may also have ``send_now(base_url, body)``: the request
-        written at once, from a callback, on a kept-alive connection it holds
-        idle (None, nothing done, when it holds none); ``chat_stream`` given
-        what it returned as ``sent=`` reads that request's answer instead of
-        sending the request again.
-
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it
         cannot be reached. Leaving the context, normally or by cancellation,

@@ -24,7 +24,6 @@ from capyctl import __version__
 from capyctl.adapters.http.inference import create_inference_app
 from capyctl.adapters.http.management import create_management_app
 from capyctl.adapters.http.protocol import guarded_protocol
-from capyctl.adapters.process.huge_pages import back_heap_with_huge_pages
 from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
 from capyctl.adapters.devices import read_devices
@@ -130,10 +129,6 @@ async def _serve(
             # collector's way, so that its passes over the young objects of requests stay short
             gc.collect()
             gc.freeze()
-            # ... and on huge pages, where the idle server's first request finds it sooner
-            pages = back_heap_with_huge_pages()
-            log.debug("heaps on huge pages: %d MiB marked, collapsed: %s%s", pages.marked >> 20, pages.collapsed,
-                      f" ({pages.why_not})" if pages.why_not else "")
             async with anyio.create_task_group() as servers:
                 servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
                 servers.start_soon(lambda: manager.serve(sockets=[management_sock]))

@@ -8,7 +8,7 @@ non-streamed request usage is asked for; a streamed one keeps the client's
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,12 +37,10 @@ from capyctl.domain.streams import (
     Done,
     EngineFailure,
     ModelRewrite,
-    Relayed,
-    Run,
     Stage,
     StreamEvent,
 )
-from capyctl.domain.scheduling import QueueLimits, Route
+from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService, Lease
 from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
@@ -175,80 +173,28 @@ class ChatService(RequestService):
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self._checks: dict[tuple[str, str], ChunkCheck] = {}
         self._stages: dict[tuple[str, str, str], tuple[DeltaVerifier, ModelRewrite]] = {}
-        # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
-        self._runs: dict[str, Any] = {"runs": True} if getattr(session, "relays_runs", False) else {}
-        self._send_now: Callable[[str, bytes], Any] | None = getattr(session, "send_now", None)
-
-    def send_now(self, record: RequestRecord, obj: dict[str, Any]) -> Sent | None:
-        """``open``'s way up to the engine done at once, from a callback (the request's task has not run yet),
-        when nothing on it has to wait: the model is ready and admission grants a place at once. The request
-        is then also written to the engine, when the session holds a kept-alive connection to it idle. None,
-        with nothing changed, when something would wait; raises what ``open`` would raise first. Hand what it
-        returns to ``open`` (``sent=``), which takes up from there: everything else, the selection event
-        included, comes after the engine has the request."""
-        send = self._send_now
-        if send is None:
-            return None
-        controller: Serving = self._fleet.resolve(record.deployment, "chat")
-        route = controller.route_now()
-        if route is None:
-            return None
-        check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
-        body = engine_body(obj, controller.spec.served_model, record.stream)
-        lease = self._admission.admit_now(controller, record)
-        if lease is None:
-            return None
-        try:
-            if self._keys is not None:
-                self._keys.admitted(record.id)
-            self.live[record.id] = record
-            record.sent(instance=0)
-            meter = Meter(self._clock.monotonic)
-            conn = send(route.url, body)
-            return Sent(controller, body, lease, route, meter, conn)
-        except BaseException:
-            lease.give_back()
-            self.live.pop(record.id, None)
-            raise
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
-                   sent: Sent | None = None) -> AsyncIterator[EngineCall]:
+    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None
+                   ) -> AsyncIterator[EngineCall]:
         """Yield the engine call answering ``obj``: its relayed events, and its metrics at the end.
 
         Raises domain errors before anything is yielded (unknown model, engine
-        refusal ...). Leaving the context closes the engine connection. ``sent``: what ``send_now`` did
-        for this request already.
+        refusal ...). Leaving the context closes the engine connection.
         """
-        if sent is None:
-            controller: Serving = self._fleet.resolve(record.deployment, "chat")
-            check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
-        else:
-            controller = sent.controller
+        controller: Serving = self._fleet.resolve(record.deployment, "chat")
+        check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
+        body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
         self.live[record.id] = record
         try:
-            if sent is None:
-                body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
-                record.phase = Phase.WAITING
-                admitted: Any = self._admitted(controller, record, wait)
-            else:
-                body, admitted = sent.body, sent.lease
-            async with admitted:
-                if sent is None:
-                    route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
-                    record.sent(instance=0)
-                    meter = Meter(self._clock.monotonic)
-                    options = self._runs
-                else:
-                    route, meter = sent.route, sent.meter
-                    options = {**self._runs, "sent": sent.conn} if sent.conn is not None else self._runs
-                self._events.selection(record.id, record.deployment, self._settings.host_name, 0, record.key,
-                                       sent is not None and sent.conn is not None)
-                self._meters[record.id] = meter
+            record.phase = Phase.WAITING
+            async with self._admitted(controller, record, wait):
+                route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
+                self._selected(record)
+                meter = self._meters[record.id] = Meter(self._clock.monotonic)
                 streaming = False
                 try:
-                    async with self._session.chat_stream(route.url, body, lambda: record.answered,
-                                                         **options) as events:
+                    async with self._session.chat_stream(route.url, body, lambda: record.answered) as events:
                         streaming = True
                         yield self._call(controller, record, meter, events)
                 except EngineUnavailable as exc:
@@ -283,9 +229,7 @@ class ChatService(RequestService):
         if row is None:
             row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
         typed = self._typed_relay(controller, record, meter)
-        now = self._clock.monotonic
-        pumped = _Relay(stages, record, meter, typed, now) if hasattr(events, "pump") else None
-        return EngineCall(_relay(events, stages, record, meter, typed, now), meter, row, events, pumped)
+        return EngineCall(_relay(events, stages, record, meter, typed, self._clock.monotonic), meter, row)
 
     def _typed_relay(self, controller: Serving, record: RequestRecord, meter: Meter) -> TypedRelay | None:
         """The stages' work in one pass, for a streamed answer (its check built once per engine version).
@@ -298,11 +242,10 @@ class ChatService(RequestService):
             check = self._checks[key] = chunk_check(controller.fields.row, self._settings.max_tool_calls)
         return TypedRelay(check, meter, record.deployment)
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
-                       sent: Sent | None = None) -> dict[str, Any]:
+    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
         assembler = Assembler(record.deployment, self._settings.max_tool_calls)
-        async with self.open(record, obj, wait, sent) as call:
+        async with self.open(record, obj, wait) as call:
             async for batch in call.events:
                 for event in batch:
                     if isinstance(event, Chunk):
@@ -314,60 +257,15 @@ class ChatService(RequestService):
         return answer
 
 
-class Sent:
-    """What ``ChatService.send_now`` did for a request: admitted (``lease``, entered), sent (``record`` and
-    ``meter`` say so) and, when ``conn`` is not None, written to its engine on that connection."""
-
-    __slots__ = ("controller", "body", "lease", "route", "meter", "conn")
-
-    def __init__(self, controller: Serving, body: bytes, lease: Lease, route: Route, meter: Meter,
-                 conn: Any) -> None:
-        self.controller, self.body, self.lease, self.route, self.meter, self.conn = (
-            controller, body, lease, route, meter, conn)
-
-
 class EngineCall:
-    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics.
+    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics."""
 
-    The events are pulled (``events``) or, where the session can (``pumps``), pumped: each batch relayed
-    from the engine connection's own callback as its read arrives (``pump``)."""
+    __slots__ = ("events", "_meter", "_row")
 
-    __slots__ = ("events", "_meter", "_row", "_source", "_relay")
-
-    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow,
-                 source: Any = None, relay: _Relay | None = None) -> None:
+    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow) -> None:
         self.events = events
         self._meter = meter
         self._row = row
-        self._source = source
-        self._relay = relay
-
-    @property
-    def pumps(self) -> bool:
-        return self._relay is not None
-
-    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
-                   ) -> None:
-        """Relay the stream through ``deliver``, a batch at a time as the engine's reads arrive: what
-        ``events`` would yield, in the same order, with the same end. ``deliver`` says FULL when its client
-        cannot take more for now (reading pauses until ``drain()`` returns). Returns once the batch that
-        ends the stream was delivered; raises as iterating ``events`` would, after delivering the chunks
-        before a refused one."""
-        relay = self._relay
-        assert relay is not None
-
-        def relayed(batch: list[StreamEvent]) -> Relayed:
-            try:
-                sent, done = relay.step(batch)
-            except Refused as refused:
-                if refused.sent:
-                    deliver(refused.sent)
-                raise refused.error from refused.error.__cause__
-            said = deliver(sent)
-            return Relayed.ENDED if done else said
-
-        if not await self._source.pump(relayed, drain):
-            relay.ended()
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         return self._meter.figures(self._row)
@@ -407,96 +305,40 @@ class _Admitted:
         await self._lease.__aexit__(kind, error, trace)
 
 
-class Refused(Exception):
-    """A stage refused a chunk: ``sent`` are the events before it in its batch (still relayed), ``error``
-    ends the stream."""
-
-    def __init__(self, sent: list[StreamEvent], error: CapyError) -> None:
-        super().__init__(error)
-        self.sent = sent
-        self.error = error
-
-
-class _Relay:
-    """The stages over each batch of events, one batch at a time; what pulling and pumping a stream share.
-
-    A chunk the parser decoded into typed structs goes through ``typed`` (the
-    stages' work in one pass) when it passes there, a Run likewise as a whole;
-    any other chunk through the stages (a declined Run as its chunks). When a stage refuses a chunk,
-    the chunks before it in the batch are still relayed, then the error ends
-    the stream: nothing of the refused chunk is sent. A stream that ends
-    without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it
-    ended on the engine's own error event.
-    """
-
-    __slots__ = ("_stages", "_record", "_meter", "_typed", "_now", "_failed")
-
-    def __init__(self, stages: list[Stage], record: RequestRecord, meter: Meter, typed: TypedRelay | None,
-                 now: Callable[[], float]) -> None:
-        self._stages = stages
-        self._record = record
-        self._meter = meter
-        self._typed = typed
-        self._now = now
-        self._failed = False
-
-    def step(self, batch: list[StreamEvent]) -> tuple[list[StreamEvent], bool]:
-        """(the batch as it is to be sent, whether it ends the stream: it then ends at its ``Done``);
-        raises ``Refused``."""
-        record, meter, typed, now = self._record, self._meter, self._typed, self._now
-        position = 0
-        while position < len(batch):  # a run the typed pass declines is spliced in as its chunks
-            event = batch[position]
-            position += 1
-            if isinstance(event, Run):
-                if typed is not None and typed.run(event, now):
-                    if not record.answered and meter.first_text_at is not None:
-                        record.engine_answered()
-                    continue
-                position -= 1
-                batch[position:position + 1] = event.chunks()
-                continue
-            if isinstance(event, Chunk):
-                if typed is not None and event.head is not None and typed(event, now()):  # the clock per chunk, as
-                    # the Meter reads it: whether a decode rate can be given must not hang on read boundaries
-                    if not record.answered and meter.first_text_at is not None:
-                        record.engine_answered()
-                    continue
-                try:
-                    for stage in self._stages:
-                        event = stage(event)
-                except CapyError as error:
-                    raise Refused(batch[:position - 1], error) from error
-                batch[position - 1] = event
-                if not record.answered and meter.first_text_at is not None:
-                    record.engine_answered()
-            elif isinstance(event, EngineFailure):
-                record.engine_answered()
-                self._failed = True
-            elif isinstance(event, Done):
-                return batch[:position], True
-        return batch, False
-
-    def ended(self) -> None:
-        """The engine's message ended without ``[DONE]``."""
-        if not self._failed:
-            raise EdgeError("the engine's stream ended without [DONE]")
-
-
 async def _relay(
     batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter,
     typed: TypedRelay | None, now: Callable[[], float],
 ) -> AsyncIterator[list[StreamEvent]]:
-    """The stream pulled: ``_Relay`` over each batch as it is asked for."""
-    relay = _Relay(stages, record, meter, typed, now)
+    """Each batch of the engine's events checked and measured, as it is to be sent on, up to ``Done``.
+
+    A chunk the parser decoded into typed structs goes through ``typed`` (the stages' work in one pass) when
+    it passes there; any other chunk through the stages. When a stage refuses a chunk, the chunks before it
+    in its batch are still relayed, then the error ends the stream: nothing of the refused chunk is sent. A
+    stream that ends without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it ended on the
+    engine's own error event.
+    """
+    failed = False
     async for batch in batches:
-        try:
-            sent, done = relay.step(batch)
-        except Refused as refused:
-            if refused.sent:
-                yield refused.sent
-            raise refused.error from refused.error.__cause__
-        yield sent
-        if done:
-            return
-    relay.ended()
+        for position, event in enumerate(batch):
+            if type(event) is Chunk:
+                if typed is None or event.head is None or not typed(event, now()):  # the clock per chunk, as
+                    # the Meter reads it: whether a decode rate can be given must not hang on read boundaries
+                    try:
+                        for stage in stages:
+                            event = stage(event)
+                    except CapyError:
+                        if position:
+                            yield batch[:position]
+                        raise
+                    batch[position] = event
+                if not record.answered and meter.first_text_at is not None:
+                    record.engine_answered()
+            elif type(event) is EngineFailure:
+                record.engine_answered()
+                failed = True
+            elif type(event) is Done:
+                yield batch[:position + 1]
+                return
+        yield batch
+    if not failed:
+        raise EdgeError("the engine's stream ended without [DONE]")

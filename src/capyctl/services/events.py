@@ -47,23 +47,18 @@ class Events:
         log.info("%s %s %s", kind, deployment or "-", described,
                  extra={"event": kind, "deployment": deployment, **detail})
 
-    def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None,
-                  sent: bool = False) -> None:
+    def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None) -> None:
         """A request routed to an instance: stored without the caller's ID, logged with it; both name the
         API key it came with (its name, never its secret).
 
         The log line is handed to the log at the event loop's next turn, which comes while the engine works
-        on the request it is about to be sent: that does not delay the request. ``sent``: the engine has the
-        request already, and the line is handed over at once.
+        on the request it is about to be sent: that does not delay the request.
         """
         self._store.add_event(
             self._clock.wall(), deployment, "router_selection",
             {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key},
         )
         values = (request_id, caller_request_id.get(), deployment, host, instance, key)
-        if sent:
-            self._routine(log, selection_line, values)
-            return
         try:
             asyncio.get_running_loop().call_soon(self._routine, log, selection_line, values)
         except RuntimeError:  # no asyncio loop (trio in tests): at once

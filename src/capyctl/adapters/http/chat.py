@@ -37,8 +37,8 @@ from capyctl.domain.errors import (
     StreamIdleTimeout,
 )
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
-from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Relayed, Run, StreamEvent
-from capyctl.services.chat import ChatService, EngineCall, RequestService, Sent, failure_error, read_target
+from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, StreamEvent
+from capyctl.services.chat import ChatService, EngineCall, RequestService, failure_error, read_target
 from capyctl.services.context import caller_request_id
 from capyctl.services.keys import Keyring
 
@@ -127,8 +127,7 @@ class Endpoint(Protocol):
         """The model named and whether the client wants a stream; raises for what cannot be served."""
 
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float, sent: Any = None) -> None:
-        """``sent``: what the endpoint's ``send_now`` (where it has one) did for this request already."""
+                     headers: Headers, outcome: Outcome, received_at: float) -> None: ...
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
 
@@ -151,42 +150,11 @@ class FrontDoor:
             await self.serve(AsgiExchange(scope, receive, send, tasks))
             tasks.cancel_scope.cancel()
 
-    def begin(self, exchange: Exchange) -> None:
-        """The request's front, and its engine's write where its endpoint can (``send_now``), done at once as
-        its last byte arrives, before its task first runs: the engine starts on it while the rest is set up
-        (``serve`` takes up from what was done, ``exchange.begun``). Only where the task would do the same: a
-        POST whose whole body has come, without X-Request-Id (the task's context carries that). Whatever
-        fails here is left to the task, which meets it again and answers it; nothing is answered from here."""
-        endpoint = self.endpoints[exchange.path]
-        send_now = getattr(endpoint, "send_now", None)
-        if send_now is None or exchange.method != "POST":
-            return
-        body = exchange.body_now(self._max_body)
-        if body is None or find_header(exchange.headers, b"x-request-id") is not None:
-            return
-        try:
-            request_id = new_request_id()
-            try:
-                key = self._key(exchange, endpoint)
-                wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
-                obj, model, stream = self._body(endpoint, key, body, request_id)
-            except CapyError:
-                return
-            record = _record(request_id, model, stream, key)
-            begun = exchange.begun = Begun(request_id, key, wait, obj, record, endpoint.service.now())
-            try:
-                begun.sent = send_now(record, obj)
-            except CapyError:
-                pass  # the task's own way to the engine raises it again, and answers it
-        except Exception:  # a fault of CapyCTL's: the task answers the request (its last resort included)
-            log.exception("the request's early start failed; its task serves it from the start")
-
     async def serve(self, exchange: Exchange) -> None:
-        begun = exchange.begun
-        request_id = new_request_id() if begun is None else begun.request_id
+        request_id = new_request_id()
         headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         try:
-            await self._handle(exchange, request_id, headers, begun)
+            await self._handle(exchange, request_id, headers)
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
             log.exception("request %s: internal error", request_id)
             await internal_error(exchange, request_id, headers)
@@ -207,37 +175,32 @@ class FrontDoor:
         self._keys.let_in(key, request_id)
         return obj, model, stream
 
-    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers, begun: Begun | None) -> None:
+    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers) -> None:
         endpoint = self.endpoints[exchange.path]
         service = endpoint.service
-        if begun is not None:
-            key, wait, obj, record, sent = begun.key, begun.wait, begun.obj, begun.record, begun.sent
-            model = record.deployment
-        else:
-            try:
-                key = self._key(exchange, endpoint)
-                caller_values = header_values(exchange.headers, b"x-request-id")
-                if caller_values:  # handed back as given, once it is known to be valid
-                    caller = check_caller_id(caller_values)
-                    headers.append((b"x-request-id", str(caller).encode()))
-                    caller_request_id.set(caller)
-                wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
-                obj, model, stream = self._body(endpoint, key, await exchange.read_body(self._max_body), request_id)
-            except ClientGone:
-                return
-            except CapyError as error:
-                self._stats.refused(error.code)
-                await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
-                return
-            record = _record(request_id, model, stream, key)
-            sent = None
+        try:
+            key = self._key(exchange, endpoint)
+            caller_values = header_values(exchange.headers, b"x-request-id")
+            if caller_values:  # handed back as given, once it is known to be valid
+                caller = check_caller_id(caller_values)
+                headers.append((b"x-request-id", str(caller).encode()))
+                caller_request_id.set(caller)
+            wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
+            obj, model, stream = self._body(endpoint, key, await exchange.read_body(self._max_body), request_id)
+        except ClientGone:
+            return
+        except CapyError as error:
+            self._stats.refused(error.code)
+            await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
+            return
+        record = _record(request_id, model, stream, key)
         outcome = Outcome()
         try:
             with exchange.cut_scope() as cut:
-                received_at = service.now() if begun is None else begun.received_at
+                received_at = service.now()
                 exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, record, received_at))
                 try:
-                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at, sent)
+                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at)
                 finally:
                     exchange.unwatch()
         finally:
@@ -260,19 +223,6 @@ class FrontDoor:
 def _record(request_id: str, model: str, stream: bool, key: ApiKey) -> RequestRecord:
     return RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
                          salt_bound=key.cache_salt is not None)
-
-
-class Begun:
-    """What ``FrontDoor.begin`` did for a request before its task ran: the front's results and, when its
-    endpoint could, what ``send_now`` did (``sent``: None when it did nothing)."""
-
-    __slots__ = ("request_id", "key", "wait", "obj", "record", "received_at", "sent")
-
-    def __init__(self, request_id: str, key: ApiKey, wait: float | None, obj: dict[str, Any], record: RequestRecord,
-                 received_at: float) -> None:
-        self.request_id, self.key, self.wait, self.obj, self.record = request_id, key, wait, obj, record
-        self.received_at = received_at
-        self.sent: Any = None
 
 
 async def internal_error(exchange: Exchange, request_id: str, headers: Headers) -> None:
@@ -300,17 +250,12 @@ class ChatEndpoint:
             raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
         return read_target(obj, self._service.default_model)
 
-    def send_now(self, record: RequestRecord, obj: dict[str, Any]) -> Sent | None:
-        return self._service.send_now(record, obj)
-
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float, sent: Sent | None = None) -> None:
+                     headers: Headers, outcome: Outcome, received_at: float) -> None:
         if record.stream:
-            await self._stream(record, obj, wait, exchange, headers, outcome, sent)
+            await self._stream(record, obj, wait, exchange, headers, outcome)
         else:
-            answering = self._service.complete(record, obj, wait) if sent is None else (
-                self._service.complete(record, obj, wait, sent))
-            await send_one_answer(answering, record, exchange, headers, outcome)
+            await send_one_answer(self._service.complete(record, obj, wait), record, exchange, headers, outcome)
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:
@@ -318,33 +263,25 @@ class ChatEndpoint:
         else:
             await exchange.json(status_of(error), error_body(error), headers)
 
-    async def _stream(
-        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange, headers: Headers,
-        outcome: Outcome, sent: Sent | None,
-    ) -> None:
+    async def _stream(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
+                      headers: Headers, outcome: Outcome) -> None:
         opened = False
         framing = _Framing()
         try:
-            opening = self._service.open(record, obj, wait) if sent is None else self._service.open(record, obj, wait,
-                                                                                                    sent)
-            async with opening as call:
+            async with self._service.open(record, obj, wait) as call:
                 opened = True
                 exchange.start(_SSE_HEADERS + headers[1:])  # made while the engine works on the first token
-                if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read
-                    await call.pump(functools.partial(self._deliver, record, exchange, headers, outcome, framing,
-                                                      call), exchange.drain)
-                else:
-                    async for batch in call.events:
-                        data = framing.frame(batch, call, outcome)
-                        if framing.last:  # the batch that ended the stream leaves with the stream's end
-                            continue  # (the events end here: the relay stops at Done)
-                        if outcome.started:  # the hot path
-                            await exchange.write(data)
-                        else:  # headers go out with the first chunk: one wake-up for the client
-                            began = time.perf_counter()
-                            outcome.started = True
-                            await exchange.write(data)
-                            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+                async for batch in call.events:
+                    data = framing.frame(batch, call, outcome)
+                    if framing.last:  # the batch that ended the stream leaves with the stream's end
+                        continue  # (the events end here: the relay stops at Done)
+                    if outcome.started:  # the hot path
+                        await exchange.write(data)
+                    else:  # headers go out with the first chunk: one wake-up for the client
+                        began = time.perf_counter()
+                        outcome.started = True
+                        await exchange.write(data)
+                        self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
             failure = framing.failure
             if failure is None:
                 record.phase = Phase.DONE
@@ -373,23 +310,9 @@ class ChatEndpoint:
             if last:
                 self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
 
-    def _deliver(self, record: RequestRecord, exchange: Exchange, headers: Headers, outcome: Outcome,
-                 framing: _Framing, call: EngineCall, batch: list[StreamEvent]) -> Relayed:
-        """One batch of a pumped stream, written at once (the pulled loop's body, without its awaits)."""
-        data = framing.frame(batch, call, outcome)
-        if framing.last:  # the batch that ended the stream leaves with the stream's end, after the call
-            return Relayed.MORE
-        if not outcome.started:  # headers go out with the first chunk
-            began = time.perf_counter()
-            outcome.started = True
-            full = exchange.write_now(data)
-            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-            return Relayed.FULL if full else Relayed.MORE
-        return Relayed.FULL if exchange.write_now(data) else Relayed.MORE
-
 
 class _Framing:
-    """A relayed stream's batches as the SSE bytes sent on: what pulling and pumping share."""
+    """A relayed stream's batches as the SSE bytes sent on."""
 
     __slots__ = ("failure", "last")
 
@@ -398,13 +321,9 @@ class _Framing:
         self.last = b""  # the bytes of the batch that ended the stream, once it came
 
     def frame(self, batch: list[StreamEvent], call: EngineCall, outcome: Outcome) -> bytes:
-        if len(batch) == 1 and type(batch[0]) is Run:  # one read's run, the most usual batch at full speed
-            return batch[0].sse  # type: ignore[union-attr]
         parts: list[bytes] = []
         for event in batch:
-            if isinstance(event, Run):  # checked as a whole, already SSE: sent on as it came
-                parts.append(event.sse)
-            elif isinstance(event, Chunk):
+            if isinstance(event, Chunk):
                 parts += (b"data: ", event.raw, b"\n\n")
             elif isinstance(event, EngineFailure):
                 self.failure = event

@@ -24,7 +24,7 @@ class DecisionEndpoint:
         return self.service.target(obj)
 
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float, sent: Any = None) -> None:
+                     headers: Headers, outcome: Outcome, received_at: float) -> None:
         await send_one_answer(self.service.decide(record, obj, received_at, wait), record, exchange, headers,
                               outcome)
 

@@ -66,13 +66,6 @@ class Exchange:
     headers: Headers
     started: bool  # the status line went out
     ended: bool  # the whole answer went out
-    pushes = False  # write_now (a write from a callback, outside the request's task) is there
-    begun: Any = None  # what the front door did for the request before its task ran (``FrontDoor.begin``)
-
-    def body_now(self, limit: int) -> bytes | None:
-        """The whole body, when it has all come (within ``limit`` bytes) and the client is there; else None."""
-        return None
-
     async def read_body(self, limit: int) -> bytes:
         """The whole request body; ``TooLarge`` past ``limit`` bytes, ``ClientGone`` if the client left."""
         raise NotImplementedError
@@ -104,11 +97,6 @@ class Exchange:
 
     async def end(self, data: bytes = b"") -> None:
         """A stream's last piece (if any) and its end."""
-        raise NotImplementedError
-
-    def write_now(self, data: bytes) -> bool:
-        """``write`` at once, for an exchange that ``pushes``: True when the client cannot take more for
-        now (the caller stops producing until ``drain`` returns)."""
         raise NotImplementedError
 
     async def drain(self) -> None:
@@ -242,7 +230,7 @@ class WireExchange(Exchange):
         self._timer: asyncio.TimerHandle | None = None
         self._head: bytes = b""
         self.on_response: Callable[[], None] = protocol.on_response_complete
-        self.early = False  # its task waits for its last byte, which calls the front door's ``begin`` first
+        self.early = False  # its task waits for the request's last byte
 
     # uvicorn's names for what it reads on its cycle
     @property
@@ -280,11 +268,6 @@ class WireExchange(Exchange):
             self._transport.close()
 
     # the request
-    def body_now(self, limit: int) -> bytes | None:
-        if self.more_body or self.disconnected or len(self.body) > limit or self._expect_continue:
-            return None
-        return bytes(self.body)
-
     async def read_body(self, limit: int) -> bytes:
         if _declared_too_large(self.headers, limit):
             raise TooLarge(limit)
@@ -378,14 +361,6 @@ class WireExchange(Exchange):
     async def write(self, data: bytes) -> None:
         if await self._writable():
             self._put(data)
-
-    pushes = True
-
-    def write_now(self, data: bytes) -> bool:
-        if self.disconnected or self.ended:  # nothing may follow an answer's end
-            return False
-        self._put(data)
-        return self._flow.write_paused
 
     async def drain(self) -> None:
         if self._flow.write_paused and not self.disconnected:

@@ -216,7 +216,7 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
                 if self.expect_100_continue:
                     self._start_asgi_task(exchange, door)  # type: ignore[arg-type]
                 else:
-                    exchange.early = True  # its task starts with its last byte, after the front's begin
+                    exchange.early = True  # its task starts with its last byte
             else:  # pipelined behind an answer still going out, as uvicorn queues its own
                 self.flow.pause_reading()
                 self.pipeline.appendleft((exchange, door))  # type: ignore[arg-type]
@@ -229,7 +229,6 @@ def guarded_protocol(limits: Limits, on_cut: Callable[[str], None], door: Any = 
             cycle = self.cycle
             if hot and type(cycle) is WireExchange and cycle.early:
                 cycle.early = False
-                door.begin(cycle)
                 self._start_asgi_task(cycle, door)  # type: ignore[arg-type]
 
         def on_body(self, body: bytes) -> None:
