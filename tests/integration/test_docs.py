@@ -495,6 +495,8 @@ TOOLS = {  # other programs the pages run, and how the test asks for their --hel
     "python bench/relay.py": [sys.executable, "bench/relay.py"],
     "python bench/ab_ttft.py": [sys.executable, "bench/ab_ttft.py"],
     "python bench/cold.py": [sys.executable, "bench/cold.py"],
+    "python bench/soak.py": [sys.executable, "bench/soak.py"],
+    "python bench/streams.py": [sys.executable, "bench/streams.py"],
     "python -m pytest": [sys.executable, "-m", "pytest"],
 }
 
