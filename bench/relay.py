@@ -14,6 +14,9 @@ medians over the rounds: added time to first token at one stream (engine at
 its recorded pace; added = path minus direct in the same round), chunks/s and
 CPU µs per chunk at each N, and the ratios CapyCTL/nginx.
 
+With --baseline PYTHON one more CapyCTL is measured beside this one, in the same rounds: the one that
+PYTHON runs (e.g. another checkout's .venv/bin/python), as "capyctl@base", with its hang-ups timed too:
+a before and after of two trees in one run.
 With --floor a fourth path is measured: bench/bare_relay.py --decode, a relay in Python with none of
 CapyCTL's features that only decodes each chunk (the floor of a checking relay in Python here).
 With --floor-checks one more: bench/bare_relay.py --decode --checks, the same relay doing the least of
@@ -430,12 +433,13 @@ def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], l
 
     for name, row in rows.items():
         line(name, row)
-    for other in ("nginx", "bare python"):
-        if other in rows and "capyctl" in rows:
+    for name, other in (("capyctl", "nginx"), ("capyctl", "bare python"), ("capyctl@base", "nginx"),
+                        ("capyctl", "capyctl@base")):
+        if other in rows and name in rows:
             ratio: list[float | None] = []
-            for mine, theirs in zip(rows["capyctl"], rows[other]):
+            for mine, theirs in zip(rows[name], rows[other]):
                 ratio.append(mine / theirs if mine is not None and theirs is not None and theirs > 0.0005 else None)
-            line(f"ratio capyctl/{other}", ratio, 2, [2] * (2 * len(ns)))
+            line(f"ratio {name}/{other}", ratio, 2, [2] * (2 * len(ns)))
     if "nginx" not in rows:
         print("(no nginx path this run: no capyctl/nginx ratios)")
     print(f"(medians over the rounds; added TTFT: {source}; CPU: the proxy's own processes, /proc utime+stime)")
@@ -460,6 +464,8 @@ def main() -> None:
                         help="also measure bench/bare_relay.py --decode --checks: the floor relay doing the least "
                              "of CapyCTL's front per request (ULID, key digest, body decode, in-flight limit) in "
                              "flat code")
+    parser.add_argument("--baseline", metavar="PYTHON",
+                        help="also measure the CapyCTL this interpreter runs (another tree's venv), as capyctl@base")
     parser.add_argument("--nginx", default=find_nginx(),
                         help="nginx binary for the nginx path (default: nginx on PATH, else /usr/sbin/nginx)")
     args = parser.parse_args()
@@ -484,6 +490,7 @@ def main() -> None:
     relay_config.write_text(f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
                             f"  max_pending_total: {most}\n")
     capy = CapyServer(tmp / "state", "--config", str(relay_config))
+    base = CapyServer(tmp / "base-state", "--config", str(relay_config), python=args.baseline) if args.baseline else None
     nginx: Nginx | None = None
     bare: subprocess.Popen[bytes] | None = None
     checked: subprocess.Popen[bytes] | None = None
@@ -492,11 +499,13 @@ def main() -> None:
         match = _LISTENING.search(line)
         assert match, f"replay engine did not start: {line}"
         rhost, rport = match.group(1), int(match.group(2))
-        capy.start()
         deployment = tmp / "bench.yaml"
         deployment.write_text(
             f"name: bench\nengine: {engine}\nendpoint: http://{rhost}:{rport}\nengine_version: {version}\n")
-        capy.cli("deploy", "model", "--file", str(deployment))
+        for server in (capy, base):
+            if server is not None:
+                server.start()
+                server.cli("deploy", "model", "--file", str(deployment))
         body = (b'{"model":"bench","stream":true,"replay_case":"%s",'
                 b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode())
         pid = capy.process.pid  # type: ignore[union-attr]
@@ -533,6 +542,10 @@ def main() -> None:
             assert match, "bench/bare_relay.py --checks did not start"
             routes.append(Route("python + checks", "127.0.0.1", int(match.group(2)), plain, key,
                                 lambda: cpu_seconds(checked.pid)))
+        if base is not None:
+            base_pid = base.process.pid  # type: ignore[union-attr]
+            routes.append(Route("capyctl@base", "127.0.0.1", base.port, body, base.api_key,
+                                lambda: cpu_seconds(base_pid)))
         routes.append(capyctl)
         for route in routes:  # warm each path (connections, first-use code paths) before anything is measured
             asyncio.run(load(route.host, route.port, route.body, route.key, 1, 0.2, expect))
@@ -591,10 +604,13 @@ def main() -> None:
         if args.hangups:
             paced = body[:-1] + b',"replay_pace":"recorded"}'
             stats_url = f"http://{rhost}:{rport}/replay/stats"
-            delays = [asyncio.run(hang_up_delay("127.0.0.1", capy.port, paced, capy.api_key, stats_url))
-                      for _ in range(args.hangups)]
-            print(f"client hang-up -> engine connection closed: p50 {pct(delays, .5):.2f} ms, "
-                  f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
+            for label, server in (("", capy), (", capyctl@base", base)):
+                if server is None:
+                    continue
+                delays = [asyncio.run(hang_up_delay("127.0.0.1", server.port, paced, server.api_key, stats_url))
+                          for _ in range(args.hangups)]
+                print(f"client hang-up -> engine connection closed{label}: p50 {pct(delays, .5):.2f} ms, "
+                      f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
             if nginx is not None:
                 paced_plain = plain[:-1] + b',"replay_pace":"recorded"}'
                 delays = [asyncio.run(hang_up_delay("127.0.0.1", nginx.port, paced_plain, None, stats_url))
@@ -621,6 +637,8 @@ def main() -> None:
                 floor.kill()
                 floor.wait(10)
         capy.stop()
+        if base is not None:
+            base.stop()
         replay.terminate()
         replay.wait(10)
 

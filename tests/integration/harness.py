@@ -48,9 +48,10 @@ def llama_paths() -> LlamaPaths:
 class CapyServer:
     """`capyctl start standalone` as a child process on free loopback ports."""
 
-    def __init__(self, state_dir: Path, *extra_args: str) -> None:
+    def __init__(self, state_dir: Path, *extra_args: str, python: str = sys.executable) -> None:
         self.state_dir = state_dir
         self.extra_args = extra_args
+        self.python = python  # the interpreter whose capyctl runs (another tree's venv, for a benchmark)
         self.port = free_port()
         self.management_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -61,7 +62,7 @@ class CapyServer:
         env = {**os.environ, "CAPYCTL_STATE_DIR": str(self.state_dir)}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "capyctl", "start", "standalone",
+                [self.python, "-m", "capyctl", "start", "standalone",
                  "--listen", f"127.0.0.1:{self.port}", "--management", f"127.0.0.1:{self.management_port}",
                  *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -97,7 +98,7 @@ class CapyServer:
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "CAPYCTL_STATE_DIR": str(self.state_dir)}
         done = subprocess.run(
-            [sys.executable, "-m", "capyctl", *args], capture_output=True, text=True, env=env, timeout=timeout
+            [self.python, "-m", "capyctl", *args], capture_output=True, text=True, env=env, timeout=timeout
         )
         if check and done.returncode != 0:
             raise AssertionError(f"capyctl {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")

@@ -14,7 +14,9 @@ import anyio
 import msgspec
 import pytest
 
-from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
+from capyctl.adapters.http.chat import ChatEndpoint
+from capyctl.adapters.http.front import FrontDoor
+from tests.fakes.asgi_door import AsgiDoor
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -364,7 +366,7 @@ async def call(app: Any, token: str, body: dict[str, Any]) -> tuple[int, dict[by
 
 
 def front_door(clock: FakeClock, family: str = EngineFamily.VLLM, slots: int = 4,
-               max_pending: int = 64) -> tuple[FrontDoor, Keyring, OneChunkEngine, Stats]:
+               max_pending: int = 64) -> tuple[AsgiDoor, Keyring, OneChunkEngine, Stats]:
     version = "0.32.0" if family == EngineFamily.VLLM else "0.6.0"
     spec = decode_spec({"name": "m", "engine": family, "endpoint": "http://127.0.0.1:9", "engine_version": version})
     engine = EngineInstall(name="e", family=family, path="x", version=version, version_text="")
@@ -381,7 +383,7 @@ def front_door(clock: FakeClock, family: str = EngineFamily.VLLM, slots: int = 4
     session = OneChunkEngine()
     service = ChatService(fleet, session, clock, events, ChatSettings(), admission, keyring)  # type: ignore[arg-type]
     stats = Stats()
-    return FrontDoor([ChatEndpoint(service, stats)], keyring, 1 << 20, stats), keyring, session, stats  # type: ignore[arg-type]
+    return AsgiDoor(FrontDoor([ChatEndpoint(service, stats)], keyring, 1 << 20, stats)), keyring, session, stats  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio

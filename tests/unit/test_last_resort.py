@@ -12,7 +12,9 @@ import msgspec
 import pytest
 
 from capyctl.adapters.http.asgi import with_request_ids
-from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
+from capyctl.adapters.http.chat import ChatEndpoint
+from capyctl.adapters.http.front import FrontDoor
+from tests.fakes.asgi_door import AsgiDoor
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import EngineUnavailable
@@ -97,7 +99,7 @@ def header(start: dict[str, Any], name: bytes) -> str:
 
 
 async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(caplog: pytest.LogCaptureFixture) -> None:
-    handler = FrontDoor([ChatEndpoint(BrokenService(None), Stats())], keyring_with(KEY), 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(None), Stats())], keyring_with(KEY), 1 << 20, Stats()))  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, "capyctl.http"):
         sent = await call(handler, chat_scope(), b'{"model": "m", "messages": []}')
     start, body = sent[0], msgspec.json.decode(sent[1]["body"])
@@ -111,7 +113,7 @@ async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(capl
 
 
 async def test_a_bug_during_a_stream_ends_it_with_an_error_event() -> None:
-    handler = FrontDoor([ChatEndpoint(BrokenService(1), Stats())], keyring_with(KEY), 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(1), Stats())], keyring_with(KEY), 1 << 20, Stats()))  # type: ignore[arg-type]
     sent = await call(handler, chat_scope(), b'{"model": "m", "messages": [], "stream": true}')
     assert sent[0]["status"] == 200
     assert sent[1]["body"] == b'data: {"choices":[]}\n\n'  # what came before the bug was relayed

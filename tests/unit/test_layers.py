@@ -12,5 +12,38 @@ def test_import_contracts_hold() -> None:
         [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
         cwd=ROOT, capture_output=True, text=True, check=False,
     )
-    assert "Contracts: 4 kept, 0 broken." in done.stdout, done.stdout + done.stderr
+    assert "Contracts: 5 kept, 0 broken." in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0
+
+
+def _private_imports(source: str) -> list[str]:
+    """Imports in ``source`` of another package's private module or ``_name``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules, names = [node.module], [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            if module.split(".")[0] == "capyctl":
+                continue
+            parts = module.split(".")[1:] + names
+            if any(part.startswith("_") and not part.startswith("__") for part in parts):
+                found.append(f"{module}: {', '.join(names) or module}")
+    return found
+
+
+def test_no_code_imports_a_private_module_or_name_of_another_package() -> None:
+    """Other packages are used through their public API only: a private module or name can change in any
+    release (CapyCTL's own private modules are its business)."""
+    assert _private_imports("from a._b import c") and _private_imports("from a import _c")
+    assert _private_imports("import a._b") and not _private_imports("from capyctl.x import _y")
+    assert not _private_imports("from a.b import c, __version__")
+    offending = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / "src").rglob("*.py"))
+                 if (found := _private_imports(path.read_text()))}
+    assert offending == {}

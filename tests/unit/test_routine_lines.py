@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from capyctl.adapters import log_format
-from capyctl.adapters.http.exchange import AsgiExchange, Exchange, WireExchange
+from capyctl.adapters.http.exchange import Exchange
 from capyctl.adapters.log_format import BatchedWriter, JsonFormatter, TextFormatter, _routine_record
 
 NAME = "capyctl.test.routine"
@@ -109,13 +109,12 @@ def test_due_wakes_the_writer_for_a_waiting_routine_line() -> None:
             writer.stop()
 
 
-@pytest.mark.parametrize("kind", ["wire", "asgi"])
 @pytest.mark.parametrize("answer", ["json", "end"])
-async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(kind: str, answer: str,
+async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(answer: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
     monkeypatch.setattr(log_format, "_active", SimpleNamespace(due=lambda: order.append("due")))
-    exchange = _exchange(kind, order)
+    exchange = _exchange(order)
     if answer == "json":
         await exchange.json(200, b"{}", [])
     else:
@@ -124,22 +123,11 @@ async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(kind: s
     assert order[-2:] == ["due", "last bytes"] and order.count("due") == 1
 
 
-def _exchange(kind: str, order: list[str]) -> Exchange:
-    if kind == "wire":
-        transport = SimpleNamespace(write=lambda data: order.append("last bytes"), close=lambda: None,
-                                    is_closing=lambda: False)
-        protocol = SimpleNamespace(transport=transport, flow=SimpleNamespace(write_paused=False),
-                                   on_response_complete=lambda: None,
-                                   server_state=SimpleNamespace(default_headers=[]))
-        return WireExchange(protocol, "POST", "/v1/chat/completions", [], True, False)
-
-    async def send(message: dict[str, object]) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body", False):
-            order.append("last bytes")
-        else:
-            order.append(str(message["type"]))
-
-    return AsgiExchange({"method": "POST", "path": "/v1/chat/completions", "headers": []}, None, send, None)
+def _exchange(order: list[str]) -> Exchange:
+    transport = SimpleNamespace(write=lambda data: order.append("last bytes"), close=lambda: None,
+                                is_closing=lambda: False)
+    connection = SimpleNamespace(transport=transport, write_paused=False, answered=lambda exchange: None)
+    return Exchange(connection, "POST", "/v1/chat/completions", b"", [], b"", True)
 
 
 def test_the_request_line_is_made_in_the_writers_round_as_log_info_writes_it() -> None:

@@ -1,4 +1,4 @@
-"""The wire path's cut scope (``exchange._TaskCut``): what the front door relies on from anyio's CancelScope,
+"""The wire path's cut scope (``exchange.TaskCut``): what the front door relies on from anyio's CancelScope,
 on the request's asyncio task: a cut ends the block and only the block, once, from a callback or from the
 task itself, and never swallows a cancellation that is not its own."""
 
@@ -9,13 +9,13 @@ import asyncio
 import anyio
 import pytest
 
-from capyctl.adapters.http.exchange import _TaskCut
+from capyctl.adapters.http.exchange import TaskCut
 
 
 def test_a_cut_from_a_callback_ends_the_block_and_only_the_block() -> None:
     async def main() -> tuple[bool, str]:
         loop = asyncio.get_running_loop()
-        with _TaskCut() as cut:
+        with TaskCut() as cut:
             loop.call_soon(cut.cancel)  # as the client's hang-up arrives: from the loop, not the task
             await asyncio.sleep(10)
             raise AssertionError("not cut")
@@ -28,7 +28,7 @@ def test_a_cut_from_a_callback_ends_the_block_and_only_the_block() -> None:
 def test_a_cut_from_the_task_itself_takes_effect_at_its_next_await() -> None:
     async def main() -> tuple[bool, list[str]]:
         steps: list[str] = []
-        with _TaskCut() as cut:
+        with TaskCut() as cut:
             cut.cancel()  # as watch() does when the client was already gone
             steps.append("ran on until its next await")
             await asyncio.sleep(10)
@@ -41,7 +41,7 @@ def test_a_cut_from_the_task_itself_takes_effect_at_its_next_await() -> None:
 
 def test_a_cut_from_the_task_that_ends_the_block_without_an_await_leaks_nothing() -> None:
     async def main() -> bool:
-        with _TaskCut() as cut:
+        with TaskCut() as cut:
             cut.cancel()
         await asyncio.sleep(0.01)  # after the block: must not be cancelled
         return cut.cancelled_caught
@@ -52,7 +52,7 @@ def test_a_cut_from_the_task_that_ends_the_block_without_an_await_leaks_nothing(
 def test_a_cut_after_the_block_or_a_second_one_does_nothing() -> None:
     async def main() -> bool:
         loop = asyncio.get_running_loop()
-        with _TaskCut() as cut:
+        with TaskCut() as cut:
             loop.call_soon(cut.cancel)
             loop.call_soon(cut.cancel)
             await asyncio.sleep(10)
@@ -68,7 +68,7 @@ def test_another_cancellation_goes_through_the_block() -> None:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        with _TaskCut() as cut:
+        with TaskCut() as cut:
             loop.call_soon(cut.cancel)
             loop.call_soon(task.cancel)  # the server's shutdown, at the same turn
             await asyncio.sleep(10)
@@ -80,7 +80,7 @@ def test_another_cancellation_goes_through_the_block() -> None:
 def test_an_inner_anyio_scope_lets_the_cut_through() -> None:
     async def main() -> tuple[bool, bool]:
         loop = asyncio.get_running_loop()
-        with _TaskCut() as cut:
+        with TaskCut() as cut:
             with anyio.move_on_after(10) as inner:
                 loop.call_soon(cut.cancel)
                 await asyncio.sleep(10)

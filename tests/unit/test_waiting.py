@@ -17,7 +17,9 @@ import msgspec
 import pytest
 import trio
 
-from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
+from capyctl.adapters.http.chat import ChatEndpoint
+from capyctl.adapters.http.front import FrontDoor
+from tests.fakes.asgi_door import AsgiDoor
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
@@ -107,7 +109,7 @@ async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> 
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     engine_session = SilentAfterOneChunk()
     service = ChatService(fleet, engine_session, clock, events, settings, admission)  # type: ignore[arg-type]
-    handler = FrontDoor([ChatEndpoint(service, Stats())], keyring_with(KEY), 1 << 20, Stats())  # type: ignore[arg-type]
+    handler = AsgiDoor(FrontDoor([ChatEndpoint(service, Stats())], keyring_with(KEY), 1 << 20, Stats()))  # type: ignore[arg-type]
 
     holder = Client({"model": "m", "messages": [], "stream": True})
     waiter = Client({"model": "m", "messages": []})

@@ -33,7 +33,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from capyctl.domain.fields import FieldRow
+from capyctl.domain.fields import FIELD_TABLE, FieldRow
 from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
 from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk
 
@@ -59,14 +59,14 @@ class ToolCall(_Strict):
     function: Any = None
 
 
-class Delta(_Strict):
-    """Every key any field row allows; UNSET when not sent (a row that refuses a key sees it sent)."""
-
-    role: Any = UNSET
-    content: Any = UNSET
-    reasoning: Any = UNSET
-    reasoning_content: Any = UNSET
-    tool_calls: list[ToolCall] | None | UnsetType = UNSET
+# The delta keys the typed pass knows: every key a row of the field table allows (the table is the one place
+# to add one), in the order engines send them. UNSET when not sent (a row that refuses a key sees it sent).
+_SENT_ORDER = ("role", "content", "reasoning", "reasoning_content", "tool_calls")
+DELTA_KEYS = tuple(sorted({key for row in FIELD_TABLE for key in row.delta},
+                          key=lambda key: (_SENT_ORDER.index(key) if key in _SENT_ORDER else len(_SENT_ORDER), key)))
+Delta = msgspec.defstruct(
+    "Delta", [(key, list[ToolCall] | None | UnsetType if key == "tool_calls" else Any, UNSET) for key in DELTA_KEYS],
+    bases=(_Strict,), module=__name__)
 
 
 class Choice(_Strict):
@@ -105,7 +105,6 @@ class Head(_Strict):
     error: Any = UNSET
 
 
-DELTA_KEYS = Delta.__struct_fields__
 decode_head = msgspec.json.Decoder(Head).decode  # raises msgspec.DecodeError (or RecursionError) when it refuses
 
 

@@ -21,7 +21,8 @@ from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine
-from capyctl.adapters.http.chat import ChatEndpoint, FrontDoor
+from capyctl.adapters.http.chat import ChatEndpoint
+from capyctl.adapters.http.front import FrontDoor
 from capyctl.adapters.http.decisions import DecisionEndpoint
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.log_format import routine_line

@@ -1,7 +1,7 @@
 """``capyctl start standalone``: the server and its engines in one foreground process.
 
-Two uvicorn servers share one event loop: the inference API (0.0.0.0:8443 by
-default) and the management API (127.0.0.1:7443). CapyCTL binds both sockets
+Two of CapyCTL's HTTP servers share one event loop: the inference API
+(0.0.0.0:8443 by default) and the management API (127.0.0.1:7443). CapyCTL binds both sockets
 itself first, so a busy port is a clear error before anything starts. SIGINT
 or SIGTERM stops the servers, then every engine (SIGTERM, then SIGKILL after
 the grace period), then exits.
@@ -9,21 +9,18 @@ the grace period), then exits.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import resource
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
-import uvicorn
 
 from capyctl import __version__
 from capyctl.adapters.http.inference import create_inference_app
 from capyctl.adapters.http.management import create_management_app
-from capyctl.adapters.http.protocol import guarded_protocol
+from capyctl.adapters.http.server import HttpServer
 from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
 from capyctl.adapters.devices import read_devices
@@ -33,24 +30,6 @@ from capyctl.entrypoints.container import Container
 
 log = logging.getLogger("capyctl")
 DEFAULTS = resolve(ServerConfig(), {})
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: CapyCTL stops both servers itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _uvicorn(app: object, protocol: type) -> _Server:
-    # proxy_headers off: CapyCTL reads neither the client's address nor the scheme, so uvicorn's
-    # X-Forwarded-* middleware would only cost each request a pass over its headers
-    config = uvicorn.Config(
-        app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5, http=protocol,
-        proxy_headers=False,
-    )
-    return _Server(config)
 
 
 def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container:
@@ -103,20 +82,20 @@ async def _serve(
     keys = container.keyring()
     fleet = container.fleet()
     stats = container.request_stats()
-    protocol = guarded_protocol(limits, stats.client_cut)
     door = container.chat_handler()
-    inference = _uvicorn(  # the door's own paths are answered on the wire; the rest through the ASGI app
-        create_inference_app(fleet, container.clock(), door, keys, stats, container.admission()),
-        guarded_protocol(limits, stats.client_cut, door),
-    )
-    manager = _uvicorn(create_management_app(fleet, container.clock(), admin_token, keys), protocol)
+    inference = HttpServer(  # the door's own paths are its handlers; the rest goes to the ASGI app
+        {path: door.serve for path in door.endpoints},
+        create_inference_app(fleet, container.clock(), keys, stats, container.admission()), limits, stats.client_cut)
+    manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys), limits,
+                         stats.client_cut)
+    stopping = anyio.Event()
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])
     # The signal watcher outlives the engines' shutdown, so a second Ctrl-C
     # cannot kill CapyCTL halfway through stopping them.
     async with anyio.create_task_group() as watcher:
-        watcher.start_soon(_stop_on_signal, [inference, manager])
+        watcher.start_soon(_stop_on_signal, stopping)
         async with anyio.create_task_group() as tg:
             await tg.start(fleet.run)
             state.write_management(management_url)
@@ -130,20 +109,19 @@ async def _serve(
             gc.collect()
             gc.freeze()
             async with anyio.create_task_group() as servers:
-                servers.start_soon(lambda: inference.serve(sockets=[inference_sock]))
-                servers.start_soon(lambda: manager.serve(sockets=[management_sock]))
+                servers.start_soon(inference.serve, inference_sock, stopping)
+                servers.start_soon(manager.serve, management_sock, stopping)
             state.clear_management()
             tg.cancel_scope.cancel()  # fleet.run stops every engine on its way out
         watcher.cancel_scope.cancel()
     log.info("capyctl stopped; every engine is stopped")
 
 
-async def _stop_on_signal(servers: list[_Server]) -> None:
+async def _stop_on_signal(stopping: anyio.Event) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            if not servers[0].should_exit:
+            if not stopping.is_set():
                 log.info("received %s: stopping servers and engines", signal.Signals(signum).name)
-                for server in servers:
-                    server.should_exit = True
+                stopping.set()
             else:
                 log.info("received %s again: still stopping engines", signal.Signals(signum).name)

@@ -1,238 +1,32 @@
-"""``POST /v1/chat/completions`` as a bare ASGI handler: the relay's hot path.
+"""``POST /v1/chat/completions``: streamed answers relayed as SSE, others assembled (behind ``front.FrontDoor``).
 
-Per request: give it a ULID, authenticate its key, check the caller's
-X-Request-Id, read and decode the body once, apply the key's scope, salt and
-daily limit, then let ``ChatService`` drive the engine.
-While CapyCTL waits for or relays the engine's answer, the exchange watches
-for the client's hang-up (on the wire: the connection's loss, at once) and
-for the deadline (a timer), and cancels the scope that owns the engine
-connection, streamed or not. Before a stream's 200 is sent, errors are JSON
-answers with their status; after it, an error is one SSE error event and the
-stream ends. Nothing is logged per chunk.
+Before a stream's 200 is sent, errors are JSON answers with their status;
+after it, an error is one SSE error event and the stream ends. Nothing is
+logged per chunk.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
-from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Any
 
-import anyio
 import msgspec
 
-from capyctl.adapters.http.ids import new_request_id
-from capyctl.adapters.http.exchange import AsgiExchange, ClientGone, Exchange, find_header, header_values
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
+from capyctl.adapters.http.exchange import Exchange
+from capyctl.adapters.http.front import Headers, Outcome, send_one_answer
 from capyctl.adapters.http.prometheus import RequestStats
-from capyctl.domain.keys import ApiKey, bind_salt, check_scope
-from capyctl.domain.errors import (
-    CapyError,
-    DeadlineExceeded,
-    InternalError,
-    InvalidJson,
-    InvalidRequest,
-    MethodNotAllowed,
-    StreamIdleTimeout,
-)
-from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
+from capyctl.domain.errors import CapyError, InvalidRequest
+from capyctl.domain.requests import Phase, RequestRecord
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, StreamEvent
-from capyctl.services.chat import ChatService, EngineCall, RequestService, failure_error, read_target
-from capyctl.services.context import caller_request_id
-from capyctl.services.keys import Keyring
+from capyctl.services.chat import ChatService, EngineCall, failure_error, read_target
 
-log = logging.getLogger("capyctl.chat")
-_decode = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.encode
-_NO_STORE = (b"cache-control", b"no-store")
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), _NO_STORE, (b"x-accel-buffering", b"no")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
 _DONE = b"data: [DONE]\n\n"
 # Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
 _STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
-# Answers that refused a request before any engine saw it, counted in capyctl_refusals_total.
-_REFUSALS = frozenset({"daily_limit", "model_not_found", "deployment_stopped", "api_mismatch", "cache_salt_unsupported",
-                       "invalid_request", "invalid_json", "queue_full", "model_loading", "queued", "device_busy",
-                       "insufficient_memory", "gpu-busy"})
-Headers = list[tuple[bytes, bytes]]
 CHAT_PATH = "/v1/chat/completions"
-
-
-def llm_wait(values: list[str]) -> float | None:
-    """X-LLM-Wait (LIFE-4): whole seconds from 0 to 900 this request may wait for a model; None without it."""
-    if not values:
-        return None
-    if len(values) > 1 or not values[0].strip().isdigit() or int(values[0]) > 900:
-        raise InvalidRequest("X-LLM-Wait must be given once, as whole seconds from 0 to 900", param="X-LLM-Wait")
-    return float(int(values[0]))
-
-
-def decode_body(body: bytes) -> dict[str, Any]:
-    try:
-        obj = _decode(body)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest("the request body must be a JSON object") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidJson(str(exc)) from exc
-    except RecursionError as exc:
-        raise InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)") from exc
-    return obj
-
-
-class Outcome:
-    """How one request ended, for Prometheus and for errors sent after a cut."""
-
-    __slots__ = ("code", "ttft_ms", "started")
-
-    def __init__(self) -> None:
-        self.code = "client_gone"
-        self.ttft_ms: float | None = None
-        self.started = False  # a stream's 200 and headers were sent
-
-
-_TIMEOUTS = {
-    CancelCause.DEADLINE: lambda record: DeadlineExceeded(
-        f"no answer from the engine serving {record.deployment!r} within the request deadline; "
-        "the request was cut and the engine told to stop", model=record.deployment),
-    CancelCause.IDLE: lambda record: StreamIdleTimeout(
-        f"the answer from {record.deployment!r} went silent for longer than the stream idle timeout; "
-        "the request was cut and the engine told to stop", model=record.deployment),
-}
-
-
-async def send_one_answer(
-    answering: Awaitable[dict[str, Any]], record: RequestRecord, exchange: Exchange, headers: Headers,
-    outcome: Outcome,
-) -> None:
-    """A whole answer as one JSON body (a non-streamed chat answer, a decision), or its error with its status."""
-    try:
-        answer = await answering
-    except CapyError as error:
-        record.phase = Phase.FAILED
-        outcome.code = error.code
-        await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
-        return
-    record.phase = Phase.DONE
-    outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
-    await exchange.json(200, _encode(answer), headers)
-
-
-class Endpoint(Protocol):
-    """One API behind the front door: how it reads its target, and how it answers."""
-
-    path: str
-    service: RequestService
-
-    def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
-        """The model named and whether the client wants a stream; raises for what cannot be served."""
-
-    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float) -> None: ...
-
-    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
-
-
-class FrontDoor:
-    """What every API's requests go through, written once: the ULID, the method, the key (its scope, salt
-    and daily limit), the caller's X-Request-Id, X-LLM-Wait, the body limit and its decoding, the hang-up
-    and deadline watcher, the cut requests' settlement and the outcome counters. The endpoint for the
-    path does the rest."""
-
-    def __init__(self, endpoints: list[Endpoint], keys: Keyring, max_body: int, stats: RequestStats) -> None:
-        self.endpoints = {endpoint.path: endpoint for endpoint in endpoints}
-        self._keys = keys
-        self._max_body = max_body
-        self._stats = stats
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The door as an ASGI app (any ASGI server; the inference port's own protocol calls ``serve``)."""
-        async with anyio.create_task_group() as tasks:
-            await self.serve(AsgiExchange(scope, receive, send, tasks))
-            tasks.cancel_scope.cancel()
-
-    async def serve(self, exchange: Exchange) -> None:
-        request_id = new_request_id()
-        headers: Headers = [_NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
-        try:
-            await self._handle(exchange, request_id, headers)
-        except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
-            log.exception("request %s: internal error", request_id)
-            await internal_error(exchange, request_id, headers)
-
-    def _key(self, exchange: Exchange, endpoint: Endpoint) -> ApiKey:
-        """The first checks: the method, then the key."""
-        if exchange.method != "POST":
-            raise MethodNotAllowed(f"{exchange.method} is not allowed on {endpoint.path}; use POST")
-        return self._keys.authenticate(find_header(exchange.headers, b"authorization"))
-
-    def _body(self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str) -> tuple[dict[str, Any], str, bool]:
-        """The body decoded and its target read, the key's scope and salt applied, and the key's place for the
-        day taken (``let_in``, last: given back by ``done``)."""
-        obj = decode_body(body)
-        model, stream = endpoint.target(obj)
-        check_scope(key, model, endpoint.service.names)
-        bind_salt(key, obj)
-        self._keys.let_in(key, request_id)
-        return obj, model, stream
-
-    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers) -> None:
-        endpoint = self.endpoints[exchange.path]
-        service = endpoint.service
-        try:
-            key = self._key(exchange, endpoint)
-            caller_values = header_values(exchange.headers, b"x-request-id")
-            if caller_values:  # handed back as given, once it is known to be valid
-                caller = check_caller_id(caller_values)
-                headers.append((b"x-request-id", str(caller).encode()))
-                caller_request_id.set(caller)
-            wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
-            obj, model, stream = self._body(endpoint, key, await exchange.read_body(self._max_body), request_id)
-        except ClientGone:
-            return
-        except CapyError as error:
-            self._stats.refused(error.code)
-            await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
-            return
-        record = _record(request_id, model, stream, key)
-        outcome = Outcome()
-        try:
-            with exchange.cut_scope() as cut:
-                received_at = service.now()
-                exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, record, received_at))
-                try:
-                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at)
-                finally:
-                    exchange.unwatch()
-        finally:
-            self._keys.done(request_id)  # a place it took and never used for an engine is given back
-        if cut.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
-            if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
-                error = _TIMEOUTS[record.cause](record)
-                outcome.code = error.code
-                await endpoint.late_error(error, exchange, headers, outcome)
-            else:
-                record.cancelled(CancelCause.CLIENT_GONE)
-            service.cut(record)
-            log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
-        if service.knows(model):  # unknown names must not become label values
-            self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
-        if outcome.code in _REFUSALS:
-            self._stats.refused(outcome.code)
-
-
-def _record(request_id: str, model: str, stream: bool, key: ApiKey) -> RequestRecord:
-    return RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
-                         salt_bound=key.cache_salt is not None)
-
-
-async def internal_error(exchange: Exchange, request_id: str, headers: Headers) -> None:
-    """The last resort's answer: before the status line went out, the JSON error answer; during a stream,
-    an SSE error event that ends it."""
-    error = InternalError(request_id)
-    if not exchange.started:
-        await exchange.json(status_of(error), error_body(error), headers)
-    elif not exchange.ended:
-        await exchange.end(sse_error_event(error))
 
 
 class ChatEndpoint:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from capyctl.adapters.http.chat import Headers, Outcome, send_one_answer
+from capyctl.adapters.http.front import Headers, Outcome, send_one_answer
 from capyctl.adapters.http.errors import error_body, status_of
 from capyctl.adapters.http.exchange import Exchange
 from capyctl.domain.errors import CapyError

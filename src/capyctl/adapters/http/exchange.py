@@ -1,40 +1,37 @@
-"""One HTTP request and its answer, as the front door sees it: on the wire, or over ASGI.
+"""One HTTP request and its answer, on a connection of CapyCTL's server (``server.py``).
 
-The front door (``chat.FrontDoor``) is written once against ``Exchange``.
-Two kinds exist:
+The front door (``front.FrontDoor``) is written against ``Exchange``: the
+request (method, path, headers, its whole body), a watch for the client's
+hang-up and a periodic check, and the answer (one JSON body, or a stream of
+pieces sent chunked, its headers leaving with its first piece). A request to
+a path without a handler of its own is given to an ASGI application over the
+same exchange (``run``).
 
-- ``WireExchange``: the inference port's hot paths. uvicorn's httptools
-  protocol parses the request; instead of an ASGI cycle (a scope, message
-  dicts, a receive/send pair and a task group per request) it gets this
-  object, which writes the answer straight to the connection: a stream's
-  headers leave with its first chunk in one write, the client's hang-up
-  arrives as a call from the protocol's ``connection_lost``, and the
-  deadline watch is a timer, not a task.
-- ``AsgiExchange``: the same over any ASGI server (and the unit tests),
-  with the hang-up and deadline watch as a task beside the request.
-
-Both answer exactly alike: the same status lines and headers as uvicorn
-writes them (its ``date`` and ``server`` headers included), chunked streams,
-keep-alive. Both hand a request's routine log line out just before its
-answer's last bytes (``log_format.routine_due``): the line is in the log by the
-time the client has the answer, as it was when every line woke the writer.
+Every answer is HTTP/1.1 with a ``date`` header; a connection that is not to
+be kept alive says ``connection: close`` and is closed after the answer. Each
+answer hands its request's routine log line out just before its last bytes
+(``log_format.routine_due``): the line is in the log by the time the client
+has the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from http import HTTPStatus
 from typing import Any
 
-import anyio
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
-
+from capyctl.adapters.http.errors import error_body, status_of
+from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.log_format import routine_due
-from capyctl.domain.errors import TooLarge
+from capyctl.domain.errors import InternalError
 
 Headers = list[tuple[bytes, bytes]]
 log = logging.getLogger("capyctl.http")
+_STATUS = {status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode()) for status in HTTPStatus}
 
 
 class ClientGone(Exception):
@@ -52,249 +49,101 @@ def header_values(headers: Headers, name: bytes) -> list[str]:
     return [value.decode("latin-1") for key, value in headers if key == name]
 
 
-def _declared_too_large(headers: Headers, limit: int) -> bool:
-    declared = find_header(headers, b"content-length")
-    return declared is not None and declared.isdigit() and int(declared) > limit
+def status_line(status: int) -> bytes:
+    return _STATUS.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+
+
+_date: tuple[int, bytes] = (0, b"")
+
+
+def date_header() -> bytes:
+    """``date: ...\\r\\n`` for now, formatted once a second."""
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n")
+    return _date[1]
+
+
+def raw_error(status: int, body: bytes, retry_after: int | None = None) -> bytes:
+    """A whole error answer that closes the connection, with a request ID of its own: for what is refused
+    before a request is read whole (limits, a request the parser refuses)."""
+    head = [status_line(status), date_header(), b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body), b"cache-control: no-store\r\n",
+            b"x-capyctl-request-id: %b\r\n" % new_request_id().encode(), b"connection: close\r\n"]
+    if retry_after is not None:
+        head.append(b"retry-after: %d\r\n" % retry_after)
+    return b"".join(head) + b"\r\n" + body
 
 
 class Exchange:
-    """What the front door needs of one request: its method, headers and body, a watch for the client's
-    hang-up (and a periodic check), and the answer: one JSON body, or a stream of pieces."""
+    """One request read whole, and its answer written straight to the connection's transport."""
 
-    method: str
-    path: str
-    headers: Headers
-    started: bool  # the status line went out
-    ended: bool  # the whole answer went out
-    async def read_body(self, limit: int) -> bytes:
-        """The whole request body; ``TooLarge`` past ``limit`` bytes, ``ClientGone`` if the client left."""
-        raise NotImplementedError
-
-    def watch(self, gone: Callable[[], None], every: float, overdue: Callable[[], bool]) -> None:
-        """Call ``gone()`` once: when the client hangs up, or when ``overdue()`` (asked every ``every`` s)
-        says so. Until ``unwatch``."""
-        raise NotImplementedError
-
-    def unwatch(self) -> None:
-        raise NotImplementedError
-
-    def cut_scope(self) -> Any:
-        """A cancel scope for the request's answer (``cancel()``, ``cancelled_caught``): what ``watch``'s
-        ``gone`` cancels."""
-        return anyio.CancelScope()
-
-    async def json(self, status: int, body: bytes, headers: Headers) -> None:
-        """A whole answer: ``body`` as ``application/json`` with its length."""
-        raise NotImplementedError
-
-    def start(self, headers: Headers) -> None:
-        """A 200 stream's headers: they leave with its first piece."""
-        raise NotImplementedError
-
-    async def write(self, data: bytes) -> None:
-        """The next piece of a started stream."""
-        raise NotImplementedError
-
-    async def end(self, data: bytes = b"") -> None:
-        """A stream's last piece (if any) and its end."""
-        raise NotImplementedError
-
-    async def drain(self) -> None:
-        """Return once the client can take more (or is gone)."""
-
-
-def _json_headers(body: bytes, headers: Headers) -> Headers:
-    return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
-
-
-class AsgiExchange(Exchange):
-    """An exchange over ASGI's receive and send; its watch runs in ``tasks``, the request's task group."""
-
-    def __init__(self, scope: dict[str, Any], receive: Any, send: Any, tasks: anyio.abc.TaskGroup) -> None:
-        self.method = scope["method"]
-        self.path = scope["path"]
-        self.headers = scope["headers"]
-        self.started = False
-        self.ended = False
-        self._scope = scope
-        self._receive = receive
-        self._send = send
-        self._tasks = tasks
-        self._watching: anyio.CancelScope | None = None
-        self._head: Headers | None = None
-
-    async def read_body(self, limit: int) -> bytes:
-        if _declared_too_large(self.headers, limit):
-            raise TooLarge(limit)
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                raise TooLarge(limit)
-            parts.append(body)
-            if not message.get("more_body", False):
-                return b"".join(parts)
-
-    def watch(self, gone: Callable[[], None], every: float, overdue: Callable[[], bool]) -> None:
-        self._watching = scope = anyio.CancelScope()
-
-        async def watcher() -> None:
-            with scope:
-                # the body was read already: the only message receive can still bring is the disconnect
-                while True:
-                    with anyio.move_on_after(every):
-                        if (await self._receive())["type"] == "http.disconnect":
-                            break
-                    if overdue():
-                        break
-                gone()
-
-        self._tasks.start_soon(watcher)
-
-    def unwatch(self) -> None:
-        if self._watching is not None:
-            self._watching.cancel()
-            self._watching = None
-
-    async def json(self, status: int, body: bytes, headers: Headers) -> None:
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": _json_headers(body, headers)})
-        self.ended = True
-        routine_due()
-        await self._send({"type": "http.response.body", "body": body})
-
-    def start(self, headers: Headers) -> None:
-        self._head = headers
-
-    async def _start(self) -> None:
-        if not self.started:
-            self.started = True
-            await self._send({"type": "http.response.start", "status": 200, "headers": self._head or []})
-
-    async def write(self, data: bytes) -> None:
-        await self._start()
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def end(self, data: bytes = b"") -> None:
-        await self._start()
-        self.ended = True
-        routine_due()
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-class _Signal:
-    """What uvicorn's protocol calls ``message_event``: it sets it when body bytes arrive, when the body
-    is complete and when the connection is lost."""
-
-    __slots__ = ("_exchange",)
-
-    def __init__(self, exchange: WireExchange) -> None:
-        self._exchange = exchange
-
-    def set(self) -> None:
-        self._exchange.signalled()
-
-
-class WireExchange(Exchange):
-    """One request on a connection of uvicorn's httptools protocol, answered straight on the transport.
-
-    It stands where uvicorn keeps its ``RequestResponseCycle`` (``protocol.cycle``) and has the attributes
-    the protocol reads and writes there: ``body``, ``more_body``, ``message_event``, ``disconnected``,
-    ``keep_alive``, ``response_started``, ``response_complete``, and ``run_asgi`` (how the protocol
-    starts a request, pipelined ones included).
-    """
-
-    def __init__(self, protocol: Any, method: str, path: str, headers: Headers, keep_alive: bool,
-                 expect_continue: bool) -> None:
+    def __init__(self, connection: Any, method: str, path: str, query: bytes, headers: Headers, body: bytes,
+                 keep_alive: bool) -> None:
         self.method = method
         self.path = path
+        self.query = query
         self.headers = headers
-        self.started = False
-        self.ended = False
+        self.body = body
         self.keep_alive = keep_alive
-        self.body = bytearray()  # the protocol appends each piece of the body here
-        self.more_body = True
+        self.started = False  # the status line went out
+        self.ended = False  # the whole answer went out
         self.disconnected = False
-        self.message_event = _Signal(self)
-        self._protocol = protocol
-        self._transport: asyncio.Transport = protocol.transport
-        self._flow = protocol.flow
-        self._expect_continue = expect_continue
-        self._waiter: asyncio.Future[None] | None = None
+        self._connection = connection
         self._gone: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._head: bytes = b""
-        self.on_response: Callable[[], None] = protocol.on_response_complete
-        self.early = False  # its task waits for the request's last byte
+        self._lost: asyncio.Future[None] | None = None
+        self._head = b""
 
-    # uvicorn's names for what it reads on its cycle
-    @property
-    def response_started(self) -> bool:
-        return self.started
+    async def run(self, handler: Callable[[Exchange], Awaitable[None]] | None) -> None:
+        """Serve the request: with ``handler``, or else with the server's ASGI application. Whatever
+        escapes is the last resort's: an error answer if none began, else the connection is closed."""
+        try:
+            if handler is not None:
+                await handler(self)
+            else:
+                await _Asgi(self).run(self._connection.server.fallback)
+        except asyncio.CancelledError:  # the server's shutdown, past its grace period
+            self._close()
+            raise
+        except Exception:
+            log.exception("request %s %s: internal error", self.method, self.path)
+            if not self.started:
+                error = InternalError(new_request_id())
+                await self.json(status_of(error), error_body(error), [(b"cache-control", b"no-store")])
+        finally:
+            self._stop_timer()
+            if not self.ended:  # an answer that cannot be completed: the client must not wait for it
+                self._close()
+                self._connection.answered(self)
 
-    @property
-    def response_complete(self) -> bool:
-        return self.ended
-
-    def signalled(self) -> None:
-        if self.disconnected and self._gone is not None:
+    def lost(self) -> None:
+        """The connection is gone (called by the connection)."""
+        self.disconnected = True
+        if self._gone is not None:
             gone, self._gone = self._gone, None
             self._stop_timer()
             gone()
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
 
-    async def run_asgi(self, door: Any) -> None:
-        """Serve this request with ``door`` (``FrontDoor.serve``): called by the protocol as it would run an
-        ASGI app. Whatever escapes closes the connection rather than leaving the client waiting."""
-        self.early = False
-        try:
-            await door.serve(self)
-        except asyncio.CancelledError:  # the server's shutdown, past its grace period
-            self._transport.close()
-            raise
-        except Exception:  # the front door's own last resort failed: no answer can be trusted to follow
-            log.exception("the hot path let an error escape; the connection was closed")
-            self._transport.close()
-        finally:
-            self.on_response = _nothing
-            self._stop_timer()
-        if not self.ended and not self.disconnected:  # the front door always answers: never expected
-            self._transport.close()
+    async def until_lost(self) -> None:
+        if not self.disconnected:
+            self._lost = asyncio.get_running_loop().create_future()
+            await self._lost
 
     # the request
     async def read_body(self, limit: int) -> bytes:
-        if _declared_too_large(self.headers, limit):
-            raise TooLarge(limit)
-        if self._expect_continue and not self._transport.is_closing():
-            self._expect_continue = False
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        while self.more_body and not self.disconnected:
-            if len(self.body) > limit:
-                raise TooLarge(limit)
-            self._flow.resume_reading()  # the protocol pauses reading past 64 KiB not yet taken
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        # read on (the protocol paused past 64 KiB of body): a hang-up shows only on a connection being read
-        self._flow.resume_reading()
+        """The whole body (the server read it within its limit); ``ClientGone`` if the client left."""
         if self.disconnected:
             raise ClientGone()
-        if len(self.body) > limit:
-            raise TooLarge(limit)
-        body = bytes(self.body)
-        self.body = bytearray()
-        return body
+        return self.body
 
     # the watch
     def watch(self, gone: Callable[[], None], every: float, overdue: Callable[[], bool]) -> None:
+        """Call ``gone()`` once: when the client hangs up, or when ``overdue()`` (asked every ``every`` s)
+        says so. Until ``unwatch``."""
         if self.disconnected:
             gone()
             return
@@ -322,14 +171,14 @@ class WireExchange(Exchange):
             self._timer.cancel()
             self._timer = None
 
-    def cut_scope(self) -> _TaskCut:
-        return _TaskCut()
+    def cut_scope(self) -> TaskCut:
+        """A cancel scope for the request's answer (``cancel()``, ``cancelled_caught``): what ``watch``'s
+        ``gone`` cancels."""
+        return TaskCut()
 
     # the answer
     def _status_head(self, status: int, headers: Headers) -> list[bytes]:
-        content = [STATUS_LINE[status]]
-        for name, value in self._protocol.server_state.default_headers:  # date and server, as uvicorn sends
-            content += (name, b": ", value, b"\r\n")
+        content = [status_line(status), date_header()]
         for name, value in headers:
             content += (name, b": ", value, b"\r\n")
         if not self.keep_alive:
@@ -337,66 +186,129 @@ class WireExchange(Exchange):
         return content
 
     async def _writable(self) -> bool:
-        if self._flow.write_paused and not self.disconnected:
-            await self._flow.drain()
+        connection = self._connection
+        if connection.write_paused and not self.disconnected:
+            await connection.drain()
         return not self.disconnected and not self.ended  # nothing may follow an answer's end
 
     async def json(self, status: int, body: bytes, headers: Headers) -> None:
+        """A whole answer: ``body`` as ``application/json`` with its length."""
+        await self.whole(status, body, [(b"content-type", b"application/json"),
+                                        (b"content-length", b"%d" % len(body)), *headers])
+
+    async def whole(self, status: int, body: bytes, headers: Headers) -> None:
+        """A whole answer; ``headers`` give its length."""
         if not await self._writable():
             return
-        content = self._status_head(status, _json_headers(body, headers))
+        content = self._status_head(status, headers)
         content.append(b"\r\n")
         if self.method != "HEAD":
             content.append(body)
         self.started = True
         routine_due()
-        self._transport.write(b"".join(content))
+        self._connection.transport.write(b"".join(content))
         self._complete()
 
-    def start(self, headers: Headers) -> None:
-        content = self._status_head(200, headers)
+    def start(self, headers: Headers, status: int = 200) -> None:
+        """A streamed answer's headers: they leave with its first piece."""
+        content = self._status_head(status, headers)
         content.append(b"transfer-encoding: chunked\r\n\r\n")
         self._head = b"".join(content)
 
     async def write(self, data: bytes) -> None:
-        if await self._writable():
-            self._put(data)
-
-    async def drain(self) -> None:
-        if self._flow.write_paused and not self.disconnected:
-            await self._flow.drain()
-
-    def _put(self, data: bytes) -> None:
-        if not self.started:
+        """The next piece of a started stream."""
+        if await self._writable() and (data or not self.started):
+            head = b"" if self.started else self._head
             self.started = True
-            self._transport.write(b"%b%x\r\n%b\r\n" % (self._head, len(data), data) if data else self._head)
-        elif data:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._connection.transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data) if data else head)
 
     async def end(self, data: bytes = b"") -> None:
+        """A stream's last piece (if any) and its end."""
         if not await self._writable():
             return
         head = b"" if self.started else self._head
         self.started = True
         routine_due()
-        self._transport.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (head, len(data), data) if data else head + b"0\r\n\r\n")
+        self._connection.transport.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (head, len(data), data) if data
+                                         else head + b"0\r\n\r\n")
         self._complete()
 
     def _complete(self) -> None:
         self.ended = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-        if not self.keep_alive:
-            self._transport.close()
-        self.on_response()
+        self._connection.answered(self)
+
+    def _close(self) -> None:
+        transport = self._connection.transport
+        if transport is not None:
+            transport.close()
 
 
-def _nothing() -> None:
-    pass
+class _Asgi:
+    """A request given to an ASGI application: its scope, ``receive`` (the body, then the hang-up) and
+    ``send`` (a whole answer when its length is known, else chunked)."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.status = 200
+        self.headers: Headers = []
+        self.received = False
+        self.sized = False
+
+    async def run(self, app: Any) -> None:
+        exchange = self.exchange
+        transport = exchange._connection.transport
+        server = transport.get_extra_info("sockname") if transport is not None else None
+        client = transport.get_extra_info("peername") if transport is not None else None
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": exchange.method, "scheme": "http", "path": exchange.path,
+                 "raw_path": exchange.path.encode(), "query_string": exchange.query, "root_path": "",
+                 "headers": exchange.headers, "server": tuple(server[:2]) if server else None,
+                 "client": tuple(client[:2]) if client else None, "state": {}}
+        await app(scope, self.receive, self.send)
+
+    async def receive(self) -> dict[str, Any]:
+        if not self.received:
+            self.received = True
+            return {"type": "http.request", "body": self.exchange.body, "more_body": False}
+        await self.exchange.until_lost()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        exchange = self.exchange
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = [(bytes(name).lower(), bytes(value)) for name, value in message.get("headers", ())]
+            self.sized = any(name == b"content-length" for name, _ in self.headers)
+            return
+        body, more = message.get("body", b""), message.get("more_body", False)
+        if not exchange.started and not more and not self.sized:  # the whole answer at once
+            await exchange.whole(self.status, body, [*self.headers, (b"content-length", b"%d" % len(body))])
+        elif self.sized:  # the application gave the length: its bytes as they come
+            await self._sized(body, more)
+        else:
+            if not exchange.started:
+                exchange.start(self.headers, self.status)
+            await (exchange.write(body) if more else exchange.end(body))
+
+    async def _sized(self, body: bytes, more: bool) -> None:
+        exchange = self.exchange
+        if not await exchange._writable():
+            return
+        data = body if exchange.method != "HEAD" else b""
+        if not exchange.started:
+            content = exchange._status_head(self.status, self.headers)
+            content.append(b"\r\n")
+            data = b"".join(content) + data
+            exchange.started = True
+        if not more:
+            routine_due()
+        exchange._connection.transport.write(data)
+        if not more:
+            exchange._complete()
 
 
-class _TaskCut:
-    """anyio's CancelScope, as far as the front door uses it, for a request on the wire (always asyncio): a
+class TaskCut:
+    """anyio's CancelScope, as far as the front door uses it, for a request's task (always asyncio here): a
     fraction of its cost on a path every request takes.
 
     ``cancel()`` cancels the request's task once, while it is inside the block (from a callback: at once;
@@ -414,7 +326,7 @@ class _TaskCut:
         self._delivered = False  # the task was told (task.cancel()): leaving takes that back
         self.cancelled_caught = False
 
-    def __enter__(self) -> _TaskCut:
+    def __enter__(self) -> TaskCut:
         self._task = asyncio.current_task()
         self._inside = True
         return self

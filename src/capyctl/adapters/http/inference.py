@@ -1,4 +1,5 @@
-"""The inference API (port 8443): chat on the bare-ASGI hot path, the rest on Litestar."""
+"""The inference API (port 8443): the front door's paths (chat, decisions) are the server's own handlers; the
+rest (models, metrics, health, unknown paths) is this Litestar application."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.params import Dependency
 
-from capyctl.adapters.http.asgi import REQUEST_ID_KEY, Scope, with_request_ids
-from capyctl.adapters.http.chat import FrontDoor
+from capyctl.adapters.http.asgi import REQUEST_ID_KEY, with_request_ids
 from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.http.views import FleetDep
@@ -155,8 +155,7 @@ def unknown_v1(rest: str) -> None:
 
 
 def create_inference_app(
-    fleet: Fleet, clock: Clock, door: FrontDoor, keys: Keyring, stats: RequestStats,
-    admission: AdmissionService,
+    fleet: Fleet, clock: Clock, keys: Keyring, stats: RequestStats, admission: AdmissionService,
 ) -> Callable[..., Any]:
     started = clock.wall()  # "created" of every model: when this server started
     models = Litestar(
@@ -174,14 +173,4 @@ def create_inference_app(
         state=State({"keyring": keys}),
     )
 
-    others = with_request_ids(models)
-
-    paths = door.endpoints
-
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in paths:
-            await door(scope, receive, send)  # the hot path gives its own IDs and has its own last resort
-        else:
-            await others(scope, receive, send)
-
-    return app
+    return with_request_ids(models)
