@@ -20,6 +20,7 @@ from capyctl.domain.memory import Holding
 from capyctl.domain.scheduling import Route
 from capyctl.services.controllers import ControllerSettings, ManagedController
 from capyctl.services.events import Events
+from capyctl.services.local_engines import LocalEngineEffects
 from capyctl.services.fleet import decode_spec
 from tests.fakes.ports import FakeEngineAdapter, FakeProcessControl, FakeStore, VirtualClock, virtual_time
 
@@ -37,10 +38,11 @@ class World:
         spec = decode_spec({"name": "m", "engine": "e", "model": "/m.gguf"})
         engine = EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0", version_text="")
         clock = VirtualClock()
+        effects = LocalEngineEffects(spec, engine, self.adapter, self.processes, clock, lambda: 5555,
+                                     Path("/tmp/capyctl-test-logs"))
         self.controller = ManagedController(
-            Deployment(spec=spec, operator_stopped=operator_stopped), engine, self.adapter, self.processes, clock,
-            Events(self.store, clock), lambda: 5555, Path("/tmp/capyctl-test-logs"), SETTINGS,
-            row_for(engine.family, engine.version),
+            Deployment(spec=spec, operator_stopped=operator_stopped), engine, self.adapter, effects, clock,
+            Events(self.store, clock), SETTINGS, row_for(engine.family, engine.version),
         )
 
     def states(self) -> list[str]:
@@ -196,7 +198,7 @@ async def test_a_readiness_probe_that_raises_is_a_failed_start_not_a_broken_cont
 
 async def test_a_controller_that_meets_an_unexpected_error_fails_alone_until_an_operators_start() -> None:
     broken, healthy = World(), World()
-    step = broken.controller._step
+    step = broken.controller._task.step
     raised: list[str] = []
 
     async def step_once_broken() -> None:
@@ -205,7 +207,7 @@ async def test_a_controller_that_meets_an_unexpected_error_fails_alone_until_an_
             raise RuntimeError("a bug in the controller")
         await step()
 
-    broken.controller._step = step_once_broken  # type: ignore[method-assign]
+    broken.controller._task.step = step_once_broken  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:  # one task group, as the fleet's: the fault must stay in its task
         broken.controller.bind(tg)
         healthy.controller.bind(tg)
@@ -326,10 +328,11 @@ class Parks(World):
         spec = decode_spec({"name": "m", "engine": "e", "model": "/m.gguf", "residency": "host_backed",
                             "resources": {"memory": "4GiB", "parked_memory": "1GiB"}})
         old = self.controller
+        effects = LocalEngineEffects(spec, old.engine, self.adapter, self.processes, VirtualClock(), lambda: 5555,
+                                     Path("/tmp/capyctl-test-logs"), canary=self.canary)
         self.controller = ManagedController(
-            Deployment(spec=spec), old.engine, self.adapter, self.processes, VirtualClock(),
-            Events(self.store, VirtualClock()), lambda: 5555, Path("/tmp/capyctl-test-logs"), SETTINGS, old.fields,
-            canary=self.canary,
+            Deployment(spec=spec), old.engine, self.adapter, effects, VirtualClock(),
+            Events(self.store, VirtualClock()), SETTINGS, old.fields,
         )
 
     async def canary(self, base_url: str, model: str) -> str:

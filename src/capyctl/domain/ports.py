@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.keys import ApiKey
+from capyctl.domain.lifecycle import Launched
 from capyctl.domain.memory import Residency
 from capyctl.domain.streams import StreamEvent
 
@@ -116,6 +117,43 @@ class EngineAdapter(Protocol):
 
     async def parked(self, base_url: str) -> bool | None:
         """The engine's own word on whether it sleeps; None when it has no way to tell."""
+
+
+class EngineEffects(Protocol):
+    """What a managed deployment's controller does to its engines: everything that touches a process or the
+    engine itself, wherever the engine runs (a child process here; a later host agent's engine elsewhere).
+
+    One object per deployment, which knows the deployment's spec and engine. The controller decides; this
+    only acts and reports, and never changes the controller's state. Each call but ``launch`` names the
+    launch it acts on. Every call may be cancelled; ``stop`` is called shielded and must end the engine even
+    so. Park and wake raise ``EngineError`` or ``EngineUnavailable`` when the engine refuses or cannot be
+    reached; the others raise only for a fault of their own (a launch that cannot fork: a failed start).
+    """
+
+    async def launch(self, number: int) -> Launched:
+        """Start the deployment's engine, its launch ``number``; returns once it was started, not ready."""
+
+    def exited(self, engine: Launched) -> int | None:
+        """The engine's exit status once its process is gone; None while it runs. Never blocks."""
+
+    async def ready(self, engine: Launched) -> bool:
+        """True once the engine answers requests; False while it loads or cannot be reached."""
+
+    async def stop(self, engine: Launched, grace: float) -> int:
+        """End the engine (asked first, forced after ``grace`` seconds); returns its exit status once it is
+        gone. Safe on an engine that already exited, and more than once."""
+
+    async def park(self, engine: Launched) -> None:
+        """Ask the engine to free what its residency lets go (CapyCTL drained it first)."""
+
+    async def wake(self, engine: Launched) -> None:
+        """Undo ``park``: the engine answers as before it parked once this returns."""
+
+    async def parked(self, engine: Launched) -> bool | None:
+        """The engine's own word on whether it sleeps; None when it has no way to tell."""
+
+    async def canary(self, engine: Launched) -> str | None:
+        """The engine's answer to the fixed canary request (``services/canary``); None when none is sent."""
 
 
 class EngineSession(Protocol):

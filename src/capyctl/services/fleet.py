@@ -42,6 +42,7 @@ from capyctl.domain.errors import (
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
+from capyctl.services.local_engines import LocalEngineEffects
 from capyctl.services.switching import NoSwitchboard, Switchboard
 
 
@@ -166,10 +167,13 @@ class Fleet:
         if deployment.spec.attached:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
         else:
+            effects = LocalEngineEffects(
+                deployment.spec, engine, adapter, self._processes, self._clock, self._pick_port,
+                self._log_root / deployment.spec.name, self._canary,
+            )
             controller = ManagedController(
-                deployment, engine, adapter, self._processes, self._clock, self._events,
-                self._pick_port, self._log_root / deployment.spec.name, self._settings, fields, self._room,
-                self._canary, self._keep,
+                deployment, engine, adapter, effects, self._clock, self._events, self._settings, fields, self._room,
+                self._keep,
             )
         assert self._task_group is not None
         controller.bind(self._task_group)

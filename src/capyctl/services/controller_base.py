@@ -1,0 +1,135 @@
+"""What both kinds of controller share: what the chat path may ask (``Serving``), the instance's status, and
+the base that holds the deployment, its engine and its settlement."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from capyctl.domain.deployments import Deployment, DeploymentSpec, Desired, InstanceState, check_transition
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import CapyError
+from capyctl.domain.fields import RowChoice
+from capyctl.domain.ports import Clock, EngineAdapter
+from capyctl.domain.requests import RequestRecord
+from capyctl.domain.scheduling import Loading, Route
+from capyctl.services.events import Events
+from capyctl.services.settling import Settlement
+from capyctl.services.switching import Occupant
+
+S = InstanceState
+
+
+class Serving(Protocol):
+    """What the chat path may ask of a deployment's controller."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def spec(self) -> DeploymentSpec: ...
+    @property
+    def engine(self) -> EngineInstall: ...
+    @property
+    def fields(self) -> RowChoice: ...
+    @property
+    def ready(self) -> bool: ...
+
+    def ask(self) -> None:
+        """A request wants the model: start it unless it runs, an operator's stop holds, or it FAILED."""
+
+    async def route(self, timeout: float) -> Route:
+        """Wait until the engine is ready (asking for it); raises DeploymentStopped, LlmUnavailable,
+        EngineUnavailable or DeadlineExceeded."""
+
+    def route_now(self) -> Route | None:
+        """The engine's route while it is ready (what ``route`` returns at once then); None otherwise."""
+
+    async def lost(self, route: Route, notice: float) -> CapyError | None:
+        """After a broken engine connection: the error that says why, when the engine of ``route`` is gone
+        (waiting up to ``notice`` seconds to see it exit); None while it still runs."""
+
+    def loading(self) -> Loading: ...
+
+    def cut(self, record: RequestRecord) -> None:
+        """A request sent to this deployment's engine was cut: it stays counted until settled."""
+
+
+class Room(Protocol):
+    """Where a managed controller asks for room on its device before each launch (``Switchboard``)."""
+
+    async def claim(self, occupant: Occupant) -> None: ...
+
+
+class ControllerSettings(msgspec.Struct, kw_only=True, frozen=True):
+    startup_timeout: float = 600.0
+    stop_grace: float = 10.0
+    poll_interval: float = 0.05
+    ready_poll: float = 0.01  # seconds between readiness checks of a starting engine (a waiting request pays it)
+    max_start_failures: int = 5  # launches in a row that failed to start, or crashed soon after, before FAILED
+    stable_after: float = 60.0  # seconds ready after which a crash no longer counts as a failed start
+
+
+class InstanceStatus(msgspec.Struct, kw_only=True):
+    index: int = 0
+    state: InstanceState = S.STOPPED
+    pid: int | None = None
+    port: int | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    restarts: int = 0
+    last_error: str | None = None
+    log_path: str | None = None
+    cold_starts: list[float] = msgspec.field(default_factory=list)  # seconds from spawn to ready, last 20
+    wake_times: list[float] = msgspec.field(default_factory=list)  # seconds from a wake's start to ready, last 20
+
+
+def initial_desire(deployment: Deployment) -> Desired:
+    return Desired.STOP if deployment.operator_stopped else Desired.ON_DEMAND
+
+
+def move(status: InstanceStatus, state: InstanceState, name: str, clock: Clock, events: Events) -> None:
+    """Move an instance along the transition table, and say so."""
+    check_transition(status.state, state)
+    previous, status.state = status.state, state
+    if state is S.READY:
+        status.ready_at = clock.wall()
+    events.emit(name, "state_changed", instance=0, previous=str(previous), state=str(state))
+
+
+class ControllerBase:
+    """The deployment, its engine and the settlement of its cut requests; each kind keeps its own state."""
+
+    status: InstanceStatus
+    desired: Desired
+
+    def __init__(
+        self, deployment: Deployment, engine: EngineInstall, adapter: EngineAdapter, clock: Clock, events: Events,
+        fields: RowChoice,
+    ) -> None:
+        self.deployment = deployment
+        self.engine = engine
+        self.adapter = adapter
+        self.fields = fields
+        self._clock = clock
+        self._events = events
+        self.settlement = Settlement(self.name, adapter, clock, events, lambda: self.base_url)
+
+    @property
+    def name(self) -> str:
+        return self.deployment.spec.name
+
+    @property
+    def spec(self) -> DeploymentSpec:
+        return self.deployment.spec
+
+    @property
+    def base_url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state is S.READY
+
+    def cut(self, record: RequestRecord) -> None:
+        self.settlement.cut(record)
