@@ -39,9 +39,9 @@ async def _ok(exchange: Exchange) -> None:
 class Running:
     """An HttpServer on a free loopback port, in this event loop, stopped on the way out."""
 
-    def __init__(self, limits: Limits = Limits()) -> None:
+    def __init__(self, limits: Limits = Limits(), keep_alive: float = 5.0) -> None:
         self.cuts: list[str] = []
-        self.server = HttpServer({"/v1/chat/completions": _ok}, _echo_app, limits, self.cuts.append)
+        self.server = HttpServer({"/v1/chat/completions": _ok}, _echo_app, limits, self.cuts.append, keep_alive)
         self.stopping = asyncio.Event()
 
     async def __aenter__(self) -> Running:
@@ -211,3 +211,14 @@ async def test_a_paused_write_waits_for_the_client_to_drain() -> None:
     connection.resume_writing()
     await asyncio.wait_for(waiting, 1)
     connection.connection_lost(None)
+
+
+async def test_a_kept_alive_connection_left_idle_is_closed_without_an_answer() -> None:
+    async with Running(keep_alive=0.2) as running:
+        reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+        writer.write(CHAT + b"Content-Length: 0\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"connection: close" not in head
+        rest = await asyncio.wait_for(reader.read(), 10)  # EOF once it stood idle: only the answer's body came
+        writer.close()
+    assert rest == b'{"handled":true}' and running.cuts == []

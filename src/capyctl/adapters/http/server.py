@@ -52,8 +52,9 @@ class HttpServer:
     """One listener: ``handlers`` by path, ``fallback`` (an ASGI app) for every other path."""
 
     def __init__(self, handlers: dict[str, Handler], fallback: Any, limits: Limits,
-                 on_cut: Callable[[str], None]) -> None:
+                 on_cut: Callable[[str], None], keep_alive: float = KEEP_ALIVE) -> None:
         self.handlers = handlers
+        self.keep_alive = keep_alive
         self.fallback = fallback
         self.limits = limits
         self.on_cut = on_cut
@@ -89,6 +90,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.phase = ""  # what the timer times: headers, body or idle
         self.exchange: Exchange | None = None  # the request being answered
         self.waiting: list[Exchange] = []  # pipelined requests read whole, behind it
         self.closing = False  # no request after the one being answered (HTTP/1.0, Connection: close, shutdown)
@@ -149,8 +151,8 @@ class Connection(asyncio.Protocol):
     # httptools callbacks
     def on_message_begin(self) -> None:
         self.parsing = True
-        if self.timer is None:  # the next request on a kept-alive connection: its headers' time starts
-            self.arm(self.limits.header_timeout, "headers")
+        if self.timer is None or self.phase == "idle":  # the next request on a kept-alive connection: its
+            self.arm(self.limits.header_timeout, "headers")  # headers' time starts with its first byte
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -216,7 +218,7 @@ class Connection(asyncio.Protocol):
             if not self.waiting:
                 transport.resume_reading()
         elif not self.parsing:
-            self.arm(KEEP_ALIVE, "idle")
+            self.arm(self.server.keep_alive, "idle")
 
     def shutdown(self) -> None:
         """The server stops: an idle connection closes now, a busy one after its answer."""
@@ -231,6 +233,7 @@ class Connection(asyncio.Protocol):
     # limits
     def arm(self, seconds: float, phase: str) -> None:
         self.disarm()
+        self.phase = phase
         self.timer = self.loop.call_later(seconds, self.too_slow, phase)
 
     def disarm(self) -> None:
