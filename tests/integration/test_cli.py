@@ -22,6 +22,25 @@ def test_version_and_help_teach() -> None:
     assert version.returncode == 0 and version.stdout.startswith("capyctl ")
     helped = subprocess.run([sys.executable, "-m", "capyctl", "deploy", "model", "--help"], capture_output=True, text=True)
     assert "--activate" in helped.stdout and "--wait" in helped.stdout
+    assert "<bool>" not in helped.stdout  # a flag takes no value, and its help does not say it does
+
+
+def test_version_is_a_flag_that_takes_no_value() -> None:
+    import re
+    import subprocess
+    import sys
+
+    from capyctl import __version__
+
+    helped = subprocess.run([sys.executable, "-m", "capyctl", "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0
+    assert re.search(r"^\s*--version\s+Print the version and exit\.$", helped.stdout, re.M), helped.stdout
+    assert "<bool>" not in helped.stdout
+    version = subprocess.run([sys.executable, "-m", "capyctl", "--version", "list", "deployments"],
+                             capture_output=True, text=True)  # eager: prints the version, runs nothing else
+    assert (version.returncode, version.stdout.strip()) == (0, f"capyctl {__version__}")
+    given = subprocess.run([sys.executable, "-m", "capyctl", "--version=true"], capture_output=True, text=True)
+    assert given.returncode == 2 and "does not take a value" in given.stderr
 
 
 def test_no_server_is_a_clear_error(tmp_path: Path) -> None:
