@@ -79,7 +79,9 @@ def test_deployment_files_are_checked_strictly(capy: CapyServer, llama: LlamaPat
             "name: m\nengine: llama-server\nmodel: {m}\nengine_config:\n  extra_args: ['--port', '1']\n",
             "--port is set by CapyCTL",
         ),
-        "missing model": ("name: m\nengine: llama-server\nmodel: /no/such.gguf\n", "does not exist"),
+        "missing model": ("name: m\nengine: llama-server\nmodel: /no/such.gguf\n",  # named with its file, as the others
+                          "error [invalid_config]: {path}: model '/no/such.gguf' does not exist on this machine; "
+                          "set model to the path of the model file or directory for llama-server to load"),
         "no engine": ("name: m\nengine: nope\nmodel: {m}\n", "error [engine_not_found]"),
         "bad yaml": ("name: [m\n", "not valid YAML"),
     }
@@ -87,7 +89,7 @@ def test_deployment_files_are_checked_strictly(capy: CapyServer, llama: LlamaPat
         path = tmp_path / "bad.yaml"
         path.write_text(text.format(m=llama.model))
         stderr, _ = refuse(capy, "deploy", "model", "--file", str(path))
-        assert expected in stderr, (label, stderr)
+        assert expected.format(path=path) in stderr, (label, stderr)
     assert capy.cli_json("list", "deployments") == []
 
 
