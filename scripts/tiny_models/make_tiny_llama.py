@@ -25,8 +25,7 @@ torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=len(hf), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
                   bos_token_id=hf.bos_token_id, eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id,
-                  tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
-cfg.torch_dtype = "bfloat16"
+                  tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0, dtype="bfloat16")
 m = LlamaForCausalLM(cfg).to(torch.bfloat16)
 m.save_pretrained(out, safe_serialization=True)
 GenerationConfig(bos_token_id=hf.bos_token_id, eos_token_id=hf.eos_token_id, pad_token_id=hf.pad_token_id).save_pretrained(out)

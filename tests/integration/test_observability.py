@@ -54,8 +54,12 @@ def test_bad_caller_request_ids_are_refused_before_anything_wakes(served: CapySe
 
 def test_cache_salt_is_refused_for_llama_cpp_and_never_reaches_it(served: CapyServer) -> None:
     port = served.cli_json("status", "deployment", "smollm2")["instances"][0]["port"]
-    chat(served, {"max_tokens": 1})  # make sure the engine is up
+    chat(served, {"max_tokens": 1})  # make sure the engine is up, with this prompt in a slot's cache
+    # what one such request costs the engine: the same request again decodes the same number of batches
+    start = engine_metric(port, "llamacpp:n_decode_total")
+    assert chat(served, {"max_tokens": 1}).status_code == 200
     before = engine_metric(port, "llamacpp:n_decode_total")
+    one_request = before - start
     for body in [{"cache_salt": ""}, {"cache_salt": 5}, {"cache_salt": "x" * 1025}, {"cache_salt": "\u00e9" * 513}]:
         r = chat(served, body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", body
@@ -66,9 +70,14 @@ def test_cache_salt_is_refused_for_llama_cpp_and_never_reaches_it(served: CapySe
     assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
     event = msgspec.json.decode(stream.text.strip()[len("data: "):])
     assert event["error"]["code"] == "cache_salt_unsupported"
-    time.sleep(0.2)
-    assert engine_metric(port, "llamacpp:n_decode_total") == before, "a refused request reached the engine"
-    assert chat(served, {"max_tokens": 2}).status_code == 200  # the same request without the salt is served
+    # a request sent after them is served, so anything they had sent the engine was sent before it; once the
+    # engine is idle it has done all of it, and its decodes are that one request's alone
+    assert chat(served, {"max_tokens": 1}).status_code == 200  # the same request without the salt is served
+    until_idle = time.monotonic() + 60
+    while engine_metric(port, "llamacpp:requests_processing") or engine_metric(port, "llamacpp:requests_deferred"):
+        assert time.monotonic() < until_idle, "the engine is still busy: a refused request reached it"
+        time.sleep(0.05)
+    assert engine_metric(port, "llamacpp:n_decode_total") - before == one_request, "a refused request reached the engine"
 
 
 def test_prometheus_endpoint_parses_and_counts(served: CapyServer) -> None:

@@ -44,6 +44,11 @@ def vllm_paths() -> tuple[Path, Path, Path]:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
     venv, chat_model, decision_model = vllm_paths()
     tmp = tmp_path_factory.mktemp("vllm-live")
+    # vLLM's caches (torch.compile's among them) go beside its virtualenv, inside the checkout by default
+    # (.venv-vllm/, git-ignored) and kept between runs, rather than in ~/.cache/vllm; XDG_CACHE_HOME catches
+    # what else follows it (Hugging Face, torch)
+    cache = venv.resolve() / "capyctl-cache"
+    engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(cache / "vllm"), "XDG_CACHE_HOME": str(cache)}
     server = CapyServer(tmp / "state").start()
     try:
         server.cli("engine", "add", str(venv), "--name", "vllm")
@@ -56,7 +61,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
             path.write_bytes(msgspec.yaml.encode({
                 "name": name, "engine": "vllm", "model": str(model), "api": api,
                 "engine_config": {"context_length": 2048, "extra_args": extra,
-                                  "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}},
+                                  "env": engine_env},
             }))
             server.cli("deploy", "model", "--file", str(path), "--wait", "--timeout", "600", timeout=660)
         yield server

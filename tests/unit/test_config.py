@@ -10,6 +10,7 @@ from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import Limits
 from capyctl.domain.memory import Device
+from capyctl.domain.units import parse_duration, parse_size
 
 
 def test_an_empty_file_is_the_defaults() -> None:
@@ -38,8 +39,13 @@ def test_flags_given_win_over_the_file_and_absent_ones_do_not() -> None:
     ("text", "says"),
     [
         ("queue:\n  request_deadline: 90s\n  stream_idle_timout: 1s\n", "line 3: Object contains unknown field `stream_idle_timout`"),
-        ("default_model: a\nqueue:\n  request_deadline: soon\n", "line 3: Expected a duration such as 90s"),
-        ("limits:\n  max_body: lots\n", "line 2: Expected a size such as 64KiB"),
+        ("default_model: a\nqueue:\n  request_deadline: soon\n",
+         "line 3: Expected a duration more than zero such as 90s, 10m or 1h, with a unit of ms, s, m or h"),
+        ("limits:\n  max_body: lots\n", "line 2: Expected a size more than zero such as 64KiB, 4MiB or 6GiB, "
+                                        "with a unit of B, KiB, MiB, GiB, TiB, KB, MB, GB or TB (none: bytes)"),
+        ("limits:\n  max_body: 0MiB\n", "line 2: Expected a size more than zero"),
+        ("memory:\n  devices:\n    - {name: a, capacity: 1GiB, reserve: -1GiB}\n",
+         "line 3: Expected a size of zero or more such as 0GiB"),
         ("limits:\n  max_connections: 0\n", "line 2: Expected `int` >= 1"),
         ("queue:\n  request_deadline: 1s\nqueue:\n  request_deadline: 2s\n", "duplicate key 'queue' on line 3"),
         ("- a\n- b\n", "must be a mapping"),
@@ -91,3 +97,38 @@ def test_devices_switching_and_idle() -> None:
     ):
         with pytest.raises(InvalidConfig, match=says):
             resolve(decode_text(bad, "c.yaml", ServerConfig), {})
+
+
+def test_zero_is_taken_where_a_key_allows_it_and_refused_elsewhere_saying_what_is_allowed() -> None:
+    text = ("memory:\n  devices:\n    - {name: a, capacity: 1GiB, reserve: 0GiB}\n    - {name: b, capacity: 1GiB, reserve: 0}\n"
+            "switching:\n  admission_window: 0s\n")
+    settings = resolve(decode_text(text, "c.yaml", ServerConfig), {})
+    assert settings.devices == (Device(name="a", capacity=2**30, reserve=0), Device(name="b", capacity=2**30, reserve=0))
+    assert settings.switching.admission_window == 0.0
+    spec = decode_text("name: a\nengine: e\nmodel: /m\nresidency: deep\nresources: {memory: 1GiB, parked_memory: 0GiB}\n",
+                       "d.yaml", DeploymentSpec)
+    assert spec.resources.parked_bytes == 0
+    for bad, says in (
+        ("limits:\n  max_body: 0\n", "limits.max_body: 0 is not a size more than zero such as 64KiB, 4MiB or 6GiB, "
+                                     "with a unit of B, KiB, MiB, GiB, TiB, KB, MB, GB or TB (none: bytes)"),
+        ("queue:\n  request_deadline: -5\n", "queue.request_deadline: -5.0 is not a duration more than zero such as "
+                                             "90s, 10m or 1h, with a unit of ms, s, m or h (none: seconds)"),
+        ("memory:\n  devices:\n    - {name: a, capacity: 1GiB, reserve: -1}\n",
+         "memory.devices[0].reserve: -1 is not a size of zero or more such as 0GiB, 512MiB or 2GiB"),
+        ("memory:\n  devices:\n    - {name: a, capacity: 0GiB}\n", "line 3: Expected a size more than zero"),
+    ):
+        with pytest.raises(InvalidConfig) as caught:
+            resolve(decode_text(bad, "c.yaml", ServerConfig), {})
+        assert says in caught.value.message
+
+
+def test_sizes_and_durations_from_flags_say_what_they_take() -> None:
+    assert [parse_size(t, "x") for t in ("1", "64KiB", "2.5GiB", "1MB")] == [1, 65536, 5 * 2**29, 10**6]
+    assert parse_size("0GiB", "x", zero=True) == 0 and parse_duration("0s", "x", zero=True) == 0.0
+    for bad in ("0GiB", "0", "0.0MiB", "-1MiB", "lots", "1 PiB"):
+        with pytest.raises(InvalidConfig, match=r"^--max-body: .* is not a size more than zero such as 64KiB"):
+            parse_size(bad, "--max-body")
+    with pytest.raises(InvalidConfig, match=r"is not a size of zero or more such as 0GiB, 512MiB or 2GiB, with a unit"):
+        parse_size("-1GiB", "reserve", zero=True)
+    with pytest.raises(InvalidConfig, match=r"'0ms' is not a duration more than zero .* with a unit of ms, s, m or h"):
+        parse_duration("0ms", "--request-deadline")

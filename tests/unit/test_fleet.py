@@ -12,7 +12,7 @@ import pytest
 
 from capyctl.domain.deployments import Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import DeploymentNotFound, DeploymentStopped
+from capyctl.domain.errors import DeploymentNotFound, DeploymentStopped, InvalidConfig
 from capyctl.services.controllers import ControllerSettings
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
@@ -172,3 +172,12 @@ async def test_measured_start_times_are_kept_with_the_deployment(tmp_path: Path)
         await tg.start(again.fleet.run)
         assert again.fleet.get("m").status.cold_starts == measured
         tg.cancel_scope.cancel()
+
+
+async def test_a_missing_model_is_refused_saying_what_to_set(world: World) -> None:
+    gone = world.model.with_name("gone.gguf")
+    with pytest.raises(InvalidConfig) as caught:
+        await world.fleet.apply({**world.document(), "model": str(gone)}, activate=False)
+    assert caught.value.message == (f"model {str(gone)!r} does not exist on this machine; set model to the path of "
+                                    "the model file or directory for e to load")
+    assert list(world.fleet.controllers()) == []

@@ -16,16 +16,12 @@ from typing import Any, TypeVar
 import msgspec
 import yaml
 
-from capyctl.domain.config import DURATION_PATTERN, SIZE_PATTERN
 from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.units import MEANINGS
 
 T = TypeVar("T")
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `(?P<path>\$[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"unknown field `(?P<key>[^`]+)`")
-_FORMATS = {
-    DURATION_PATTERN: "a duration such as 90s, 10m or 1h (or a number of seconds)",
-    SIZE_PATTERN: "a size such as 64KiB, 4MiB or 6GiB (or a number of bytes)",
-}
 _PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
@@ -94,7 +90,7 @@ def _where(error: msgspec.ValidationError, lines: dict[tuple[Any, ...], int]) ->
     path: tuple[Any, ...] = ()
     for name, index in _PART.findall(at or ""):
         path += (name,) if name else (int(index),)
-    for pattern, meaning in _FORMATS.items():
+    for pattern, meaning in MEANINGS.items():
         what = what.replace(f"`str` matching regex {pattern!r}", meaning)
     unknown = _UNKNOWN.search(what)
     if unknown:

@@ -3,7 +3,8 @@
 Strict, like every file CapyCTL owns: an unknown or duplicate key is an
 error naming the key and its line. Durations are written ``90s``, ``10m``,
 ``1h`` (or a bare number of seconds), sizes ``512MiB``, ``6GiB`` (or a bare
-number of bytes). The same structs give the JSON Schema for editors
+number of bytes); each is more than zero except a device's ``reserve`` and
+``switching.admission_window``, which may be zero. The same structs give the JSON Schema for editors
 (``capyctl config schema``). ``resolve`` turns a file into the settings the
 server runs with; command-line flags given explicitly win over the file.
 """
@@ -19,8 +20,7 @@ from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import Limits
 from capyctl.domain.memory import Device, Idle
 from capyctl.domain.scheduling import QueueLimits
-from capyctl.domain.units import DURATION_PATTERN as DURATION_PATTERN, SIZE_PATTERN as SIZE_PATTERN
-from capyctl.domain.units import Duration, Size, seconds, size
+from capyctl.domain.units import Duration, DurationOrZero, Size, SizeOrZero, seconds, size
 
 Count = Annotated[int, msgspec.Meta(gt=0)]
 Limit = Annotated[int, msgspec.Meta(ge=0)]
@@ -53,7 +53,7 @@ class DeviceConfig(Strict):
 
     name: str
     capacity: Size
-    reserve: Size | None = None  # kept free for the driver and other programs
+    reserve: SizeOrZero | None = None  # kept free for the driver and other programs
 
 
 class MemoryConfig(Strict):
@@ -65,7 +65,7 @@ class MemoryConfig(Strict):
 class SwitchingConfig(Strict):
     """How a model that holds the room gives it up to one that needs it (LIFE-5)."""
 
-    admission_window: Duration = "2s"  # a victim still admits its own traffic this long, then drains
+    admission_window: DurationOrZero = "2s"  # a victim still admits its own traffic this long, then drains
     drain_timeout: Duration = "30s"  # past it the switch fails and the victim keeps serving
 
 
@@ -135,7 +135,7 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
         ),
         devices=devices(config.memory.devices),
         switching=Switching(
-            admission_window=seconds(config.switching.admission_window, "switching.admission_window"),
+            admission_window=seconds(config.switching.admission_window, "switching.admission_window", zero=True),
             drain_timeout=seconds(config.switching.drain_timeout, "switching.drain_timeout"),
         ),
         idle=Idle(
@@ -152,7 +152,7 @@ def devices(declared: list[DeviceConfig] | Literal["auto"]) -> tuple[Device, ...
     for i, d in enumerate(declared):
         where = f"memory.devices[{i}]"
         device = Device(name=d.name, capacity=size(d.capacity, f"{where}.capacity"),
-                        reserve=0 if d.reserve is None else size(d.reserve, f"{where}.reserve"))
+                        reserve=0 if d.reserve is None else size(d.reserve, f"{where}.reserve", zero=True))
         if device.reserve >= device.capacity:
             raise InvalidConfig(f"{where}.reserve must be smaller than its capacity")
         out.append(device)

@@ -16,7 +16,7 @@ import msgspec
 
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.memory import Residency
-from capyctl.domain.units import Duration, Size, seconds, size
+from capyctl.domain.units import Duration, Size, SizeOrZero, seconds, size
 from capyctl.domain.units import parse_duration as parse_duration  # re-exported: the CLI parses flags with it
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # whole names only: fullmatch
@@ -40,7 +40,7 @@ class Resources(Strict):
     """What the deployment holds on its device (LIFE-3); without ``memory`` it is not accounted."""
 
     memory: Size | None = None  # awake footprint: weights, KV cache, the engine's own
-    parked_memory: Size | None = None  # what stays on the device while parked (host_backed, deep)
+    parked_memory: SizeOrZero | None = None  # what stays on the device while parked (host_backed, deep)
     device: str | None = None  # one of the server's memory.devices; default: the only one
 
     @property
@@ -49,7 +49,7 @@ class Resources(Strict):
 
     @property
     def parked_bytes(self) -> int:
-        return 0 if self.parked_memory is None else size(self.parked_memory, "resources.parked_memory")
+        return 0 if self.parked_memory is None else size(self.parked_memory, "resources.parked_memory", zero=True)
 
 
 class IdleConfig(Strict):

@@ -43,8 +43,8 @@ class Events:
         self._store.add_event(self._clock.wall(), deployment, kind, detail)
         for listener in self._listeners:
             listener(deployment, kind, detail)
-        described = " ".join(f"{k}={v}" for k, v in detail.items())
-        log.info("%s %s %s", kind, deployment or "-", described,
+        described = "".join(f" {k}={v}" for k, v in detail.items())  # nothing, not a lone space, without fields
+        log.info("%s %s%s", kind, deployment or "-", described,
                  extra={"event": kind, "deployment": deployment, **detail})
 
     def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None) -> None:

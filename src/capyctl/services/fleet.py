@@ -258,7 +258,8 @@ class Fleet:
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)
         if not local_path(str(spec.model), "model", InvalidConfig).exists():
-            raise InvalidConfig(f"model {spec.model!r} does not exist on this machine")
+            raise InvalidConfig(f"model {spec.model!r} does not exist on this machine; set model to the path of "
+                                f"the model file or directory for {engine.name} to load")
         return None
 
     def _check_device(self, spec: DeploymentSpec) -> None:

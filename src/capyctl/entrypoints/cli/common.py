@@ -35,26 +35,32 @@ StateDirOpt = Annotated[
 TimeoutOpt = Annotated[float, typer.Option(help="Seconds --wait waits before giving up.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
 
-app = typer.Typer(
-    help="CapyCTL: one authenticated OpenAI-compatible endpoint in front of your LLM engines.\n\n"
+
+def _typer(help: str, **options: Any) -> typer.Typer:
+    """A command group. Help is click's plain layout: Typer's rich one shows every flag (--version, --json,
+    --help) as taking a `<bool>`, which they do not."""
+    return typer.Typer(help=help, no_args_is_help=True, rich_markup_mode=None, **options)
+
+
+app = _typer(
+    "CapyCTL: one authenticated OpenAI-compatible endpoint in front of your LLM engines.\n\n"
     "Start the server with `capyctl start standalone`, register an engine with `capyctl engine add`, "
     "then `capyctl deploy model --file model.yaml --activate --wait`.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-start_app = typer.Typer(help="Start the server, or a deployment.", no_args_is_help=True)
-stop_app = typer.Typer(help="Stop a deployment (sticky: requests will not restart it).", no_args_is_help=True)
-park_app = typer.Typer(help="Park a deployment: its engine sleeps (or stops, for restart_only) until a request "
-                        "or `capyctl start deployment` wakes it.", no_args_is_help=True)
-delete_app = typer.Typer(help="Delete a deployment (stops its engine first).", no_args_is_help=True)
-status_app = typer.Typer(help="Show a deployment's state and instances.", no_args_is_help=True)
-list_app = typer.Typer(help="List deployments, engines, devices or API keys.", no_args_is_help=True)
-create_app = typer.Typer(help="Create a named API key.", no_args_is_help=True)
-revoke_app = typer.Typer(help="Revoke a named API key (its next request is refused).", no_args_is_help=True)
-engine_app = typer.Typer(help="Register, list and remove engine installations.", no_args_is_help=True)
-deploy_app = typer.Typer(help="Create or update deployments from files.", no_args_is_help=True)
-config_app = typer.Typer(help="The server configuration file: its schema, and checking a file.", no_args_is_help=True)
+start_app = _typer("Start the server, or a deployment.")
+stop_app = _typer("Stop a deployment (sticky: requests will not restart it).")
+park_app = _typer("Park a deployment: its engine sleeps (or stops, for restart_only) until a request "
+                  "or `capyctl start deployment` wakes it.")
+delete_app = _typer("Delete a deployment (stops its engine first).")
+status_app = _typer("Show a deployment's state and instances.")
+list_app = _typer("List deployments, engines, devices or API keys.")
+create_app = _typer("Create a named API key.")
+revoke_app = _typer("Revoke a named API key (its next request is refused).")
+engine_app = _typer("Register, list and remove engine installations.")
+deploy_app = _typer("Create or update deployments from files.")
+config_app = _typer("The server configuration file: its schema, and checking a file.")
 for name, sub in [
     ("start", start_app), ("stop", stop_app), ("park", park_app), ("delete", delete_app), ("status", status_app),
     ("list", list_app), ("engine", engine_app), ("deploy", deploy_app), ("config", config_app),

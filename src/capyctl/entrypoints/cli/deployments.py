@@ -13,7 +13,7 @@ import typer
 from capyctl.adapters.config_files import decode_file, load_yaml_file
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.errors import CapyError
-from capyctl.entrypoints.cli.client import ManagementClient
+from capyctl.entrypoints.cli.client import ManagementClient, ServerError
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
     StateDirOpt,
@@ -46,7 +46,13 @@ def deploy_model(
     document = load_yaml_file(file)
     decode_file(file, DeploymentSpec)  # refused here with the line of the bad key; the server checks the rest
     api = client(state_dir)
-    result = api.call("PUT", "/deployments", json={"document": document, "activate": activate or wait})
+    try:
+        result = api.call("PUT", "/deployments", json={"document": document, "activate": activate or wait})
+    except ServerError as error:
+        if error.code != "invalid_config":
+            raise
+        # what the server refuses in the file is named with the file, as what is refused above is
+        raise ServerError(error.code, f"{file}: {error.message}", error.extra) from None
     deployment = result["deployment"]
     if not json:
         typer.echo(f"deployment {deployment['name']} {result['outcome']}")
@@ -258,7 +264,8 @@ def events(
                 sys.stdout.write(msgspec.json.encode(event).decode() + "\n")
             else:
                 detail = " ".join(f"{k}={v}" for k, v in event["detail"].items())
-                typer.echo(f"{stamp(event['at'])}  {event['deployment'] or '-':<20} {event['kind']:<20} {detail}")
+                kind = f"{event['kind']:<20} {detail}" if detail else event["kind"]  # no spaces end a line
+                typer.echo(f"{stamp(event['at'])}  {event['deployment'] or '-':<20} {kind}")
         if not follow:
             return
         sys.stdout.flush()

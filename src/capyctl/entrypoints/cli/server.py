@@ -11,8 +11,9 @@ import typer
 
 from capyctl.adapters.config_files import decode_file
 from capyctl.adapters.storage.state_dir import resolve_state_dir
-from capyctl.domain.config import ServerConfig, resolve, schema
+from capyctl.domain.config import ServerConfig, Settings, resolve, schema
 from capyctl.domain.deployments import parse_duration
+from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import parse_count, parse_size
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
@@ -96,7 +97,7 @@ def start_standalone(
         "limits.max_event_size": _flag(max_event_size, "--max-event-size", parse_size),
         "limits.max_tool_calls": _flag(max_tool_calls, "--max-tool-calls", parse_count),
     }
-    settings = resolve(server_config, overrides)
+    settings = _resolve(file, server_config, overrides)
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
@@ -114,6 +115,14 @@ def _flag(value: str | None, what: str, parse: Callable[[str, str], Any]) -> Any
     return None if value is None else parse(value, what)
 
 
+def _resolve(file: Path | None, config: ServerConfig, overrides: dict[str, Any]) -> Settings:
+    """``resolve``, whose refusals name the file like the decoder's do (flags were checked before)."""
+    try:
+        return resolve(config, overrides)
+    except InvalidConfig as exc:
+        raise InvalidConfig(exc.message if file is None else f"{file}: {exc.message}") from exc
+
+
 @config_app.command("schema")
 @reports_errors
 def config_schema() -> None:
@@ -128,18 +137,24 @@ def config_check(
     json: JsonOpt = False,
 ) -> None:
     """Check a server configuration file and show the settings it gives; changes nothing."""
-    settings = resolve(decode_file(file, ServerConfig), {})
+    settings = _resolve(file, decode_file(file, ServerConfig), {})
     limits = settings.limits
+    devices = settings.devices if settings.devices == "auto" else [
+        {"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve} for d in settings.devices]
     view = {
         "default_model": settings.default_model,
         "queue": {"request_deadline_s": settings.request_deadline, "stream_idle_timeout_s": settings.stream_idle_timeout},
         "limits": {"max_body_bytes": limits.max_body, "client_header_timeout_s": limits.header_timeout,
                    "client_body_timeout_s": limits.body_timeout, "max_connections": limits.max_connections,
                    "max_event_size_bytes": limits.max_event, "max_tool_calls": limits.max_tool_calls},
+        "memory": {"devices": devices},
     }
     lines = [f"{file}: valid", f"  default_model  {settings.default_model or '-'}"]
     for section in ("queue", "limits"):
         lines += [f"  {section}.{key}  {value}" for key, value in view[section].items()]  # type: ignore[attr-defined]
+    lines += ["  memory.devices  auto"] if devices == "auto" else [
+        f"  memory.devices.{d['name']}  capacity_bytes {d['capacity_bytes']}  reserve_bytes {d['reserve_bytes']}"
+        for d in devices] or ["  memory.devices  -"]
     show(view, json, "\n".join(lines))
 
 
