@@ -150,6 +150,16 @@ async def load(host: str, port: int, body: bytes, key: str | None, n: int, secon
     return {"ttfts": ttfts, "chunks": chunks, "elapsed": elapsed}
 
 
+async def first_data(reader: asyncio.StreamReader) -> None:
+    """Read until the first data event; an answer that ends before one is the bench's error, not a wait."""
+    seen = b""
+    while b"data: " not in seen:
+        data = await reader.read(65536)
+        if not data:
+            raise SystemExit(f"the stream ended before its first data event: {seen[:300]!r}")
+        seen += data
+
+
 async def hang_up_delay(host: str, port: int, body: bytes, key: str | None, stats_url: str) -> float:
     """Seconds from a client hang-up to the engine seeing its connection closed (polled on /replay/stats)."""
     import httpx
@@ -158,8 +168,7 @@ async def hang_up_delay(host: str, port: int, body: bytes, key: str | None, stat
         before = (await client.get(stats_url)).json()["disconnected"]
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(request(host, body, key))
-        while b"data: " not in await reader.read(65536):
-            pass
+        await first_data(reader)
         writer.transport.abort()
         gone = time.perf_counter()
         while (await client.get(stats_url)).json()["disconnected"] == before:
@@ -172,8 +181,7 @@ async def paced_ttft(host: str, port: int, body: bytes, key: str | None) -> floa
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(request(host, body, key))
-    while b"data: " not in await reader.read(65536):
-        pass
+    await first_data(reader)
     first = time.perf_counter() - started
     writer.transport.abort()
     await asyncio.sleep(0.02)  # let both sides finish with the cut stream before the next one
@@ -578,15 +586,13 @@ def main() -> None:
                   f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {r['cpu'] / r['chunks'] * 1000:>16.3f}"
                   f"{extra}")
         if args.paced:
-            paced_body = body[:-1] + b',"replay_pace":"recorded"}'
-            paced_plain = plain[:-1] + b',"replay_pace":"recorded"}'
             for route in routes:
                 route.paced = [[] for _ in range(args.rounds)]
             for i in range(args.paced):  # one stream per path in turn; the streams split evenly over the rounds
                 round_ = i * args.rounds // args.paced
                 for route in rotated(routes, i):
                     route.paced[round_].append(asyncio.run(paced_ttft(
-                        route.host, route.port, paced_body if route is capyctl else paced_plain, route.key)))
+                        route.host, route.port, route.body[:-1] + b',"replay_pace":"recorded"}', route.key)))
             direct_t = [t for r in direct.paced for t in r]
             relay_t = [t for r in capyctl.paced for t in r]
             print(f"time to first token, engine at its recorded pace, one stream: direct p50 {pct(direct_t, .5):.2f} ms, "

@@ -29,6 +29,7 @@ def _declared_too_large(headers: Headers, limit: int) -> bool:
 
 
 class AsgiExchange:
+    pushes = False  # no write from a callback: streams are pulled
     """An exchange over ASGI's receive and send; its watch runs in ``tasks``, the request's task group."""
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any, tasks: anyio.abc.TaskGroup) -> None:

@@ -32,6 +32,7 @@ from capyctl.domain.streams import (
     Done,
     EngineFailure,
     ModelRewrite,
+    Run,
     StreamEvent,
 )
 from capyctl.services.chat import _relay
@@ -64,7 +65,8 @@ def _drive(events: AsyncIterator[list[StreamEvent]]) -> tuple[list[list[StreamEv
             return batches, exc
 
 
-def relay(typed: bool, reads: list[bytes], family: str, version: str, max_tool_calls: int) -> dict[str, Any]:
+def relay(typed: bool, reads: list[bytes], family: str, version: str, max_tool_calls: int,
+          runs: bool = False) -> dict[str, Any]:
     """What a client and the service see of ``reads`` relayed: bytes, the error, the meter, the record."""
     row = row_for(family, version).row
     record = RequestRecord(id="r", deployment=NAME, stream=True)
@@ -72,7 +74,7 @@ def relay(typed: bool, reads: list[bytes], family: str, version: str, max_tool_c
     meter = Meter(clock)
     stages = [DeltaVerifier(row.delta, f"{family} {version}", max_tool_calls), meter, ModelRewrite(NAME)]
     fast = TypedRelay(chunk_check(row, max_tool_calls), meter, NAME) if typed else None
-    parser = SseParser(typed=typed)
+    parser = SseParser(typed=typed, runs=runs)
 
     async def source() -> AsyncIterator[list[StreamEvent]]:  # as the wire session hands them over
         for data in reads:
@@ -85,7 +87,10 @@ def relay(typed: bool, reads: list[bytes], family: str, version: str, max_tool_c
     sent = []
     for batch in batches:
         for event in batch:
-            if isinstance(event, Chunk):
+            if isinstance(event, Run):  # sent on as one piece: compared chunk by chunk
+                assert event.sse == b"".join(b"data: " + raw + b"\n\n" for raw in event.payloads())
+                sent += [b"data: " + raw for raw in event.payloads()]
+            elif isinstance(event, Chunk):
                 sent.append(b"data: " + event.raw)
             elif isinstance(event, EngineFailure):
                 sent.append((b"failure: " + event.raw, event.error))
@@ -318,6 +323,101 @@ def test_a_chunk_built_with_a_dict_keeps_it_and_a_parsed_one_decodes_its_dict_wh
     assert parsed.obj == {"model": "m", "choices": []}
 
 
+# --- runs: the plain events of one read, checked and sent on as one piece -------------------------------
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(reads=stream(), row=st.sampled_from(ROWS), max_tool_calls=st.sampled_from([2, 256]))
+def test_runs_relay_exactly_what_the_stages_relay(reads: list[bytes], row: tuple[str, str], max_tool_calls: int) -> None:
+    family, version = row
+    assert relay(True, reads, family, version, max_tool_calls, runs=True) == relay(False, reads, family, version,
+                                                                                 max_tool_calls)
+
+
+@pytest.mark.parametrize("path", sorted(RECORDINGS.glob("*/*/*.sse")), ids=lambda p: str(p.relative_to(RECORDINGS)))
+def test_every_recording_relays_the_same_as_runs(path: Path) -> None:
+    family, version = path.parent.parent.name, path.parent.name
+    data = path.read_bytes()
+    for reads in ([data[i:i + 512] for i in range(0, len(data), 512)], [data]):
+        assert relay(True, reads, family, version, 256, runs=True) == relay(False, reads, family, version, 256)
+
+
+def test_a_plain_stream_read_whole_is_one_run_then_done_and_passes_whole() -> None:
+    data = (RECORDINGS / "vllm" / "0.32.0" / "chat_stream_usage.sse").read_bytes()
+    events = list(SseParser(runs=True).feed(data))
+    assert [type(e) for e in events] == [Run, Done]
+    run = events[0]
+    assert isinstance(run, Run) and len(run.heads) == data.count(b"data: {") and run.sse + b"data: [DONE]\n\n" == data
+    meter = Meter(lambda: 0.0)
+    assert TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), meter, NAME).run(run, lambda: 5.0)
+    assert run.sse.count(b'"model":"my-model"') == len(run.heads) and b"tiny-llama" not in run.sse
+    assert meter.first_text_at == 5.0 and meter.text_chunks > 100 and "usage" in meter.seen
+
+
+def test_what_is_not_plain_is_read_event_by_event() -> None:
+    chunk = b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    for odd in (b": keep-alive\n\n", b"data:{}\n\n", b'data: {"a":\n', b"data: \n\n", b"\n",
+                b'data: {"error":{"message":"x"}}\n\n', b'data: {"model":"m"},{"x":1}\n\n'):
+        events: list[StreamEvent] = []
+        try:
+            events += SseParser(runs=True).feed(chunk + odd + chunk)
+        except EdgeError:  # what the event-by-event reading refuses (a payload that is no JSON object)
+            pass
+        assert events and not any(isinstance(e, Run) for e in events), odd
+
+
+def test_a_run_the_typed_pass_declines_is_relayed_chunk_by_chunk() -> None:
+    good = b'data: {"model":"tiny-llama","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    bad = b'data: {"model":"tiny-llama","choices":[{"index":0,"delta":{"reasoning_content":"x"}}]}\n\n'
+    assert isinstance(next(iter(SseParser(runs=True).feed(good + bad))), Run)
+    out = relay(True, [good + bad], "vllm", "0.32.0", 256, runs=True)
+    assert out == relay(False, [good + bad], "vllm", "0.32.0", 256)
+    assert out["sent"][0].startswith(b'data: {"model":"my-model"') and out["error"][2] == "unverified_stream"
+
+
+def test_a_run_splices_only_each_chunks_first_model_as_the_stages_do() -> None:
+    twice = (b'data: {"choices":[{"index":0,"delta":{"content":"a"},"logprobs":{"model":"tiny-llama"}}],'
+             b'"model":"tiny-llama"}\n\n')
+    plain = b'data: {"model":"tiny-llama","choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+    data = plain + twice + plain + b"data: [DONE]\n\n"
+    assert isinstance(next(iter(SseParser(runs=True).feed(data))), Run)
+    out = relay(True, [data], "vllm", "0.32.0", 256, runs=True)
+    assert out == relay(False, [data], "vllm", "0.32.0", 256)
+    assert out["sent"][1].count(b"tiny-llama") == 1  # the first one (in logprobs) was the one spliced
+
+
+def test_a_run_whose_chunks_share_their_start_is_rewritten_whole_as_the_stages_would() -> None:
+    start = b'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"tiny-llama",'
+    data = b"".join(start + b'"choices":[{"index":0,"delta":{"content":"%d"}}]}\n\n' % i for i in range(5))
+    run = next(iter(SseParser(runs=True).feed(data)))
+    assert isinstance(run, Run)
+    relay_ = TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)
+    assert relay_._rewrite_alike(run, "tiny-llama") == data.replace(b'"model":"tiny-llama"', b'"model":"my-model"')
+    assert relay(True, [data], "vllm", "0.32.0", 256, runs=True) == relay(False, [data], "vllm", "0.32.0", 256)
+
+
+def test_a_shared_start_is_only_trusted_when_every_chunk_begins_with_it() -> None:
+    start = b'data: {"id":"c1","model":"tiny-llama",'
+    tail = b'"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    # the second chunk spells its model escaped (the stages re-encode it) and quotes the others' start in a
+    # string, where it cannot be the same bytes: one chunk without the start, and the run is spliced chunk by chunk
+    odd = (b'data: {"id":"c1","model":"tiny-\\u006clama","choices":[{"index":0,"delta":{"content":'
+           b'"data: {\\"id\\":\\"c1\\",\\"model\\":\\"tiny-llama\\","}}]}\n\n')
+    twice = start + b'"choices":[{"index":0,"delta":{"content":"b"},"logprobs":{"model":"tiny-llama"}}]}\n\n'
+    # as many models as chunks, one chunk without it; every chunk with its start, one with a second model
+    for data in (start + tail + odd + start + tail, start + tail + odd, twice + odd + start + tail,
+                 start + tail + twice + start + tail):
+        run = next(iter(SseParser(runs=True).feed(data)))
+        assert isinstance(run, Run)
+        relay_ = TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)
+        assert relay_._rewrite_alike(run, "tiny-llama") is None
+        assert relay(True, [data], "vllm", "0.32.0", 256, runs=True) == relay(False, [data], "vllm", "0.32.0", 256)
+    model_first = b'data: {"model":"tiny-llama",' + tail
+    run = next(iter(SseParser(runs=True).feed(model_first * 3)))
+    assert TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME)._rewrite_alike(
+        run, "tiny-llama") == (model_first * 3).replace(b"tiny-llama", b"my-model")
+
+
 def test_streams_of_one_name_share_what_they_learn_and_not_their_figures() -> None:
     """What a TypedRelay keeps of its check and name is made once and shared by every stream of them: a model
     name the engine sent, learnt by one stream, is spliced the same by the next; more names than are kept
@@ -325,7 +425,7 @@ def test_streams_of_one_name_share_what_they_learn_and_not_their_figures() -> No
     reads = [b"".join(b'data: {"model":"engine-%d","choices":[{"index":0,"delta":{"content":"t"}}]}\n\n' % i
                       for i in range(start, start + 50)) for start in (0, 50, 100)]
     for many in (reads, [b"".join(reads)]):
-        first = relay(True, many, "vllm", "0.32.0", 256)
+        first = relay(True, many, "vllm", "0.32.0", 256, runs=True)
         assert first == relay(False, many, "vllm", "0.32.0", 256)
-        assert first == relay(True, many, "vllm", "0.32.0", 256)  # a second stream, its own meter
+        assert first == relay(True, many, "vllm", "0.32.0", 256, runs=True)  # a second stream, its own meter
         assert first["meter"][3] == 150 and all(b"engine-" not in sent for sent in first["sent"])

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from capyctl.adapters.engines._sse import SseParser
+from capyctl.adapters.engines._sse import MANY, SseParser
 from capyctl.domain.errors import EdgeError
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure
 
@@ -91,3 +91,86 @@ def test_deep_nesting_from_the_engine_is_an_edge_error() -> None:
     with pytest.raises(EdgeError, match="nested too deeply"):
         parse(b'data: {"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}\n\n", 10**9)
 
+
+ONE_EVENT_READS = [
+    b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n',
+    b": keep-alive\n\n",
+    b"data: [DONE]\n\n",
+    b'data: {"error":{"code":500,"message":"boom"}}\n\n',
+    b"\n\n",  # an empty block: nothing
+    b"event: ping\n\n",  # a block with no data: nothing
+]
+
+
+@pytest.mark.parametrize("read", ONE_EVENT_READS)
+def test_a_read_of_one_whole_event_is_parsed_at_once_as_feed_parses_it(read: bytes) -> None:
+    at_once, fed = SseParser(), SseParser()
+    from_feed = list(fed.feed(read))
+    assert len(from_feed) <= 1
+    assert at_once.lone(read) == (from_feed[0] if from_feed else None)
+    after = b'data: {"b":2}\n\ndata: {"c"'  # and both parsers read on alike
+    assert list(at_once.feed(after)) == list(fed.feed(after))
+    assert list(at_once.feed(b":3}\n\n")) == list(fed.feed(b":3}\n\n"))
+
+
+@pytest.mark.parametrize("before, read", [
+    (b"", b'data: {"a":1}\n\ndata: {"b":2}\n\n'),  # two events
+    (b"", b'data: {"a":1}\n\ndata: {"b"'),  # an event and the start of the next
+    (b"", b'data: {"a":1}'),  # an event's start
+    (b"", b'data: {"a":1}\r\n\r\n'),  # CRLF line ends: normalised by feed
+    (b"", b'data: {"a":\ndata: 1}\n\n'),  # one event on two data lines
+    (b"", b'\ndata: {"a":1}\n\n'),  # a stray LF before it
+    (b"", b'data: {"a":1}\n\n\n'),  # a stray LF after it
+    (b"", b"\n"),
+    (b"", b""),
+    (b'data: {"a"', b':1}\n\n'),  # the end of an event under way
+    (b'data: {"a":1}\r', b'\n\r\n'),  # a CR held back from the last read
+])
+def test_any_other_read_is_left_to_feed_untouched(before: bytes, read: bytes) -> None:
+    parser, reference = SseParser(), SseParser()
+    assert list(parser.feed(before)) == list(reference.feed(before))
+    assert parser.lone(read) is MANY
+    assert list(parser.feed(read)) == list(reference.feed(read))
+
+
+def test_one_event_past_the_limit_is_refused_at_once_as_feed_refuses_it() -> None:
+    read = b'data: {"x":"' + b"a" * 300 + b'"}\n\n'
+    with pytest.raises(EdgeError, match="larger than the limit of 100 bytes"):
+        SseParser(max_event=100).lone(read)
+    with pytest.raises(EdgeError, match="larger than the limit of 100 bytes"):
+        list(SseParser(max_event=100).feed(read))
+    assert isinstance(SseParser(max_event=len(read) - 2).lone(read), Chunk)  # at the limit: relayed
+
+
+_A = b'data: {"id":"c1","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+_B = b'data: {"id":"c1","model":"m","choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+RUN_READS = [_A + _B, _A + _B + _A + b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("read", RUN_READS)
+def test_a_read_of_whole_plain_events_is_one_run_at_once_as_feed_gives_it(read: bytes) -> None:
+    at_once, fed = SseParser(runs=True), SseParser(runs=True)
+    from_feed = list(fed.feed(read))
+    got = at_once.runs(read)
+    assert got is not MANY and [type(e).__name__ for e in got][:1] == ["Run"]  # type: ignore[union-attr]
+    assert [type(e) for e in got] == [type(e) for e in from_feed]  # type: ignore[union-attr]
+    assert [getattr(e, "sse", None) for e in got] == [getattr(e, "sse", None) for e in from_feed]  # type: ignore[union-attr]
+    after = b'data: {"b":2}\n\ndata: {"c"'  # and both parsers read on alike
+    assert list(at_once.feed(after)) == list(fed.feed(after))
+
+
+@pytest.mark.parametrize("before, read", [
+    (b"", b'data: {"a":1}\n\n'),  # one event: lone's
+    (b"", b'data: {"a":1}\n\ndata: {"b"'),  # the start of the next
+    (b"", b'data: {"a":1}\r\n\r\ndata: {"b":2}\r\n\r\n'),  # CRLF line ends
+    (b"", b'data: {"a":1}\n\n: keep-alive\n\ndata: {"b":2}\n\n'),  # a comment among them: not plain
+    (b"", b'data: {"a":1}\n\ndata: {"error":{"code":500,"message":"x"}}\n\n'),  # the engine's failure
+    (b'data: {"a"', b':1}\n\ndata: {"b":2}\n\n'),  # an event under way
+    (b"", _A + b"data: [DONE]\n\n"),  # one event and [DONE]: a Chunk, not a run
+])
+def test_any_other_read_is_left_to_feed_by_runs(before: bytes, read: bytes) -> None:
+    parser, reference = SseParser(runs=True), SseParser(runs=True)
+    assert list(parser.feed(before)) == list(reference.feed(before))
+    assert parser.runs(read) is MANY
+    assert list(parser.feed(read)) == list(reference.feed(read))
+    assert SseParser(runs=False).runs(RUN_READS[0]) is MANY  # a parser that makes no runs makes none here

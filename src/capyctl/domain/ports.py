@@ -156,16 +156,37 @@ class EngineEffects(Protocol):
         """The engine's answer to the fixed canary request (``services/canary``); None when none is sent."""
 
 
+class EngineStream(AbstractAsyncContextManager[AsyncIterator[list[StreamEvent]]], Protocol):
+    def abandon(self) -> None:
+        """Give up a stream that will never be entered: a request the session wrote already is cut."""
+
+
 class EngineSession(Protocol):
     def chat_stream(
         self, base_url: str, body: bytes, until: Callable[[], bool] | None = None
-    ) -> AbstractAsyncContextManager[AsyncIterator[list[StreamEvent]]]:
+    ) -> EngineStream:
         """POST a streamed chat request to the engine; its events come in batches, one per network read.
 
         With ``until``, the first events come one at a time until ``until()``
         is true (the caller has its first token) or a few have come: a read
         that holds a large part of the answer does not hold back its first
         token while the rest is parsed and checked.
+
+        A session whose ``relays_runs`` attribute is true also takes
+        ``runs=True``: then the plain events of one read may come as one
+        ``Run`` (checked, and sent on, as one piece) instead of a Chunk each.
+
+        What is yielded may also have ``pump(deliver, drain)``: the same
+        batches handed to ``deliver`` as each read arrives, from the
+        connection's own callback, instead of being pulled. ``deliver`` says
+        what became of each (``Relayed``: MORE, FULL, that is pause reading
+        until ``drain()`` returns, or ENDED); ``pump`` returns True once it said
+        ENDED, False when the answer ended first, and raises as pulling would.
+
+        The request may be written at once, when the session holds a kept-alive
+        connection to the engine idle (the engine works on it while the caller
+        finishes what it does before entering); a stream never entered must be
+        given up with ``abandon()``.
 
         Entering raises ``EngineError`` when the engine refuses the request
         (its status and body are kept) and ``EngineUnavailable`` when it

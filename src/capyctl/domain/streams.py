@@ -15,6 +15,7 @@ non-streamed path runs the stages and feeds ``obj`` to ``Assembler``.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,25 @@ class Chunk(msgspec.Struct):
         return obj
 
 
+class Run(msgspec.Struct):
+    """Several chunks that came in one network read, each a plain ``data: {...}`` event (one line, one
+    space after the colon): their SSE bytes as they came, and their typed heads, in order.
+
+    The relay checks a run as a whole and sends its bytes on as one piece; a run it cannot answer for
+    becomes its chunks (``chunks()``), each relayed as a chunk of its own would be.
+    """
+
+    sse: bytes  # b"data: <payload>\n\n" for each chunk
+    heads: Sequence[Any]  # a relay_check.Head for each chunk (decoded when first read, for a scanned run)
+    facts: Any = None  # a scanned run's facts (relay_check.scan_run), which the typed pass reads instead of heads
+
+    def payloads(self) -> list[bytes]:
+        return self.sse[6:-2].split(b"\n\ndata: ")
+
+    def chunks(self) -> list[Chunk]:
+        return [Chunk(raw, None, head) for raw, head in zip(self.payloads(), self.heads)]
+
+
 class Comment(msgspec.Struct):
     raw: bytes  # the comment line(s), without the final blank line
 
@@ -62,9 +82,15 @@ class Done(msgspec.Struct):
     pass
 
 
-StreamEvent = Chunk | Comment | EngineFailure | Done
+StreamEvent = Chunk | Run | Comment | EngineFailure | Done
 
 
+class Relayed(enum.IntEnum):
+    """What a pumped stream's ``deliver`` says of a batch it relayed (see ``EngineSession``)."""
+
+    MORE = 0  # go on reading
+    FULL = 1  # the client cannot take more for now: pause reading until it has drained
+    ENDED = 2  # the batch ended the stream
 Stage = Callable[[Chunk], Chunk]
 
 GENERATED_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")

@@ -8,7 +8,7 @@ non-streamed request usage is asked for; a streamed one keeps the client's
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,6 +37,8 @@ from capyctl.domain.streams import (
     Done,
     EngineFailure,
     ModelRewrite,
+    Relayed,
+    Run,
     Stage,
     StreamEvent,
 )
@@ -173,6 +175,8 @@ class ChatService(RequestService):
         self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
         self._checks: dict[tuple[str, str], ChunkCheck] = {}
         self._stages: dict[tuple[str, str, str], tuple[DeltaVerifier, ModelRewrite]] = {}
+        # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
+        self._runs: dict[str, Any] = {"runs": True} if getattr(session, "relays_runs", False) else {}
 
     @asynccontextmanager
     async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None
@@ -190,11 +194,17 @@ class ChatService(RequestService):
             record.phase = Phase.WAITING
             async with self._admitted(controller, record, wait):
                 route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
-                self._selected(record)
-                meter = self._meters[record.id] = Meter(self._clock.monotonic)
+                # (the session may write the request at once: the rest is done while the engine works on it)
+                stream = self._session.chat_stream(route.url, body, lambda: record.answered, **self._runs)
+                try:
+                    self._selected(record)
+                    meter = self._meters[record.id] = Meter(self._clock.monotonic)
+                except BaseException:
+                    stream.abandon()
+                    raise
                 streaming = False
                 try:
-                    async with self._session.chat_stream(route.url, body, lambda: record.answered) as events:
+                    async with stream as events:
                         streaming = True
                         yield self._call(controller, record, meter, events)
                 except EngineUnavailable as exc:
@@ -229,7 +239,9 @@ class ChatService(RequestService):
         if row is None:
             row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
         typed = self._typed_relay(controller, record, meter)
-        return EngineCall(_relay(events, stages, record, meter, typed, self._clock.monotonic), meter, row)
+        now = self._clock.monotonic
+        pumped = _Relay(stages, record, meter, typed, now) if hasattr(events, "pump") else None
+        return EngineCall(_relay(events, stages, record, meter, typed, now), meter, row, events, pumped)
 
     def _typed_relay(self, controller: Serving, record: RequestRecord, meter: Meter) -> TypedRelay | None:
         """The stages' work in one pass, for a streamed answer (its check built once per engine version).
@@ -258,14 +270,47 @@ class ChatService(RequestService):
 
 
 class EngineCall:
-    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics."""
+    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics.
 
-    __slots__ = ("events", "_meter", "_row")
+    The events are pulled (``events``) or, where the session can (``pumps``), pumped: each batch relayed
+    from the engine connection's own callback as its read arrives (``pump``)."""
 
-    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow) -> None:
+    __slots__ = ("events", "_meter", "_row", "_source", "_relay")
+
+    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow,
+                 source: Any = None, relay: _Relay | None = None) -> None:
         self.events = events
         self._meter = meter
         self._row = row
+        self._source = source
+        self._relay = relay
+
+    @property
+    def pumps(self) -> bool:
+        return self._relay is not None
+
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
+                   ) -> None:
+        """Relay the stream through ``deliver``, a batch at a time as the engine's reads arrive: what
+        ``events`` would yield, in the same order, with the same end. ``deliver`` says FULL when its client
+        cannot take more for now (reading pauses until ``drain()`` returns). Returns once the batch that
+        ends the stream was delivered; raises as iterating ``events`` would, after delivering the chunks
+        before a refused one."""
+        relay = self._relay
+        assert relay is not None
+
+        def relayed(batch: list[StreamEvent]) -> Relayed:
+            try:
+                sent, done = relay.step(batch)
+            except Refused as refused:
+                if refused.sent:
+                    deliver(refused.sent)
+                raise refused.error from refused.error.__cause__
+            said = deliver(sent)
+            return Relayed.ENDED if done else said
+
+        if not await self._source.pump(relayed, drain):
+            relay.ended()
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         return self._meter.figures(self._row)
@@ -305,40 +350,96 @@ class _Admitted:
         await self._lease.__aexit__(kind, error, trace)
 
 
+class Refused(Exception):
+    """A stage refused a chunk: ``sent`` are the events before it in its batch (still relayed), ``error``
+    ends the stream."""
+
+    def __init__(self, sent: list[StreamEvent], error: CapyError) -> None:
+        super().__init__(error)
+        self.sent = sent
+        self.error = error
+
+
+class _Relay:
+    """The stages over each batch of events, one batch at a time; what pulling and pumping a stream share.
+
+    A chunk the parser decoded into typed structs goes through ``typed`` (the
+    stages' work in one pass) when it passes there, a Run likewise as a whole;
+    any other chunk through the stages (a declined Run as its chunks). When a stage refuses a chunk,
+    the chunks before it in the batch are still relayed, then the error ends
+    the stream: nothing of the refused chunk is sent. A stream that ends
+    without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it
+    ended on the engine's own error event.
+    """
+
+    __slots__ = ("_stages", "_record", "_meter", "_typed", "_now", "_failed")
+
+    def __init__(self, stages: list[Stage], record: RequestRecord, meter: Meter, typed: TypedRelay | None,
+                 now: Callable[[], float]) -> None:
+        self._stages = stages
+        self._record = record
+        self._meter = meter
+        self._typed = typed
+        self._now = now
+        self._failed = False
+
+    def step(self, batch: list[StreamEvent]) -> tuple[list[StreamEvent], bool]:
+        """(the batch as it is to be sent, whether it ends the stream: it then ends at its ``Done``);
+        raises ``Refused``."""
+        record, meter, typed, now = self._record, self._meter, self._typed, self._now
+        position = 0
+        while position < len(batch):  # a run the typed pass declines is spliced in as its chunks
+            event = batch[position]
+            position += 1
+            if isinstance(event, Run):
+                if typed is not None and typed.run(event, now):
+                    if not record.answered and meter.first_text_at is not None:
+                        record.engine_answered()
+                    continue
+                position -= 1
+                batch[position:position + 1] = event.chunks()
+                continue
+            if isinstance(event, Chunk):
+                if typed is not None and event.head is not None and typed(event, now()):  # the clock per chunk, as
+                    # the Meter reads it: whether a decode rate can be given must not hang on read boundaries
+                    if not record.answered and meter.first_text_at is not None:
+                        record.engine_answered()
+                    continue
+                try:
+                    for stage in self._stages:
+                        event = stage(event)
+                except CapyError as error:
+                    raise Refused(batch[:position - 1], error) from error
+                batch[position - 1] = event
+                if not record.answered and meter.first_text_at is not None:
+                    record.engine_answered()
+            elif isinstance(event, EngineFailure):
+                record.engine_answered()
+                self._failed = True
+            elif isinstance(event, Done):
+                return batch[:position], True
+        return batch, False
+
+    def ended(self) -> None:
+        """The engine's message ended without ``[DONE]``."""
+        if not self._failed:
+            raise EdgeError("the engine's stream ended without [DONE]")
+
+
 async def _relay(
     batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter,
     typed: TypedRelay | None, now: Callable[[], float],
 ) -> AsyncIterator[list[StreamEvent]]:
-    """Each batch of the engine's events checked and measured, as it is to be sent on, up to ``Done``.
-
-    A chunk the parser decoded into typed structs goes through ``typed`` (the stages' work in one pass) when
-    it passes there; any other chunk through the stages. When a stage refuses a chunk, the chunks before it
-    in its batch are still relayed, then the error ends the stream: nothing of the refused chunk is sent. A
-    stream that ends without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it ended on the
-    engine's own error event.
-    """
-    failed = False
+    """The stream pulled: ``_Relay`` over each batch as it is asked for."""
+    relay = _Relay(stages, record, meter, typed, now)
     async for batch in batches:
-        for position, event in enumerate(batch):
-            if type(event) is Chunk:
-                if typed is None or event.head is None or not typed(event, now()):  # the clock per chunk, as
-                    # the Meter reads it: whether a decode rate can be given must not hang on read boundaries
-                    try:
-                        for stage in stages:
-                            event = stage(event)
-                    except CapyError:
-                        if position:
-                            yield batch[:position]
-                        raise
-                    batch[position] = event
-                if not record.answered and meter.first_text_at is not None:
-                    record.engine_answered()
-            elif type(event) is EngineFailure:
-                record.engine_answered()
-                failed = True
-            elif type(event) is Done:
-                yield batch[:position + 1]
-                return
-        yield batch
-    if not failed:
-        raise EdgeError("the engine's stream ended without [DONE]")
+        try:
+            sent, done = relay.step(batch)
+        except Refused as refused:
+            if refused.sent:
+                yield refused.sent
+            raise refused.error from refused.error.__cause__
+        yield sent
+        if done:
+            return
+    relay.ended()

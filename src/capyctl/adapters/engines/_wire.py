@@ -1,19 +1,18 @@
-"""The streamed chat call to an engine: HTTP/1.1 on asyncio with httptools' parser.
+"""The streamed chat call to an engine: HTTP/1.1 on asyncio with httptools' C parser.
 
-The relay's hot path, so it avoids a general HTTP client: every answer is
-parsed by ``httptools`` as its bytes arrive, and the body a read brought is
-handed on whole, so the SSE parser and the client-side write see every event
-that arrived together as one batch. Connections are kept alive and reused per
-engine address; a stream that was cut short closes its connection, which is
-how an engine learns that its client is gone, and a connection closed that
-way is replaced at once by one that stands idle, so that the next request is
-written as it comes rather than after a connect.
+This is the relay's hot path, so it avoids a general HTTP client: each
+socket read is parsed once by ``httptools`` (an answer's head) or unframed
+in one call of ``_chunked.dechunk`` (a chunked body) and handed on whole, so
+the SSE parser and the client-side write see every event that arrived
+together as one batch. Connections are kept alive and reused
+per engine address; a stream that was cut short closes its connection, which
+is how an engine learns that its client is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,10 +20,15 @@ import anyio
 import httptools
 
 from capyctl.adapters.engines._http import engine_error
-from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
+from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, MANY, SseParser
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.ports import EngineSession
-from capyctl.domain.streams import Done, StreamEvent
+from capyctl.domain.streams import Done, Relayed, StreamEvent
+
+try:  # optional (see pyproject.toml): without it httptools unframes chunked bodies too, a call per chunk
+    from capyctl.adapters.engines._chunked import DONE as _UNFRAMED, dechunk as _dechunk
+except ImportError:  # pragma: no cover - a machine without a C compiler
+    _dechunk = None
 
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
@@ -34,18 +38,33 @@ _TARGETS = 256  # engine addresses whose request heads are kept
 
 
 class _Response(asyncio.Protocol):
-    """One connection; parses whatever the engine sends and wakes the reader."""
+    """One connection; parses whatever the engine sends and wakes the reader.
+
+    httptools parses each answer's head. When the head ends in the answer's first read and says the body is
+    chunked, the body is unframed by ``_chunked.dechunk``, one call a read, instead of httptools' call into
+    Python per chunk (an engine streams an event a chunk); the parser, left at that head, is made anew for
+    the next answer. Any other answer (a head over several reads, a body of known length) is httptools'
+    alone. Both ways give ``on_body`` the same bytes and end the answer the same way."""
 
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
+        self.unframing = False  # this answer's body goes to dechunk; the parser stopped at its head
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.release_to: list[_Response] | None = None  # idle pool to join once the response completes
+        self.sink: Callable[[], None] | None = None  # a pump's: called at each read instead of waking a reader
         self.reset()
 
     def reset(self) -> None:
         """Ready for the next request on this connection."""
+        if self.unframing:
+            self.parser = httptools.HttpResponseParser(self)
+            self.unframing = False
+        self.first_read = True  # the answer's first read is yet to come
+        self.chunked = False
+        self.chunk_state = self.chunk_left = 0  # dechunk's place in the framing between reads
+        self.pending = b""  # a size or trailer line begun at the end of a read, for the next one
         self.status = 0
         self.content_type = b""
         self.headers_done = False
@@ -61,25 +80,78 @@ class _Response(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.lost = exc
+        if self.unframing:
+            self._unframe(data)
+        elif self.first_read and _dechunk is not None:
+            self._first(data)
+        else:
+            self._feed(data)
+        if self.sink is not None:  # relayed right here, in this read's callback
+            self.sink()
+            return
         if self.buffered > _HIGH_WATER and self.transport is not None:
             self.transport.pause_reading()
             self.paused = True
         self._wake()
 
+    def _feed(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.lost = exc
+
+    def _first(self, data: bytes) -> None:
+        """An answer's first read: its head to httptools and, when the head ends here and the body is
+        chunked, what follows to dechunk. A head that goes on into a later read stays httptools' whole."""
+        self.first_read = False
+        end = data.find(b"\r\n\r\n") + 4
+        if end == 3:
+            self._feed(data)
+            return
+        self._feed(data[:end] if end < len(data) else data)
+        if self.chunked and self.headers_done and not self.complete and self.lost is None and self.status >= 200:
+            self.unframing = True
+            if end < len(data):
+                self._unframe(data[end:])
+        elif end < len(data) and self.lost is None:
+            self._feed(data[end:])  # an interim (1xx) answer's head, or a body of known length
+
+    def _unframe(self, data: bytes) -> None:
+        if self.complete:  # bytes after the answer's end: the connection can serve no other answer
+            if self.transport is not None:
+                self.transport.close()
+            return
+        if self.pending:
+            data, self.pending = self.pending + data, b""
+        try:
+            payload, self.chunk_state, self.chunk_left, used = _dechunk(data, self.chunk_state, self.chunk_left)
+        except ValueError as exc:
+            self.lost = httptools.HttpParserError(f"the engine's chunked body: {exc}")
+            return
+        if payload:  # (on_body, inline: a call less a read)
+            self.body.append(payload)
+            self.buffered += len(payload)
+        if self.chunk_state == _UNFRAMED:
+            if used < len(data):  # more than the answer: not to be reused
+                self.keep_alive = False
+            self.on_message_complete()
+        elif used < len(data):
+            self.pending = data[used:]
+
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self.complete:
             self.lost = self.lost or exc or ConnectionResetError("the engine closed the connection")
         self.transport = None
+        if self.sink is not None:
+            self.sink()
         self._wake()
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 12 and name.lower() == b"content-type":
             self.content_type = value.lower()
+        elif len(name) == 17 and name.lower() == b"transfer-encoding":
+            self.chunked = value.lower().rstrip().endswith(b"chunked")
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -123,6 +195,8 @@ class _Response(asyncio.Protocol):
 
 
 class WireEngineSession(EngineSession):
+    relays_runs = True  # chat_stream(..., runs=True) hands plain events of one read over as one Run
+
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
@@ -164,13 +238,19 @@ class WireEngineSession(EngineSession):
             raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
         return conn, False
 
-    async def _send(self, host: str, port: int, head: bytes, body: bytes) -> _Response:
-        """The request written and the answer's head read."""
+    async def _send(self, host: str, port: int, head: bytes, body: bytes, written: _Response | None = None
+                    ) -> _Response:
+        """The request written (``written``: already, on that pooled connection) and the answer's head read."""
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
-            conn, reused = await self._connection(host, port)
+            if written is None:
+                conn, reused = await self._connection(host, port)
+            else:
+                conn, reused = written, True
             try:
-                conn.reset()
-                conn.transport.write(_request(head, body))  # type: ignore[union-attr]
+                if conn is not written:
+                    conn.reset()
+                    conn.transport.write(_request(head, body))  # type: ignore[union-attr]
+                written = None
                 while not conn.headers_done and conn.lost is None:
                     await conn.wait()
             except BaseException:
@@ -182,10 +262,16 @@ class WireEngineSession(EngineSession):
                 break
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
-    def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None) -> _ChatStream:
-        """(see ``EngineSession``)"""
+    def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
+                    runs: bool = False) -> _ChatStream:
+        """(see ``EngineSession``). The request is written at once when a kept-alive connection to the engine
+        stands idle: the engine starts on it while the caller does what it has left to do before it enters."""
         host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
-        return _ChatStream(self, host, port, head, body, until)
+        conn = self._idle_connection(host, port)
+        if conn is not None:
+            conn.reset()
+            conn.transport.write(_request(head, body))  # type: ignore[union-attr]
+        return _ChatStream(self, host, port, head, body, until, runs, conn)
 
     async def decide(self, base_url: str, body: bytes) -> bytes:
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
@@ -268,19 +354,28 @@ def _close_unreleased(conn: _Response) -> None:
 class _ChatStream:
     """``chat_stream``'s context: the request sent and the answer's head read on entry, the stream's events
     yielded; on the way out the connection goes back to the pool, or is closed when the stream was cut
-    short (client gone, refused chunk, error): closing tells the engine to stop."""
+    short (client gone, refused chunk, error): closing tells the engine to stop. A class rather than a
+    generator: a request's way in and out of it is two calls, not a generator's machinery."""
 
-    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_until", "_conn")
+    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_until", "_runs", "_conn", "_written")
 
     def __init__(self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes,
-                 until: Callable[[], bool] | None) -> None:
+                 until: Callable[[], bool] | None, runs: bool, written: _Response | None) -> None:
         self._session = session
         self._host, self._port, self._head, self._body = host, port, head, body
-        self._until = until
+        self._until, self._runs = until, runs
         self._conn: _Response | None = None
+        self._written = written  # the pooled connection the request went out on already, if any
 
-    async def __aenter__(self) -> AsyncIterator[list[StreamEvent]]:
-        conn = self._conn = await self._session._send(self._host, self._port, self._head, self._body)
+    def abandon(self) -> None:
+        """Never to be entered: a request written already is cut (its connection closed)."""
+        if self._written is not None:
+            self._written.close()
+            self._written = None
+
+    async def __aenter__(self) -> _Stream:
+        written, self._written = self._written, None
+        conn = self._conn = await self._session._send(self._host, self._port, self._head, self._body, written)
         try:
             if conn.status != 200:
                 while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
@@ -288,7 +383,7 @@ class _ChatStream:
                 raise engine_error(conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
-            return _stream(conn, SseParser(self._session._max_event), self._until)
+            return _Stream(conn, _Reads(conn, self._session._max_event, self._until, self._runs))
         except BaseException:
             conn.close()
             raise
@@ -325,32 +420,137 @@ async def _not_a_stream(conn: _Response) -> EdgeError:
 _ONE_BY_ONE = 8  # at most this many leading events are handed over one at a time
 
 
-async def _stream(conn: _Response, parser: SseParser, until: Callable[[], bool] | None
-                  ) -> AsyncIterator[list[StreamEvent]]:
-    """The events of each network read, as one batch; with ``until``, the first ones come one at a time until
+class _Reads:
+    """The events of each network read, in batches; with ``until``, the first ones come one at a time until
     it is true (or after a few), so that the first token is relayed before the rest of a large read is
-    parsed and checked."""
-    singly = _ONE_BY_ONE if until is not None else 0
-    ended = False
-    while not ended:
-        if conn.body:
-            events = parser.feed(conn.take())
-        elif conn.complete:  # what the parser still holds once the HTTP message is complete
-            events, ended = parser.close(), True
-        elif conn.lost is not None:
-            raise EngineUnavailable(f"the engine connection broke: {conn.lost!r}")
-        else:
-            await conn.wait()
-            continue
-        while singly and not until():  # type: ignore[misc]
+    parsed. What both ways of relaying a stream (pulled, pumped) share."""
+
+    __slots__ = ("conn", "parser", "until", "singly")
+
+    def __init__(self, conn: _Response, max_event: int, until: Callable[[], bool] | None, runs: bool) -> None:
+        self.conn = conn  # told when [DONE] has come (saw_done)
+        self.parser = SseParser(max_event, runs=runs)
+        self.until = until
+        self.singly = _ONE_BY_ONE if until is not None else 0
+
+    def batches(self, data: bytes) -> Iterable[list[StreamEvent]]:
+        parser = self.parser
+        event = parser.lone(data)
+        if event is not MANY:  # one whole event alone (a token a read): the same batch, without feed's generators
+            if event is None:
+                return ()
+            if self.singly and not self.until():  # type: ignore[misc]
+                self.singly -= 1
+            if isinstance(event, Done):
+                self.conn.saw_done = True
+            return ([event],)  # type: ignore[list-item]
+        if not self.singly or self.until():  # type: ignore[misc]
+            # whole plain events as one Run (an engine at full speed), once none is to come alone: the same batch
+            batch = parser.runs(data)
+            if batch is not MANY:
+                if isinstance(batch[-1], Done):  # type: ignore[index]
+                    self.conn.saw_done = True
+                return (batch,)  # type: ignore[return-value]
+        return self._fed(data)
+
+    def _fed(self, data: bytes) -> Iterator[list[StreamEvent]]:
+        """``batches`` the general way: the parser's ``feed``, its first events one at a time until ``until``."""
+        events = self.parser.feed(data)
+        while self.singly and not self.until():  # type: ignore[misc]
             event = next(events, None)
             if event is None:
-                break
-            singly -= 1
-            conn.saw_done = conn.saw_done or isinstance(event, Done)
+                return
+            self.singly -= 1
+            if isinstance(event, Done):
+                self.conn.saw_done = True
             yield [event]
-        else:
-            batch = list(events)
-            if batch:
-                conn.saw_done = conn.saw_done or isinstance(batch[-1], Done)
-                yield batch
+        batch = list(events)
+        if batch:
+            if isinstance(batch[-1], Done):
+                self.conn.saw_done = True
+            yield batch
+
+    def last(self) -> list[StreamEvent]:
+        """What the parser still holds once the HTTP message is complete."""
+        return list(self.parser.close())
+
+
+class _Stream:
+    """An engine's SSE answer on one connection: pulled (``async for``: a batch per read, the reader woken by
+    each) or pumped (``pump``: each read is parsed and handed on in the connection's own callback)."""
+
+    def __init__(self, conn: _Response, reads: _Reads) -> None:
+        self._conn = conn
+        self._reads = reads
+
+    def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
+        return self._pull()
+
+    async def _pull(self) -> AsyncIterator[list[StreamEvent]]:
+        conn, reads = self._conn, self._reads
+        while True:
+            if conn.body:
+                for batch in reads.batches(conn.take()):
+                    yield batch
+                continue
+            if conn.complete:
+                break
+            if conn.lost is not None:
+                raise EngineUnavailable(f"the engine connection broke: {conn.lost!r}")
+            await conn.wait()
+        if last := reads.last():
+            yield last
+
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
+                   ) -> bool:
+        """Hand each batch to ``deliver`` as its read arrives, from the connection's callback: no wake-up
+        of this task per read. When ``deliver`` says FULL, reading from the engine pauses until ``drain()``
+        returns. True once ``deliver`` said ENDED, False when the HTTP message ended first; raises as
+        pulling would."""
+        conn, reads = self._conn, self._reads
+        loop = asyncio.get_running_loop()
+        state: list[Any] = [None]  # the waiter of this turn
+
+        def sink() -> None:
+            waiter = state[0]
+            if waiter is None or waiter.done():  # cut (the waiter was cancelled) or already told
+                return
+            try:
+                full = False
+                while conn.body:  # a read is relayed whole, even past a full client: it is in memory already
+                    for batch in reads.batches(conn.take()):
+                        said = deliver(batch)
+                        if said is Relayed.ENDED:
+                            waiter.set_result(True)
+                            return
+                        if waiter.done():  # cut meanwhile
+                            return
+                        full = full or said is Relayed.FULL
+                if full:
+                    if conn.transport is not None:
+                        conn.transport.pause_reading()
+                    waiter.set_result(_PAUSED)
+                elif conn.complete:
+                    last = reads.last()
+                    waiter.set_result(bool(last) and deliver(last) is Relayed.ENDED)
+                elif conn.lost is not None:
+                    waiter.set_exception(EngineUnavailable(f"the engine connection broke: {conn.lost!r}"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it as pulling would
+                waiter.set_exception(exc)
+
+        conn.sink = sink
+        try:
+            while True:
+                state[0] = waiter = loop.create_future()
+                sink()  # what came before (or with) the head, or while paused
+                outcome = await waiter
+                if outcome is not _PAUSED:
+                    return bool(outcome)
+                await drain()
+                if conn.transport is not None:
+                    conn.transport.resume_reading()
+        finally:
+            conn.sink = None
+
+
+_PAUSED = object()

@@ -7,6 +7,7 @@ logged per chunk.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -18,7 +19,7 @@ from capyctl.adapters.http.front import Headers, Outcome, send_one_answer
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.requests import Phase, RequestRecord
-from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, StreamEvent
+from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Relayed, Run, StreamEvent
 from capyctl.services.chat import ChatService, EngineCall, failure_error, read_target
 
 _encode = msgspec.json.encode
@@ -65,17 +66,21 @@ class ChatEndpoint:
             async with self._service.open(record, obj, wait) as call:
                 opened = True
                 exchange.start(_SSE_HEADERS + headers[1:])  # made while the engine works on the first token
-                async for batch in call.events:
-                    data = framing.frame(batch, call, outcome)
-                    if framing.last:  # the batch that ended the stream leaves with the stream's end
-                        continue  # (the events end here: the relay stops at Done)
-                    if outcome.started:  # the hot path
-                        await exchange.write(data)
-                    else:  # headers go out with the first chunk: one wake-up for the client
-                        began = time.perf_counter()
-                        outcome.started = True
-                        await exchange.write(data)
-                        self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+                if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read
+                    await call.pump(functools.partial(self._deliver, record, exchange, outcome, framing, call),
+                                    exchange.drain)
+                else:
+                    async for batch in call.events:
+                        data = framing.frame(batch, call, outcome)
+                        if framing.last:  # the batch that ended the stream leaves with the stream's end
+                            continue  # (the events end here: the relay stops at Done)
+                        if outcome.started:  # the hot path
+                            await exchange.write(data)
+                        else:  # headers go out with the first chunk: one wake-up for the client
+                            began = time.perf_counter()
+                            outcome.started = True
+                            await exchange.write(data)
+                            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
             failure = framing.failure
             if failure is None:
                 record.phase = Phase.DONE
@@ -105,8 +110,23 @@ class ChatEndpoint:
                 self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
 
 
+    def _deliver(self, record: RequestRecord, exchange: Exchange, outcome: Outcome, framing: _Framing,
+                 call: EngineCall, batch: list[StreamEvent]) -> Relayed:
+        """One batch of a pumped stream, written at once (the pulled loop's body, without its awaits)."""
+        data = framing.frame(batch, call, outcome)
+        if framing.last:  # the batch that ended the stream leaves with the stream's end, after the call
+            return Relayed.MORE
+        if not outcome.started:  # headers go out with the first chunk
+            began = time.perf_counter()
+            outcome.started = True
+            full = exchange.write_now(data)
+            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+            return Relayed.FULL if full else Relayed.MORE
+        return Relayed.FULL if exchange.write_now(data) else Relayed.MORE
+
+
 class _Framing:
-    """A relayed stream's batches as the SSE bytes sent on."""
+    """A relayed stream's batches as the SSE bytes sent on: what pulling and pumping share."""
 
     __slots__ = ("failure", "last")
 
@@ -115,9 +135,13 @@ class _Framing:
         self.last = b""  # the bytes of the batch that ended the stream, once it came
 
     def frame(self, batch: list[StreamEvent], call: EngineCall, outcome: Outcome) -> bytes:
+        if len(batch) == 1 and type(batch[0]) is Run:  # one read's run, the most usual batch at full speed
+            return batch[0].sse  # type: ignore[union-attr]
         parts: list[bytes] = []
         for event in batch:
-            if isinstance(event, Chunk):
+            if isinstance(event, Run):  # checked as a whole, already SSE: sent on as it came
+                parts.append(event.sse)
+            elif isinstance(event, Chunk):
                 parts += (b"data: ", event.raw, b"\n\n")
             elif isinstance(event, EngineFailure):
                 self.failure = event

@@ -79,6 +79,8 @@ def raw_error(status: int, body: bytes, retry_after: int | None = None) -> bytes
 class Exchange:
     """One request read whole, and its answer written straight to the connection's transport."""
 
+    pushes = True  # write_now, a write from the engine connection's callback, is there (see ChatEndpoint)
+
     def __init__(self, connection: Any, method: str, path: str, query: bytes, headers: Headers, body: bytes,
                  keep_alive: bool) -> None:
         self.method = method
@@ -217,10 +219,24 @@ class Exchange:
 
     async def write(self, data: bytes) -> None:
         """The next piece of a started stream."""
-        if await self._writable() and (data or not self.started):
+        if await self._writable():
+            self.write_now(data)
+
+    def write_now(self, data: bytes) -> bool:
+        """``write`` at once, from a callback (a pumped stream): True when the client cannot take more for now
+        (the caller stops producing until ``drain`` returns)."""
+        if self.disconnected or self.ended:  # nothing may follow an answer's end
+            return False
+        if data or not self.started:
             head = b"" if self.started else self._head
             self.started = True
             self._connection.transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data) if data else head)
+        return self._connection.write_paused
+
+    async def drain(self) -> None:
+        """Return once the client can take more (or is gone)."""
+        if self._connection.write_paused and not self.disconnected:
+            await self._connection.drain()
 
     async def end(self, data: bytes = b"") -> None:
         """A stream's last piece (if any) and its end."""

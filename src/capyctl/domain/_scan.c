@@ -1,0 +1,730 @@
+/* The run scan: what the typed relay needs of a run of plain SSE chunks, in one pass over its bytes.
+
+   scan_run(body) reads ``body`` (``data: {...}\n\n`` events, nothing else) and returns, when every
+   payload is one that ``relay_check.Head`` decodes (``msgspec.json.Decoder(Head).decode_lines``) and
+   none is the engine's failure event, the facts ``TypedRelay.run`` works from:
+
+       (count, model, delta_keys, top_index, text_count, first_text, objects, positions)
+
+   - count: the chunks;
+   - model: the token every chunk sends as ``model`` (a JSON string with its quotes; the same bytes in
+     every chunk), or None when no chunk sends one;
+   - delta_keys: a bit per ``Delta`` field (in its order) that some choice's delta sent, null included;
+   - top_index: the highest tool-call index any delta sent, -1 when none did;
+   - text_count, first_text: how many chunks carry generated text (a truthy content, reasoning_content,
+     reasoning or a non-empty tool_calls in some choice's delta), and the first of them (-1 if none);
+   - objects: where the payloads of the chunks that send usage, metrics, timings or tensorfold (not null)
+     begin and end in ``body``, two offsets a chunk, flat;
+   - positions: when ``"model":<model>`` occurs once in each chunk, as its model field (no object below
+     the head has a key "model", and each chunk writes its model field without spaces), the offset of
+     each chunk's model token, as native uint32 values in one bytes object; None otherwise. Respelling
+     the tokens there (``respell``) is then each chunk's first-occurrence splice of the pattern.
+
+   respell(body, positions, old, new) writes ``body`` again with ``new`` in place of the ``old`` token at
+   each of ``positions``, checking that ``old`` is there (ValueError where it is not).
+
+   It returns None for anything it is not sure of, and the caller then takes the way it took before
+   (msgspec's decode): so what it accepts must be a subset of what msgspec accepts, and its facts must
+   be what the decoded heads say. It refuses, among others: unknown or repeated fields of the structs
+   (Head, Choice, Delta, ToolCall), a field name with an escape, a model that is not the same plain
+   string (no escapes) in every chunk or absent from all, an index that is not a plain non-negative
+   integer of at most 18 digits, a \u escape of a surrogate, a number of more than 40 characters or
+   with an exponent of three digits or more, nesting deeper than 64, a line feed inside a payload, and
+   invalid UTF-8 (checked strictly, as Python's decoder does). The field lists are exported
+   (HEAD_FIELDS ...) so that a test holds them to the structs.
+
+   No allocation happens before the result is built; every read is bounds-checked against the end. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DEPTH 64
+#define MAX_NUMBER 40
+#define MAX_INDEX_DIGITS 18
+
+typedef struct {
+    const unsigned char *p;
+    const unsigned char *start;
+    const unsigned char *end;
+    int non_ascii;
+    int nested_model;  /* an object below the head has a key "model" */
+} Scan;
+
+/* Per chunk: what its head says */
+typedef struct {
+    const unsigned char *model;  /* the model token (quotes included), NULL when absent */
+    Py_ssize_t model_len;
+    int model_tight;  /* the token follows its key and colon at once: "model":<token> */
+    int text;
+    int objects;
+    const unsigned char *payload;  /* where its payload begins, and ends (at its blank line) */
+    const unsigned char *payload_end;
+} Chunk;
+
+typedef struct {
+    unsigned int delta_keys;
+    long long top_index;
+} Facts;
+
+/* ---- the structs' fields, in the order relay_check declares them ---- */
+
+typedef struct {
+    const char *name;
+    Py_ssize_t len;
+} Field;
+
+#define F(name) {name, sizeof(name) - 1}
+
+static const Field HEAD_FIELDS[] = {F("id"), F("object"), F("created"), F("model"), F("choices"), F("system_fingerprint"), F("service_tier"), F("prompt_token_ids"), F("prompt_text"), F("kv_transfer_params"), F("exact_mode"), F("speculative"), F("reasoning_tokens"), F("usage"), F("metrics"), F("timings"), F("tensorfold"), F("error"), {NULL, 0}};
+enum {H_MODEL = 3, H_CHOICES = 4, H_USAGE = 13, H_METRICS = 14, H_TIMINGS = 15, H_TENSORFOLD = 16, H_ERROR = 17};
+
+static const Field CHOICE_FIELDS[] = {F("index"), F("delta"), F("logprobs"), F("finish_reason"), F("stop_reason"), F("token_ids"), F("matched_stop"), F("weight_versions"), F("reasoning_tokens"), {NULL, 0}};
+enum {C_INDEX = 0, C_DELTA = 1};
+
+static const Field DELTA_FIELDS[] = {F("role"), F("content"), F("reasoning"), F("reasoning_content"), F("tool_calls"), {NULL, 0}};
+enum {D_ROLE = 0, D_TOOL_CALLS = 4};
+
+static const Field TOOL_CALL_FIELDS[] = {F("index"), F("id"), F("type"), F("function"), {NULL, 0}};
+enum {T_INDEX = 0};
+
+/* ---- lexing ---- */
+
+static inline void
+skip_ws(Scan *s)
+{
+    /* JSON's whitespace less the line feed: a payload is one line */
+    while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\r')) s->p++;
+}
+
+static inline int
+at(Scan *s, unsigned char c)
+{
+    return s->p < s->end && *s->p == c;
+}
+
+static inline int
+hex(unsigned char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* The bytes a string's scan stops at: the quote, the backslash, control characters, and non-ASCII */
+static unsigned char STOP[256];
+
+static void
+init_stop(void)
+{
+    for (int c = 0; c < 256; c++) STOP[c] = c == '"' || c == '\\' || c < 0x20 || c >= 0x80;
+}
+
+/* A string, at its opening quote. *nonempty: it holds a character; *plain: it has no escape. */
+static int
+scan_string(Scan *s, int *nonempty, int *plain)
+{
+    const unsigned char *start = ++s->p;
+    const unsigned char *p = start, *end = s->end;
+    int escaped = 0;
+    while (1) {
+        while (p < end && !STOP[*p]) p++;
+        if (p >= end) return 0;
+        unsigned char c = *p;
+        if (c == '"') {
+            *nonempty = p != start;
+            *plain = !escaped;
+            s->p = p + 1;
+            return 1;
+        }
+        if (c >= 0x80) {
+            s->non_ascii = 1;
+            p++;
+        }
+        else if (c == '\\') {
+            escaped = 1;
+            if (end - p < 2) return 0;
+            c = p[1];
+            if (c == 'u') {
+                if (end - p < 6) return 0;
+                int a = hex(p[2]), b = hex(p[3]), d = hex(p[4]), e = hex(p[5]);
+                if (a < 0 || b < 0 || d < 0 || e < 0) return 0;
+                int code = (a << 12) | (b << 8) | (d << 4) | e;
+                if (code >= 0xD800 && code <= 0xDFFF) return 0;  /* surrogates: msgspec's rules, not ours */
+                p += 6;
+            }
+            else if (c == '"' || c == '\\' || c == '/' || c == 'b' || c == 'f' || c == 'n' || c == 'r' || c == 't') {
+                p += 2;
+            }
+            else {
+                return 0;
+            }
+        }
+        else {
+            return 0;  /* a control character */
+        }
+    }
+}
+
+/* A number. *truthy: its value is not zero. */
+static int
+scan_number(Scan *s, int *truthy)
+{
+    const unsigned char *start = s->p;
+    int nonzero = 0;
+    if (at(s, '-')) s->p++;
+    if (at(s, '0')) {
+        s->p++;
+        if (s->p < s->end && *s->p >= '0' && *s->p <= '9') return 0;
+    }
+    else if (s->p < s->end && *s->p >= '1' && *s->p <= '9') {
+        nonzero = 1;
+        while (s->p < s->end && *s->p >= '0' && *s->p <= '9') s->p++;
+    }
+    else {
+        return 0;
+    }
+    if (at(s, '.')) {
+        s->p++;
+        const unsigned char *digits = s->p;
+        while (s->p < s->end && *s->p >= '0' && *s->p <= '9') {
+            if (*s->p != '0') nonzero = 1;
+            s->p++;
+        }
+        if (s->p == digits) return 0;
+    }
+    if (at(s, 'e') || at(s, 'E')) {
+        s->p++;
+        if (at(s, '+') || at(s, '-')) s->p++;
+        const unsigned char *digits = s->p;
+        while (s->p < s->end && *s->p >= '0' && *s->p <= '9') s->p++;
+        if (s->p == digits || s->p - digits > 2) return 0;  /* three exponent digits may be out of range */
+    }
+    if (s->p - start > MAX_NUMBER) return 0;
+    *truthy = nonzero;
+    return 1;
+}
+
+static int
+scan_literal(Scan *s, const char *word, Py_ssize_t len)
+{
+    if (s->end - s->p < len || memcmp(s->p, word, len) != 0) return 0;
+    s->p += len;
+    return 1;
+}
+
+static int scan_value(Scan *s, int depth, int *truthy);
+
+/* At a container's opening bracket: 1 when members follow, 0 when ``close`` ends it at once (taken) */
+static int
+open_container(Scan *s, unsigned char close)
+{
+    s->p++;
+    skip_ws(s);
+    if (at(s, close)) {
+        s->p++;
+        return 0;
+    }
+    return 1;
+}
+
+/* After a member: 1 when another follows (the comma taken), 0 when ``close`` ends the container (taken),
+   -1 for anything else */
+static int
+after_member(Scan *s, unsigned char close)
+{
+    skip_ws(s);
+    if (at(s, ',')) {
+        s->p++;
+        skip_ws(s);
+        return 1;
+    }
+    if (at(s, close)) {
+        s->p++;
+        return 0;
+    }
+    return -1;
+}
+
+/* An object or array of any values, at its opening bracket */
+static int
+scan_container(Scan *s, int depth, int *truthy)
+{
+    int object = *s->p == '{';
+    unsigned char close = object ? '}' : ']';
+    int ignored, nonempty, plain, more;
+    if (depth > MAX_DEPTH) return 0;
+    *truthy = open_container(s, close);
+    while (*truthy) {
+        if (object) {
+            const unsigned char *key = s->p + 1;
+            if (!at(s, '"') || !scan_string(s, &nonempty, &plain)) return 0;
+            if (s->p - key == 6 && memcmp(key, "model", 5) == 0) s->nested_model = 1;
+            skip_ws(s);
+            if (!at(s, ':')) return 0;
+            s->p++;
+            skip_ws(s);
+        }
+        if (!scan_value(s, depth + 1, &ignored) || (more = after_member(s, close)) < 0) return 0;
+        if (!more) break;
+    }
+    return 1;
+}
+
+static int
+scan_value(Scan *s, int depth, int *truthy)
+{
+    int plain;
+    if (s->p >= s->end) return 0;
+    switch (*s->p) {
+        case '"': return scan_string(s, truthy, &plain);
+        case '{':
+        case '[': return scan_container(s, depth, truthy);
+        case 't': *truthy = 1; return scan_literal(s, "true", 4);
+        case 'f': *truthy = 0; return scan_literal(s, "false", 5);
+        case 'n': *truthy = 0; return scan_literal(s, "null", 4);
+        default: return scan_number(s, truthy);
+    }
+}
+
+/* A field name of a struct, at its opening quote: its position in ``fields``, or -1 (unknown, escaped).
+   ``hint`` is tried first: engines send a struct's fields in the order relay_check declares them, so the
+   field after the last one read is most often the next (hint may be the end of ``fields``). */
+static int
+scan_field(Scan *s, const Field *fields, int hint)
+{
+    const unsigned char *start = ++s->p;
+    while (s->p < s->end && *s->p != '"') {
+        if (*s->p == '\\' || *s->p < 0x20 || *s->p >= 0x80) return -1;
+        s->p++;
+    }
+    if (s->p >= s->end) return -1;
+    Py_ssize_t len = s->p - start;
+    s->p++;
+    if (fields[hint].name != NULL && fields[hint].len == len && memcmp(fields[hint].name, start, len) == 0)
+        return hint;
+    for (int i = 0; fields[i].name != NULL; i++) {
+        if (i != hint && fields[i].len == len && memcmp(fields[i].name, start, len) == 0) return i;
+    }
+    return -1;
+}
+
+/* A plain non-negative integer of a few digits, or null (-1) */
+static int
+scan_index(Scan *s, long long *value)
+{
+    if (at(s, 'n')) {
+        *value = -1;
+        return scan_literal(s, "null", 4);
+    }
+    const unsigned char *start = s->p;
+    long long v = 0;
+    while (s->p < s->end && *s->p >= '0' && *s->p <= '9') {
+        v = v * 10 + (*s->p - '0');
+        s->p++;
+    }
+    Py_ssize_t digits = s->p - start;
+    if (digits == 0 || digits > MAX_INDEX_DIGITS || (start[0] == '0' && digits > 1)) return 0;
+    if (at(s, '.') || at(s, 'e') || at(s, 'E')) return 0;  /* a float: msgspec refuses it for an int */
+    *value = v;
+    return 1;
+}
+
+/* A struct's object: each field read by ``field(s, index, context)``; unknown or repeated fields refused */
+typedef int (*FieldFn)(Scan *s, int index, void *context);
+
+static int
+scan_struct(Scan *s, const Field *fields, FieldFn field, void *context)
+{
+    unsigned int seen = 0;
+    int more, hint = 0;
+    if (!at(s, '{')) return 0;
+    more = open_container(s, '}');
+    while (more) {
+        if (!at(s, '"')) return 0;
+        int index = scan_field(s, fields, hint);
+        if (index < 0 || (seen & (1u << index))) return 0;
+        seen |= 1u << index;
+        hint = index + 1;
+        skip_ws(s);
+        if (!at(s, ':')) return 0;
+        s->p++;
+        skip_ws(s);
+        if (!field(s, index, context) || (more = after_member(s, '}')) < 0) return 0;
+    }
+    return 1;
+}
+
+/* ---- the structs ---- */
+
+typedef struct {
+    Facts *facts;
+    int text;
+} ChoiceContext;
+
+static int
+tool_call_field(Scan *s, int index, void *context)
+{
+    Facts *facts = (Facts *)context;
+    int ignored;
+    if (index == T_INDEX) {
+        long long value;
+        if (!scan_index(s, &value)) return 0;
+        if (value > facts->top_index) facts->top_index = value;
+        return 1;
+    }
+    return scan_value(s, 2, &ignored);
+}
+
+/* A list of structs (or null); *nonempty: it holds one */
+static int
+scan_struct_list(Scan *s, const Field *fields, FieldFn field, void *context, int *nonempty)
+{
+    int more;
+    *nonempty = 0;
+    if (at(s, 'n')) return scan_literal(s, "null", 4);
+    if (!at(s, '[')) return 0;
+    more = *nonempty = open_container(s, ']');
+    while (more) {
+        if (!scan_struct(s, fields, field, context) || (more = after_member(s, ']')) < 0) return 0;
+    }
+    return 1;
+}
+
+static int
+delta_field(Scan *s, int index, void *context)
+{
+    ChoiceContext *choice = (ChoiceContext *)context;
+    int truthy = 0;
+    choice->facts->delta_keys |= 1u << index;
+    if (index == D_TOOL_CALLS) {
+        if (!scan_struct_list(s, TOOL_CALL_FIELDS, tool_call_field, choice->facts, &truthy)) return 0;
+    }
+    else if (!scan_value(s, 3, &truthy)) {
+        return 0;
+    }
+    if (truthy && index != D_ROLE) choice->text = 1;  /* a role is no text */
+    return 1;
+}
+
+static int
+choice_field(Scan *s, int index, void *context)
+{
+    int ignored;
+    if (index == C_INDEX) {
+        long long value;
+        return scan_index(s, &value);
+    }
+    if (index == C_DELTA) {
+        if (at(s, 'n')) return scan_literal(s, "null", 4);
+        return scan_struct(s, DELTA_FIELDS, delta_field, context);
+    }
+    return scan_value(s, 3, &ignored);
+}
+
+typedef struct {
+    Facts *facts;
+    Chunk *chunk;
+    int error;
+    int choices;
+} HeadContext;
+
+static int
+head_field(Scan *s, int index, void *context)
+{
+    HeadContext *head = (HeadContext *)context;
+    int ignored, plain;
+    switch (index) {
+        case H_MODEL:
+            if (!at(s, '"')) return 0;
+            head->chunk->model = s->p;
+            head->chunk->model_tight = s->p - s->start >= 8 && memcmp(s->p - 8, "\"model\":", 8) == 0;
+            if (!scan_string(s, &ignored, &plain) || !plain) return 0;
+            head->chunk->model_len = s->p - head->chunk->model;
+            return 1;
+        case H_CHOICES: {
+            ChoiceContext choice = {head->facts, 0};
+            head->choices = 1;
+            if (!scan_struct_list(s, CHOICE_FIELDS, choice_field, &choice, &ignored)) return 0;
+            head->chunk->text = choice.text;
+            return 1;
+        }
+        case H_ERROR:
+            head->error = 1;
+            return scan_value(s, 1, &ignored);
+        case H_USAGE:
+        case H_METRICS:
+        case H_TIMINGS:
+        case H_TENSORFOLD:
+            if (!at(s, 'n')) head->chunk->objects = 1;
+            return scan_value(s, 1, &ignored);
+        default:
+            return scan_value(s, 1, &ignored);
+    }
+}
+
+/* ---- UTF-8, strictly (no overlong forms, no surrogates, nothing past U+10FFFF) ---- */
+
+static int
+valid_utf8(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end) {
+        unsigned char c = *p;
+        if (c < 0x80) {
+            p++;
+            continue;
+        }
+        if (c < 0xC2 || c > 0xF4) return 0;
+        if (c < 0xE0) {
+            if (end - p < 2 || (p[1] & 0xC0) != 0x80) return 0;
+            p += 2;
+        }
+        else if (c < 0xF0) {
+            if (end - p < 3 || (p[2] & 0xC0) != 0x80) return 0;
+            unsigned char lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+            if (p[1] < lo || p[1] > hi) return 0;
+            p += 3;
+        }
+        else {
+            if (end - p < 4 || (p[2] & 0xC0) != 0x80 || (p[3] & 0xC0) != 0x80) return 0;
+            unsigned char lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+            if (p[1] < lo || p[1] > hi) return 0;
+            p += 4;
+        }
+    }
+    return 1;
+}
+
+/* ---- the run ---- */
+
+#define STACK_CHUNKS 256
+
+/* The chunks of a run: on the stack, moved to the heap (its room doubled each time) past STACK_CHUNKS */
+typedef struct {
+    Chunk *items;
+    Py_ssize_t room;
+    Chunk stack[STACK_CHUNKS];
+} Chunks;
+
+/* Room for the chunk at ``count``; 0 (MemoryError set) when there is no memory for it */
+static int
+make_room(Chunks *chunks, Py_ssize_t count)
+{
+    if (count < chunks->room) return 1;
+    Chunk *items = PyMem_Malloc(2 * chunks->room * sizeof(Chunk));
+    if (items == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    memcpy(items, chunks->items, count * sizeof(Chunk));
+    if (chunks->items != chunks->stack) PyMem_Free(chunks->items);
+    chunks->items = items;
+    chunks->room *= 2;
+    return 1;
+}
+
+static PyObject *
+scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
+{
+    Scan s = {body, body, body + size, 0, 0};
+    Facts facts = {0, -1};
+    Py_ssize_t count = 0;
+    if (size < 8 || memcmp(body, "data: {", 7) != 0) Py_RETURN_NONE;
+    while (s.p < s.end) {
+        if (s.end - s.p < 6 || memcmp(s.p, "data: ", 6) != 0) Py_RETURN_NONE;
+        s.p += 6;
+        const unsigned char *payload = s.p;
+        skip_ws(&s);
+        if (!make_room(room, count)) return NULL;
+        Chunk *chunk = &room->items[count];
+        chunk->model = NULL;
+        chunk->model_len = 0;
+        chunk->model_tight = 0;
+        chunk->text = 0;
+        chunk->objects = 0;
+        HeadContext head = {&facts, chunk, 0, 0};
+        if (!scan_struct(&s, HEAD_FIELDS, head_field, &head)) Py_RETURN_NONE;
+        if (head.error && !head.choices) Py_RETURN_NONE;  /* the engine's failure event */
+        skip_ws(&s);
+        if (s.end - s.p < 2 || s.p[0] != '\n' || s.p[1] != '\n') Py_RETURN_NONE;
+        chunk->payload = payload;
+        chunk->payload_end = s.p;
+        s.p += 2;
+        count++;
+    }
+    if (count < 2) Py_RETURN_NONE;  /* one chunk alone is read as a chunk */
+    if (s.non_ascii && !valid_utf8(body, body + size)) Py_RETURN_NONE;
+
+    const Chunk *chunks = room->items;
+    const unsigned char *model = chunks[0].model;
+    Py_ssize_t model_len = chunks[0].model_len;
+    Py_ssize_t text_count = 0, first_text = -1, objects = 0;
+    int spliceable = model != NULL && !s.nested_model && size <= (Py_ssize_t)UINT32_MAX;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        spliceable = spliceable && chunks[i].model_tight;
+        if ((chunks[i].model == NULL) != (model == NULL)) Py_RETURN_NONE;
+        if (model != NULL && (chunks[i].model_len != model_len || memcmp(chunks[i].model, model, model_len) != 0))
+            Py_RETURN_NONE;
+        if (chunks[i].text) {
+            if (first_text < 0) first_text = i;
+            text_count++;
+        }
+        objects += chunks[i].objects;
+    }
+    PyObject *offsets = PyTuple_New(2 * objects);
+    if (offsets == NULL) return NULL;
+    for (Py_ssize_t i = 0, j = 0; i < count; i++) {
+        if (chunks[i].objects) {
+            PyObject *start = PyLong_FromSsize_t(chunks[i].payload - body);
+            PyObject *end = PyLong_FromSsize_t(chunks[i].payload_end - body);
+            if (start == NULL || end == NULL) {
+                Py_XDECREF(start);
+                Py_XDECREF(end);
+                Py_DECREF(offsets);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(offsets, j++, start);
+            PyTuple_SET_ITEM(offsets, j++, end);
+        }
+    }
+    PyObject *token, *positions;
+    if (model == NULL) {
+        token = Py_NewRef(Py_None);
+    }
+    else if ((token = PyBytes_FromStringAndSize((const char *)model, model_len)) == NULL) {
+        Py_DECREF(offsets);
+        return NULL;
+    }
+    if (!spliceable) {
+        positions = Py_NewRef(Py_None);
+    }
+    else if ((positions = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t))) != NULL) {
+        char *out = PyBytes_AS_STRING(positions);
+        for (Py_ssize_t i = 0; i < count; i++) {
+            uint32_t at = (uint32_t)(chunks[i].model - body);
+            memcpy(out + i * sizeof(uint32_t), &at, sizeof(uint32_t));
+        }
+    }
+    else {
+        Py_DECREF(offsets);
+        Py_DECREF(token);
+        return NULL;
+    }
+    return Py_BuildValue("(nNIlnnNN)", count, token, facts.delta_keys, (long)facts.top_index, text_count,
+                         first_text, offsets, positions);
+}
+
+static PyObject *
+scan_run(PyObject *module, PyObject *arg)
+{
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "scan_run() takes bytes");
+        return NULL;
+    }
+    const unsigned char *body = (const unsigned char *)PyBytes_AS_STRING(arg);
+    Py_ssize_t size = PyBytes_GET_SIZE(arg);
+    Chunks chunks;
+    chunks.items = chunks.stack;
+    chunks.room = STACK_CHUNKS;
+    PyObject *result = scan(body, size, &chunks);
+    if (chunks.items != chunks.stack) PyMem_Free(chunks.items);
+    return result;
+}
+
+static PyObject *
+respell(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1]) || !PyBytes_Check(args[2]) ||
+        !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "respell(body, positions, old, new) takes four bytes");
+        return NULL;
+    }
+    const char *body = PyBytes_AS_STRING(args[0]), *at = PyBytes_AS_STRING(args[1]);
+    const char *old = PyBytes_AS_STRING(args[2]), *new = PyBytes_AS_STRING(args[3]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]), old_len = PyBytes_GET_SIZE(args[2]);
+    Py_ssize_t new_len = PyBytes_GET_SIZE(args[3]), n = PyBytes_GET_SIZE(args[1]) / (Py_ssize_t)sizeof(uint32_t);
+    if (PyBytes_GET_SIZE(args[1]) % (Py_ssize_t)sizeof(uint32_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "respell(): positions is not a whole number of uint32 values");
+        return NULL;
+    }
+    Py_ssize_t next = 0;  /* the first byte a position may take */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t p;
+        memcpy(&p, at + i * sizeof(uint32_t), sizeof(uint32_t));
+        if ((Py_ssize_t)p < next || old_len > size - (Py_ssize_t)p || memcmp(body + p, old, old_len) != 0) {
+            PyErr_Format(PyExc_ValueError, "respell(): position %zd (%u) does not hold the old token", i, p);
+            return NULL;
+        }
+        next = (Py_ssize_t)p + old_len;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, size + n * (new_len - old_len));
+    if (result == NULL) return NULL;
+    char *out = PyBytes_AS_STRING(result);
+    Py_ssize_t from = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t p;
+        memcpy(&p, at + i * sizeof(uint32_t), sizeof(uint32_t));
+        memcpy(out, body + from, p - from);
+        out += p - from;
+        memcpy(out, new, new_len);
+        out += new_len;
+        from = (Py_ssize_t)p + old_len;
+    }
+    memcpy(out, body + from, size - from);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan_run", scan_run, METH_O,
+     "scan_run(body) -> (count, model, delta_keys, top_index, text_count, first_text, objects, positions) | None"},
+    {"respell", (PyCFunction)(void (*)(void))respell, METH_FASTCALL,
+     "respell(body, positions, old, new) -> body with new in place of old at each position"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+add_fields(PyObject *module, const char *name, const Field *fields)
+{
+    Py_ssize_t n = 0;
+    while (fields[n].name != NULL) n++;
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *field = PyUnicode_FromStringAndSize(fields[i].name, fields[i].len);
+        if (field == NULL) {
+            Py_DECREF(tuple);
+            return -1;
+        }
+        PyTuple_SET_ITEM(tuple, i, field);
+    }
+    return PyModule_AddObject(module, name, tuple) < 0 ? (Py_DECREF(tuple), -1) : 0;
+}
+
+static int
+exec_module(PyObject *module)
+{
+    init_stop();
+    if (add_fields(module, "HEAD_FIELDS", HEAD_FIELDS) < 0) return -1;
+    if (add_fields(module, "CHOICE_FIELDS", CHOICE_FIELDS) < 0) return -1;
+    if (add_fields(module, "DELTA_FIELDS", DELTA_FIELDS) < 0) return -1;
+    if (add_fields(module, "TOOL_CALL_FIELDS", TOOL_CALL_FIELDS) < 0) return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+    {0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_scan", "The run scan of the typed relay (see _scan.c).", 0, methods, slots,
+    NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__scan(void)
+{
+    return PyModuleDef_Init(&moduledef);
+}
