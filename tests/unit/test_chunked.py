@@ -102,6 +102,12 @@ def test_the_connection_serves_its_next_answer_with_a_fresh_parser(monkeypatch: 
     (b"1234567890abcdef0\r\n", "too large"),
     (b"2" + b" " * 5000, "too long"),
     (b"2 ;x\r\nab\r\n0\r\n\r\n", "not hexadecimal"),
+    (b"3;\x00\r\nabc\r\n0\r\n\r\n", "chunk extension"),
+    (b"3;\r\nabc\r\n0\r\n\r\n", "chunk extension"),
+    (b"3;a=b c\r\nabc\r\n0\r\n\r\n", "chunk extension"),
+    (b'3;a="x\r\nabc\r\n0\r\n\r\n', "chunk extension"),
+    (b"0\r\n:\r\n\r\n", "trailer field"),
+    (b"0\r\nx-a: \x01\r\n\r\n", "trailer field"),
 ])
 def test_a_broken_framing_breaks_the_connection_as_httptools_would(body: bytes, says: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,6 +116,45 @@ def test_a_broken_framing_breaks_the_connection_as_httptools_would(body: bytes, 
     assert says in str(ours.lost)
     assert not ours.complete and not ours.reusable()
     assert not theirs.complete  # httptools refuses it too, or waits for a framing that never comes
+
+
+@pytest.mark.parametrize("extension, trailer", [(b';a="q \\" x"', b""), (b";a;b=c;d=", b"x-t: a\tb c\r\n")])
+def test_valid_extensions_and_trailers_are_skipped(extension: bytes, trailer: bytes,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    body = chunked([b"data: a\n\n", b"data: b\n\n"], extension, trailer)
+    for unframe in (True, False):  # (httptools takes them too)
+        conn = received([HEAD, body], unframe, monkeypatch)
+        assert conn.lost is None and conn.complete and b"".join(conn.body) == b"data: a\n\ndata: b\n\n"
+
+
+@pytest.mark.parametrize("length, refused", [(4096, False), (4097, True)])
+def test_a_long_line_is_refused_or_not_wherever_the_read_ends(length: int, refused: bool) -> None:
+    """A size line of ``length`` bytes (a size and an extension) is refused for its length alone: the same
+    answer whole, and cut before its CR, at its CR, or before its LF."""
+    line = b"5;" + b"a" * (length - 2) + b"\r\n"
+    answers = []
+    for cut in (None, length, length + 1, length - 1):
+        reads = [line + b"hello\r\n"] if cut is None else [line[:cut], line[cut:] + b"hello\r\n"]
+        state, left, pending, payload, error = SIZE, 0, b"", b"", None
+        try:
+            for read in reads:
+                got, state, left, used = dechunk(pending + read, state, left)
+                pending, payload = (pending + read)[used:], payload + got
+        except ValueError as exc:
+            error = str(exc)
+        answers.append((payload, error))
+    assert len(set(answers)) == 1
+    assert (answers[0][1] is not None) == refused and answers[0][0] == (b"" if refused else b"hello")
+
+
+def test_nothing_after_a_broken_framing_is_taken_for_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the fuzzer: a read that breaks the framing, then a read of well-framed chunks and the end.
+    httptools takes nothing after the break; neither may the unframing (it once took the second read as a
+    whole answer)."""
+    reads = [HEAD + b"2\r\nabXY", b"3\r\nxyz\r\n0\r\n\r\n"]
+    for unframe in (True, False):
+        conn = received(reads, unframe, monkeypatch)
+        assert conn.lost is not None and not conn.complete and b"xyz" not in b"".join(conn.body)
 
 
 def test_bytes_after_the_answer_keep_the_connection_from_reuse(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -322,11 +322,12 @@ scan_index(Scan *s, long long *value)
     const unsigned char *start = s->p;
     long long v = 0;
     while (s->p < s->end && *s->p >= '0' && *s->p <= '9') {
+        if (s->p - start >= MAX_INDEX_DIGITS) return 0;  /* refused before the next digit could overflow v */
         v = v * 10 + (*s->p - '0');
         s->p++;
     }
     Py_ssize_t digits = s->p - start;
-    if (digits == 0 || digits > MAX_INDEX_DIGITS || (start[0] == '0' && digits > 1)) return 0;
+    if (digits == 0 || (start[0] == '0' && digits > 1)) return 0;
     if (at(s, '.') || at(s, 'e') || at(s, 'E')) return 0;  /* a float: msgspec refuses it for an int */
     *value = v;
     return 1;
@@ -612,7 +613,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
         Py_DECREF(token);
         return NULL;
     }
-    return Py_BuildValue("(nNIlnnNN)", count, token, facts.delta_keys, (long)facts.top_index, text_count,
+    return Py_BuildValue("(nNILnnNN)", count, token, facts.delta_keys, (long long)facts.top_index, text_count,
                          first_text, offsets, positions);
 }
 

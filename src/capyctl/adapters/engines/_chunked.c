@@ -4,9 +4,11 @@
  * event as a chunk of its own: a read of 30 events meant 30 calls, 30 bytes objects and a join. Here a read
  * is one call that returns its payload as one bytes object. The state between reads is two integers (which
  * part of the framing comes next, how many bytes are left of it); an incomplete size or trailer line is
- * left unconsumed for the caller to hand back with the next read. What it accepts is what RFC 9112 7.1
- * allows, less whitespace before an extension (httptools refuses that too): hex sizes, chunk extensions
- * (skipped, unread), trailer fields (skipped); anything else is ValueError.
+ * left unconsumed for the caller to hand back with the next read. What it accepts is RFC 9112 7.1 without
+ * the optional whitespace around an extension's ";" and "=" (httptools refuses it too): hex sizes, chunk
+ * extensions of token names and token (or empty) or quoted-string values (skipped, unread), trailer fields of a token
+ * name, a colon and visible characters, spaces or tabs (skipped); anything else is ValueError. Where a read
+ * ends changes nothing: a line is refused for its length whether or not its LF came in the same read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,6 +17,59 @@
 enum { SIZE = 0, DATA = 1, DATA_END = 2, TRAILER = 3, DONE = 4 };
 
 #define MAX_LINE 4096  /* a size line (with its extensions) or a trailer line longer than this is refused */
+
+/* RFC 9110 5.6.2: a token's characters */
+static int
+is_tchar(unsigned char c)
+{
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c != 0 && strchr("!#$%&'*+-.^_`|~", c));
+}
+
+/* The chunk extensions in line[0..n): *( ";" token [ "=" ( token / quoted-string ) ] ) */
+static int
+valid_extensions(const unsigned char *line, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n) {
+        if (line[i++] != ';') return 0;
+        Py_ssize_t start = i;
+        while (i < n && is_tchar(line[i])) i++;
+        if (i == start) return 0;
+        if (i < n && line[i] == '=') {
+            i++;
+            if (i < n && line[i] == '"') {  /* quoted-string: qdtext and quoted-pairs up to the closing quote */
+                i++;
+                while (i < n && line[i] != '"') {
+                    unsigned char c = line[i];
+                    if (c == '\\') {
+                        if (++i >= n || (line[i] < 0x20 && line[i] != '\t') || line[i] == 0x7f) return 0;
+                    } else if ((c < 0x20 && c != '\t') || c == 0x7f) {
+                        return 0;
+                    }
+                    i++;
+                }
+                if (i >= n) return 0;
+                i++;
+            } else {  /* a token, or nothing (httptools takes an empty value too) */
+                while (i < n && is_tchar(line[i])) i++;
+            }
+        }
+    }
+    return 1;
+}
+
+/* A trailer field line[0..n): token ":" then visible characters, obs-text, spaces and tabs */
+static int
+valid_trailer(const unsigned char *line, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    while (i < n && is_tchar(line[i])) i++;
+    if (i == 0 || i >= n || line[i] != ':') return 0;
+    for (i++; i < n; i++) {
+        if ((line[i] < 0x20 && line[i] != '\t') || line[i] == 0x7f) return 0;
+    }
+    return 1;
+}
 
 static PyObject *
 fail(const char *what)
@@ -58,8 +113,8 @@ dechunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (--left == 0) state = SIZE;
         } else {  /* SIZE or TRAILER: a whole line is needed */
             const char *end = memchr(data + at, '\n', (size_t)(size - at));
-            if (end == NULL) {
-                if (size - at > MAX_LINE) { Py_DECREF(out); return fail("a chunk size or trailer line is too long"); }
+            if (end == NULL) {  /* (a whole line may hold MAX_LINE bytes and its CR) */
+                if (size - at > MAX_LINE + 1) { Py_DECREF(out); return fail("a chunk size or trailer line is too long"); }
                 break;  /* the caller keeps data[at:] for the next read */
             }
             Py_ssize_t line = end - (data + at);  /* without the LF */
@@ -67,6 +122,9 @@ dechunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (line - 1 > MAX_LINE) { Py_DECREF(out); return fail("a chunk size or trailer line is too long"); }
             if (state == TRAILER) {
                 if (line == 1) state = DONE;  /* the empty line that ends the message */
+                else if (!valid_trailer((const unsigned char *)data + at, line - 1)) {
+                    Py_DECREF(out); return fail("a trailer field that is not name: value");
+                }
             } else {
                 long long chunk = 0;
                 Py_ssize_t i = 0, digits = 0;
@@ -80,6 +138,9 @@ dechunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 }
                 if (digits == 0) { Py_DECREF(out); return fail("a chunk size that is not hexadecimal"); }
                 if (i < line - 1 && data[at + i] != ';') { Py_DECREF(out); return fail("a chunk size that is not hexadecimal"); }
+                if (!valid_extensions((const unsigned char *)data + at + i, line - 1 - i)) {
+                    Py_DECREF(out); return fail("a chunk extension that is not ;name or ;name=value");
+                }
                 if (chunk == 0) state = TRAILER;
                 else { state = DATA; left = chunk; }
             }

@@ -117,6 +117,8 @@ class _Response(asyncio.Protocol):
             self._feed(data[end:])  # an interim (1xx) answer's head, or a body of known length
 
     def _unframe(self, data: bytes) -> None:
+        if self.lost is not None:  # the framing broke in an earlier read: nothing after it is the answer's
+            return
         if self.complete:  # bytes after the answer's end: the connection can serve no other answer
             if self.transport is not None:
                 self.transport.close()
