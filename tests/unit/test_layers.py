@@ -47,3 +47,19 @@ def test_no_code_imports_a_private_module_or_name_of_another_package() -> None:
     offending = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / "src").rglob("*.py"))
                  if (found := _private_imports(path.read_text()))}
     assert offending == {}
+
+
+def test_the_c_modules_are_built_wherever_a_c_compiler_is() -> None:
+    """They are optional (CapyCTL installs and serves without a compiler, on the Python ways); where the
+    install had one, a module that failed to build would only show as slower relaying: refused here."""
+    import importlib
+    import os
+    import shutil
+
+    compiler = os.environ.get("CC", "gcc")
+    if shutil.which(compiler.split()[0]) is None or compiler.split()[0] == "false":
+        import pytest
+
+        pytest.skip(f"no C compiler ({compiler}) here: the Python ways are the only ones")
+    for module in ("capyctl.domain._scan", "capyctl.adapters.engines._chunked"):
+        importlib.import_module(module)
