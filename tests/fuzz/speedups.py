@@ -2,10 +2,10 @@
 
     python -m tests.fuzz.speedups [--seconds 60]
 
-- ``domain/_scan.c`` (``scan_run``): runs made of the recordings' chunks and of random JSON chunks, then
+- ``_speedups/scan.c`` (``scan_run``): runs made of the recordings' chunks and of random JSON chunks, then
   cut, mutated byte by byte, spliced; whatever the scan accepts, msgspec's decode of the heads must accept
   too, with the same facts (``check_against_decode`` of the unit tests).
-- ``adapters/engines/_chunked.c`` (``dechunk``): random chunked bodies (extensions, trailers, mutated
+- ``_speedups/chunked.c`` (``dechunk``): random chunked bodies (extensions, trailers, mutated
   framing) read at random boundaries; nothing httptools refuses may be taken, and what both take must be the
   same body.
 
@@ -130,8 +130,8 @@ def main() -> None:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     print(f"fuzzing the C modules against their references, {args.seconds:g} s each, seed {seed}")
     count, taken = fuzz_scan(args.seconds, seed)
-    print(f"  _scan.c: {count} runs ({taken} taken by the scan and checked against the decode), no disagreement")
-    print(f"  _chunked.c: {fuzz_chunked(args.seconds, seed)} bodies, no disagreement")
+    print(f"  scan.c: {count} runs ({taken} taken by the scan and checked against the decode), no disagreement")
+    print(f"  chunked.c: {fuzz_chunked(args.seconds, seed)} bodies, no disagreement")
 
 
 if __name__ == "__main__":

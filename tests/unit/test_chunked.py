@@ -14,7 +14,7 @@ from capyctl.adapters.engines._wire import _Response
 
 # Built where a C compiler was found at install; without it, httptools unframes every body (the reference
 # these tests hold it to), and test_layers checks it is built wherever gcc is.
-_chunked = pytest.importorskip("capyctl.adapters.engines._chunked", reason="dechunk was not built (no C compiler)")
+_chunked = pytest.importorskip("capyctl._speedups.chunked", reason="dechunk was not built (no C compiler)")
 DATA, DONE, SIZE, TRAILER, dechunk = _chunked.DATA, _chunked.DONE, _chunked.SIZE, _chunked.TRAILER, _chunked.dechunk
 
 HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"

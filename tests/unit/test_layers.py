@@ -61,5 +61,5 @@ def test_the_c_modules_are_built_wherever_a_c_compiler_is() -> None:
         import pytest
 
         pytest.skip(f"no C compiler ({compiler}) here: the Python ways are the only ones")
-    for module in ("capyctl.domain._scan", "capyctl.adapters.engines._chunked"):
+    for module in ("capyctl._speedups.scan", "capyctl._speedups.chunked"):
         importlib.import_module(module)

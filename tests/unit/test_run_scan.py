@@ -1,4 +1,4 @@
-"""The run scan in C (``domain/_scan.c``) against the way it replaces: msgspec's decode of the heads.
+"""The run scan in C (``_speedups/scan.c``) against the way it replaces: msgspec's decode of the heads.
 
 Whatever the scan accepts, the decode must accept too, and the facts it
 reads must be the ones the decoded heads give; the typed pass must then do
@@ -35,7 +35,7 @@ from tests.unit.test_relay_check import NAME, RECORDINGS, ROWS, payload, relay, 
 
 # Built where a C compiler was found at install; without it, the relay decodes every run (tests/unit/
 # test_relay_check.py holds that way to the stages), and test_layers checks it is built wherever gcc is.
-_scan = pytest.importorskip("capyctl.domain._scan", reason="the C run scan was not built (no C compiler)")
+_scan = pytest.importorskip("capyctl._speedups.scan", reason="the C run scan was not built (no C compiler)")
 MAX_EVENT = _sse.DEFAULT_MAX_EVENT
 SLOW = settings(max_examples=1500, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

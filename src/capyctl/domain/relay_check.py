@@ -109,13 +109,13 @@ DELTA_KEYS = Delta.__struct_fields__
 decode_head = msgspec.json.Decoder(Head).decode  # raises msgspec.DecodeError (or RecursionError) when it refuses
 decode_heads = msgspec.json.Decoder(Head).decode_lines
 
-try:  # the run scan in C, built with the package (see _scan.c); without it, every run is decoded into heads
-    from capyctl.domain._scan import respell as _respell
-    from capyctl.domain._scan import scan_run as _scan_run
+try:  # the run scan in C, built with the package (_speedups/scan.c); without it, every run is decoded into heads
+    from capyctl._speedups.scan import respell as _respell
+    from capyctl._speedups.scan import scan_run as _scan_run
 except ImportError:  # pragma: no cover - a build without a C compiler
     _scan_run = None
 scan_run: Callable[[bytes], tuple[Any, ...] | None] | None = _scan_run
-"""``scan_run(body)``: a run's facts read straight from its bytes (see ``_scan.c``), or None where the scan is
+"""``scan_run(body)``: a run's facts read straight from its bytes (see ``_speedups/scan.c``), or None where the scan is
 not sure (the run is then decoded into heads, as without it). None when the package was built without it."""
 
 

@@ -26,7 +26,7 @@ from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, Relayed, StreamEvent
 
 try:  # optional (see pyproject.toml): without it httptools unframes chunked bodies too, a call per chunk
-    from capyctl.adapters.engines._chunked import DONE as _UNFRAMED, dechunk as _dechunk
+    from capyctl._speedups.chunked import DONE as _UNFRAMED, dechunk as _dechunk
 except ImportError:  # pragma: no cover - a machine without a C compiler
     _dechunk = None
 

@@ -720,12 +720,12 @@ static PyModuleDef_Slot slots[] = {
 };
 
 static struct PyModuleDef moduledef = {
-    PyModuleDef_HEAD_INIT, "_scan", "The run scan of the typed relay (see _scan.c).", 0, methods, slots,
+    PyModuleDef_HEAD_INIT, "scan", "The run scan of the typed relay (see scan.c).", 0, methods, slots,
     NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
-PyInit__scan(void)
+PyInit_scan(void)
 {
     return PyModuleDef_Init(&moduledef);
 }

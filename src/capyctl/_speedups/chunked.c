@@ -158,11 +158,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_chunked", "A chunked HTTP/1.1 body unframed a read at a time.", -1, methods,
+    PyModuleDef_HEAD_INIT, "chunked", "A chunked HTTP/1.1 body unframed a read at a time.", -1, methods,
 };
 
 PyMODINIT_FUNC
-PyInit__chunked(void)
+PyInit_chunked(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
