@@ -10,11 +10,14 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from capyctl.adapters.http.exchange import ClientGone
 from capyctl.adapters.log_format import routine_due
 from capyctl.domain.errors import TooLarge
 
 Headers = list[tuple[bytes, bytes]]
+
+
+class ClientGone(Exception):
+    """The client hung up before the body was read."""
 
 
 def _json_headers(body: bytes, headers: Headers) -> Headers:
@@ -121,5 +124,10 @@ class AsgiDoor:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as tasks:
-            await self.door.serve(AsgiExchange(scope, receive, send, tasks))
+            exchange = AsgiExchange(scope, receive, send, tasks)
+            try:  # (the server reads a request whole before its handler is called)
+                exchange.body = await exchange.read_body(1 << 30)
+            except ClientGone:
+                return
+            await self.door.serve(exchange)
             tasks.cancel_scope.cancel()

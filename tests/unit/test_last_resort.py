@@ -50,11 +50,15 @@ class BrokenService:
     def names(self) -> list[str]:
         return ["m"]
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None) -> dict[str, Any]:
+    def start(self, record: RequestRecord, obj: dict[str, Any]) -> None:
+        return None  # nothing done before the request's task runs
+
+    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None,
+                       started: Any = None) -> dict[str, Any]:
         raise RuntimeError("a bug in the assembler")
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None):
+    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, started: Any = None):
         async def events():
             from capyctl.domain.streams import Chunk
 

@@ -223,3 +223,38 @@ async def test_never_wait_still_starts_a_stopped_model_and_says_it_is_loading() 
     assert (service.state.in_flight("m"), service.state.waiting("m")) == (0, 0)
 
 
+def test_grants_at_once_says_what_arrive_would_grant_and_changes_nothing() -> None:
+    admission = Admission(QueueLimits(max_in_flight_per_instance=1, max_open=2))
+    assert admission.grants_at_once("m")  # never seen: a free place
+    assert admission.arrive("m", "a", ready=True) == GRANTED
+    assert not admission.grants_at_once("m")  # its one place is taken
+    assert admission.arrive("m", "w", ready=True) == QUEUED
+    admission.release("m", None)
+    assert not admission.grants_at_once("m")  # a place is free, but w waits before anyone new
+    assert admission.grants("m", ready=True) == ["w"]
+    assert admission.grants_at_once("n")
+    assert admission.arrive("n", "b", ready=True) == GRANTED
+    assert not admission.grants_at_once("o")  # max_open reached over all models
+    assert (admission.in_flight("m"), admission.waiting("m"), admission.open, admission.pending) == (1, 0, 2, 0)
+
+
+async def test_admit_now_grants_only_what_needs_no_wait_and_its_lease_returns_the_place() -> None:
+    clock = VirtualClock()
+    service = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock)
+    assert service.admit_now(Runner(InstanceState.STOPPED), record("cold")) is None  # not ready: admit waits
+    assert service.state.waiting("m") == 0 and "m" not in service.last_used
+    runner = Runner()
+    lease = service.admit_now(runner, record("now"))
+    assert lease is not None and service.state.in_flight("m") == 1
+    assert service.admit_now(runner, record("full")) is None  # its place is taken: nothing queued
+    assert service.state.waiting("m") == 0
+    service.hold("m")  # draining for a switch: nothing is granted at once
+    async with lease:  # entered already: the block only returns it
+        assert service.state.in_flight("m") == 1
+    assert service.state.in_flight("m") == 0
+    assert service.admit_now(runner, record("held")) is None
+    service.unhold("m", runner)
+    again = service.admit_now(runner, record("again"))
+    assert again is not None
+    again.give_back()
+    assert service.state.in_flight("m") == 0 and service.state.open == 0

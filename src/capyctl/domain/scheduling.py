@@ -85,6 +85,14 @@ class Admission:
     def capacity(self) -> int:
         return self.limits.max_in_flight_per_instance * self._instances
 
+    def grants_at_once(self, name: str) -> bool:
+        """Whether a request for ``name`` (ready) arriving now would be granted without waiting: a free place
+        at its engine, nobody in line before it, and room under ``max_open``. Changes nothing."""
+        state = self._deployments.get(name)
+        if state is not None and (state.in_flight >= self.capacity or state.queue):
+            return False
+        return not (self.limits.max_open and self.open >= self.limits.max_open) and self.capacity > 0
+
     def arrive(self, name: str, request: str, ready: bool) -> str | Refused:
         """GRANTED, QUEUED (at the end of the queue) or a refusal, for a request that just came in."""
         state = self._of(name)

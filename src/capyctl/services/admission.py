@@ -73,6 +73,17 @@ class AdmissionService:
         refusal; the lease is returned when the block ends, however it ends."""
         return Lease(self, runner, record, wait)
 
+    def admit_now(self, runner: Schedulable, record: RequestRecord) -> Lease | None:
+        """The lease ``admit`` would grant without waiting, granted now (an entered ``Lease``: its ``async with``
+        only returns it), when the deployment is open and a place is free with nobody in line; None, with
+        nothing changed, otherwise (``admit`` then decides)."""
+        name = record.deployment
+        if not self._open(name, runner) or not self.state.grants_at_once(name):
+            return None
+        self.last_used[name] = began = self._clock.monotonic()
+        self.state.arrive(name, record.id, True)
+        return Lease(self, runner, record, None, began)
+
     async def _enter(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> float:
         """Admit ``record``; the monotonic time its lease began."""
         name = record.deployment
@@ -160,13 +171,18 @@ class Lease:
     __slots__ = ("_service", "_runner", "_record", "_wait", "_began")
 
     def __init__(self, service: AdmissionService, runner: Schedulable, record: RequestRecord,
-                 wait: float | None) -> None:
+                 wait: float | None, began: float | None = None) -> None:
         self._service, self._runner, self._record, self._wait = service, runner, record, wait
-        self._began: float | None = None  # when it was granted
+        self._began = began  # when it was granted; None until then
 
     async def __aenter__(self) -> None:
-        self._began = await self._service._enter(self._runner, self._record, self._wait)
+        if self._began is None:  # (one from admit_now was granted already)
+            self._began = await self._service._enter(self._runner, self._record, self._wait)
 
     async def __aexit__(self, *_: object) -> None:
+        self.give_back()
+
+    def give_back(self) -> None:
+        """Return the granted lease (what leaving its ``async with`` does)."""
         assert self._began is not None
         self._service._leave(self._runner, self._record.deployment, self._began)

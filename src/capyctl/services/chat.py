@@ -27,7 +27,7 @@ from capyctl.domain.errors import (
 from capyctl.domain.engines import EngineFamily
 from capyctl.domain.fields import DeltaVerifier
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
-from capyctl.domain.ports import Clock, EngineSession
+from capyctl.domain.ports import Clock, EngineSession, EngineStream
 from capyctl.domain.relay_check import ChunkCheck, TypedRelay, chunk_check
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord
 from capyctl.domain.streams import (
@@ -42,7 +42,7 @@ from capyctl.domain.streams import (
     Stage,
     StreamEvent,
 )
-from capyctl.domain.scheduling import QueueLimits
+from capyctl.domain.scheduling import QueueLimits, Route
 from capyctl.services.admission import AdmissionService, Lease
 from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
@@ -178,24 +178,58 @@ class ChatService(RequestService):
         # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
         self._runs: dict[str, Any] = {"runs": True} if getattr(session, "relays_runs", False) else {}
 
+    def start(self, record: RequestRecord, obj: dict[str, Any]) -> Started:
+        """A request's first steps, done at once as its last byte arrives (no wait, no I/O but one write):
+        the deployment resolved and the engine's body made; where nothing has to wait (the model ready, a
+        place free), the admission granted and the request written to its engine, when a kept-alive
+        connection to it stands idle. Never raises: an error is kept for ``open`` to raise, and what was
+        not done here ``open`` does. Whatever ``open`` does not take up, ``Started.close`` gives back."""
+        started = Started()
+        try:
+            controller: Serving = self._fleet.resolve(record.deployment, "chat")
+            check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
+            started.controller, started.body = controller, engine_body(obj, controller.spec.served_model, record.stream)
+            route = controller.route_now()
+            lease = self._admission.admit_now(controller, record) if route is not None else None
+            if lease is None:
+                return started
+            started.lease = lease
+            if self._keys is not None:
+                self._keys.admitted(record.id)
+        except CapyError as error:
+            started.close()
+            started.error = error
+            return started
+        except BaseException:
+            started.close()
+            raise
+        started.route = route
+        started.stream = self._session.chat_stream(route.url, started.body, lambda: record.answered, **self._runs)
+        return started
+
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None
-                   ) -> AsyncIterator[EngineCall]:
+    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
+                   started: Started | None = None) -> AsyncIterator[EngineCall]:
         """Yield the engine call answering ``obj``: its relayed events, and its metrics at the end.
 
-        Raises domain errors before anything is yielded (unknown model, engine
-        refusal ...). Leaving the context closes the engine connection.
+        Raises domain errors before anything is yielded (unknown model, engine refusal ...). Leaving the
+        context closes the engine connection. Takes up from what ``start`` did (``started``), or starts.
         """
-        controller: Serving = self._fleet.resolve(record.deployment, "chat")
-        check_cache_salt(obj, controller.engine.family, record.key if record.salt_bound else None)
-        body = engine_body(obj, controller.spec.served_model, record.stream)  # before it starts anything
+        started = started or self.start(record, obj)
+        if started.error is not None:
+            raise started.error
+        controller, body = started.controller, started.body
+        lease, route, stream = started.take()
         self.live[record.id] = record
         try:
-            record.phase = Phase.WAITING
-            async with self._admitted(controller, record, wait):
-                route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it just fell
-                # (the session may write the request at once: the rest is done while the engine works on it)
-                stream = self._session.chat_stream(route.url, body, lambda: record.answered, **self._runs)
+            if lease is None:
+                record.phase = Phase.WAITING
+                lease = self._admitted(controller, record, wait)
+            async with lease:
+                if route is None:
+                    route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it fell
+                if stream is None:  # (the session may write the request at once: the rest is done while the engine works)
+                    stream = self._session.chat_stream(route.url, body, lambda: record.answered, **self._runs)
                 try:
                     self._selected(record)
                     meter = self._meters[record.id] = Meter(self._clock.monotonic)
@@ -254,10 +288,11 @@ class ChatService(RequestService):
             check = self._checks[key] = chunk_check(controller.fields.row, self._settings.max_tool_calls)
         return TypedRelay(check, meter, record.deployment)
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None) -> dict[str, Any]:
+    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
+                       started: Started | None = None) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
         assembler = Assembler(record.deployment, self._settings.max_tool_calls)
-        async with self.open(record, obj, wait) as call:
+        async with self.open(record, obj, wait, started) as call:
             async for batch in call.events:
                 for event in batch:
                     if isinstance(event, Chunk):
@@ -267,6 +302,37 @@ class ChatService(RequestService):
         answer = assembler.result()
         answer["capyctl"] = {"metrics": call.metrics()}
         return answer
+
+
+class Started:
+    """What ``ChatService.start`` did for a request: the deployment and the engine's body, and where nothing
+    had to wait, the lease (granted), the route and the engine stream (its request written when a
+    connection stood idle); or the error ``open`` raises."""
+
+    __slots__ = ("controller", "body", "lease", "route", "stream", "error")
+
+    def __init__(self) -> None:
+        self.controller: Any = None
+        self.body = b""
+        self.lease: Lease | None = None
+        self.route: Route | None = None
+        self.stream: EngineStream | None = None
+        self.error: CapyError | None = None
+
+    def take(self) -> tuple[Lease | None, Route | None, EngineStream | None]:
+        """What ``open`` takes up (and so ``close`` no longer gives back)."""
+        taken = self.lease, self.route, self.stream
+        self.lease = self.route = self.stream = None
+        return taken
+
+    def close(self) -> None:
+        """Give back what was never taken up: the lease returned, a written request cut."""
+        if self.stream is not None:
+            self.stream.abandon()
+            self.stream = None
+        if self.lease is not None:
+            self.lease.give_back()
+            self.lease = None
 
 
 class EngineCall:

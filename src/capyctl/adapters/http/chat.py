@@ -20,7 +20,7 @@ from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.requests import Phase, RequestRecord
 from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Relayed, Run, StreamEvent
-from capyctl.services.chat import ChatService, EngineCall, failure_error, read_target
+from capyctl.services.chat import ChatService, EngineCall, Started, failure_error, read_target
 
 _encode = msgspec.json.encode
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
@@ -45,12 +45,16 @@ class ChatEndpoint:
             raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
         return read_target(obj, self._service.default_model)
 
+    def start(self, record: RequestRecord, obj: dict[str, Any]) -> Started:
+        return self._service.start(record, obj)
+
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float) -> None:
+                     headers: Headers, outcome: Outcome, received_at: float, started: Started | None = None) -> None:
         if record.stream:
-            await self._stream(record, obj, wait, exchange, headers, outcome)
+            await self._stream(record, obj, wait, exchange, headers, outcome, started)
         else:
-            await send_one_answer(self._service.complete(record, obj, wait), record, exchange, headers, outcome)
+            await send_one_answer(self._service.complete(record, obj, wait, started), record, exchange, headers,
+                                  outcome)
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:
@@ -59,11 +63,11 @@ class ChatEndpoint:
             await exchange.json(status_of(error), error_body(error), headers)
 
     async def _stream(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                      headers: Headers, outcome: Outcome) -> None:
+                      headers: Headers, outcome: Outcome, started: Started | None) -> None:
         opened = False
         framing = _Framing()
         try:
-            async with self._service.open(record, obj, wait) as call:
+            async with self._service.open(record, obj, wait, started) as call:
                 opened = True
                 exchange.start(_SSE_HEADERS + headers[1:])  # made while the engine works on the first token
                 if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read

@@ -23,8 +23,11 @@ class DecisionEndpoint:
     def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
         return self.service.target(obj)
 
+    def start(self, record: RequestRecord, obj: dict[str, Any]) -> None:
+        """Nothing is done for a decision before its task runs."""
+
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float) -> None:
+                     headers: Headers, outcome: Outcome, received_at: float, started: Any = None) -> None:
         await send_one_answer(self.service.decide(record, obj, received_at, wait), record, exchange, headers,
                               outcome)
 

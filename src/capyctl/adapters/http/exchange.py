@@ -34,10 +34,6 @@ log = logging.getLogger("capyctl.http")
 _STATUS = {status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode()) for status in HTTPStatus}
 
 
-class ClientGone(Exception):
-    """The client hung up before CapyCTL answered."""
-
-
 def find_header(headers: Headers, name: bytes) -> str | None:
     for key, value in headers:
         if key == name:
@@ -98,22 +94,34 @@ class Exchange:
         self._lost: asyncio.Future[None] | None = None
         self._head = b""
 
-    async def run(self, handler: Callable[[Exchange], Awaitable[None]] | None) -> None:
-        """Serve the request: with ``handler``, or else with the server's ASGI application. Whatever
-        escapes is the last resort's: an error answer if none began, else the connection is closed."""
+    def begin(self, handler: Callable[[Exchange], Awaitable[None]] | None) -> Awaitable[None]:
+        """The handler called (at once: what it does before returning is done before the request's task runs)
+        for what the task is to await; with no handler, the server's ASGI application. A handler that raises
+        here gets the last resort's answer."""
+        if handler is None:
+            return _Asgi(self).run(self._connection.server.fallback)
         try:
-            if handler is not None:
-                await handler(self)
-            else:
-                await _Asgi(self).run(self._connection.server.fallback)
+            return handler(self)
+        except Exception:
+            log.exception("request %s %s: internal error", self.method, self.path)
+            return self._internal_error()
+
+    async def _internal_error(self) -> None:
+        error = InternalError(new_request_id())
+        await self.json(status_of(error), error_body(error), [(b"cache-control", b"no-store")])
+
+    async def run(self, work: Awaitable[None]) -> None:
+        """Await what ``begin`` returned. Whatever escapes is the last resort's: an error answer if none
+        began, else the connection is closed."""
+        try:
+            await work
         except asyncio.CancelledError:  # the server's shutdown, past its grace period
             self._close()
             raise
         except Exception:
             log.exception("request %s %s: internal error", self.method, self.path)
             if not self.started:
-                error = InternalError(new_request_id())
-                await self.json(status_of(error), error_body(error), [(b"cache-control", b"no-store")])
+                await self._internal_error()
         finally:
             self._stop_timer()
             if not self.ended:  # an answer that cannot be completed: the client must not wait for it
@@ -134,13 +142,6 @@ class Exchange:
         if not self.disconnected:
             self._lost = asyncio.get_running_loop().create_future()
             await self._lost
-
-    # the request
-    async def read_body(self, limit: int) -> bytes:
-        """The whole body (the server read it within its limit); ``ClientGone`` if the client left."""
-        if self.disconnected:
-            raise ClientGone()
-        return self.body
 
     # the watch
     def watch(self, gone: Callable[[], None], every: float, overdue: Callable[[], bool]) -> None:

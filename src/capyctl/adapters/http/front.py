@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgspec
 
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
-from capyctl.adapters.http.exchange import ClientGone, Exchange, find_header, header_values
+from capyctl.adapters.http.exchange import Exchange, find_header, header_values
 from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.errors import (
@@ -117,8 +117,12 @@ class Endpoint(Protocol):
     def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
         """The model named and whether the client wants a stream; raises for what cannot be served."""
 
+    def start(self, record: RequestRecord, obj: dict[str, Any]) -> Any:
+        """What can be done for the request at once, before its task runs (never raises; None for nothing):
+        handed to ``answer``, and closed (``close()``) by the front door once the request is answered."""
+
     async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float) -> None: ...
+                     headers: Headers, outcome: Outcome, received_at: float, started: Any) -> None: ...
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
 
@@ -135,14 +139,32 @@ class FrontDoor:
         self._max_body = max_body
         self._stats = stats
 
-    async def serve(self, exchange: Exchange) -> None:
+    def serve(self, exchange: Exchange) -> Awaitable[None]:
+        """The request's front, done at once as its last byte arrives (the checks, then the endpoint's
+        ``start``: the engine write where nothing has to wait), before its task first runs; returns the rest,
+        for that task. Errors of the front are answered by it; whatever breaks inside CapyCTL, here or later,
+        gets the last resort's answer with the request ID."""
         request_id = new_request_id()
         headers: Headers = [NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         try:
-            await self._handle(exchange, request_id, headers)
-        except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
+            front = self._front(exchange, request_id, headers)
+        except CapyError as error:
+            self._stats.refused(error.code)
+            return exchange.json(status_of(error), error_body(error), headers + retry_after(error))
+        except Exception:
             log.exception("request %s: internal error", request_id)
-            await internal_error(exchange, request_id, headers)
+            return internal_error(exchange, request_id, headers)
+        return self._last_resort(self._answer(exchange, front, headers), exchange, front, headers)
+
+    async def _last_resort(self, answering: Awaitable[None], exchange: Exchange, front: Front,
+                           headers: Headers) -> None:
+        try:
+            await answering
+        except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
+            log.exception("request %s: internal error", front.record.id)
+            await internal_error(exchange, front.record.id, headers)
+        finally:
+            front.close()
 
     def _key(self, exchange: Exchange, endpoint: Endpoint) -> ApiKey:
         """The first checks: the method, then the key."""
@@ -160,36 +182,39 @@ class FrontDoor:
         self._keys.let_in(key, request_id)
         return obj, model, stream
 
-    async def _handle(self, exchange: Exchange, request_id: str, headers: Headers) -> None:
+    def _front(self, exchange: Exchange, request_id: str, headers: Headers) -> Front:
+        """The checks of the front, in order, then the endpoint's ``start``; raises what is to be answered."""
         endpoint = self.endpoints[exchange.path]
-        service = endpoint.service
-        try:
-            key = self._key(exchange, endpoint)
-            caller_values = header_values(exchange.headers, b"x-request-id")
-            if caller_values:  # handed back as given, once it is known to be valid
-                caller = check_caller_id(caller_values)
-                headers.append((b"x-request-id", str(caller).encode()))
-                caller_request_id.set(caller)
-            wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
-            obj, model, stream = self._body(endpoint, key, await exchange.read_body(self._max_body), request_id)
-        except ClientGone:
-            return
-        except CapyError as error:
-            self._stats.refused(error.code)
-            await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
-            return
+        key = self._key(exchange, endpoint)
+        caller_values = header_values(exchange.headers, b"x-request-id")
+        if caller_values:  # handed back as given, once it is known to be valid
+            caller = check_caller_id(caller_values)
+            headers.append((b"x-request-id", str(caller).encode()))
+            caller_request_id.set(caller)  # (the request's task runs in the context this runs in)
+        wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
+        obj, model, stream = self._body(endpoint, key, exchange.body, request_id)
         record = _record(request_id, model, stream, key)
-        outcome = Outcome()
+        front = Front(endpoint, key, wait, obj, record, endpoint.service.now(), self._keys)
         try:
-            with exchange.cut_scope() as cut:
-                received_at = service.now()
-                exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, record, received_at))
-                try:
-                    await endpoint.answer(record, obj, wait, exchange, headers, outcome, received_at)
-                finally:
-                    exchange.unwatch()
-        finally:
-            self._keys.done(request_id)  # a place it took and never used for an engine is given back
+            front.started = endpoint.start(record, obj)
+        except BaseException:
+            front.close()
+            raise
+        return front
+
+    async def _answer(self, exchange: Exchange, front: Front, headers: Headers) -> None:
+        endpoint, key, record = front.endpoint, front.key, front.record
+        service, model, request_id = endpoint.service, record.deployment, record.id
+        outcome = Outcome()
+        with exchange.cut_scope() as cut:
+            exchange.watch(cut.cancel, service.check_every,
+                           functools.partial(service.overdue, record, front.received_at))
+            try:
+                await endpoint.answer(record, front.obj, front.wait, exchange, headers, outcome, front.received_at,
+                                      front.started)
+            finally:
+                exchange.unwatch()
+                front.close()
         if cut.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
             if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
                 error = _TIMEOUTS[record.cause](record)
@@ -203,6 +228,28 @@ class FrontDoor:
             self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
+
+
+class Front:
+    """What the front made of a request: its endpoint, key, wait, body, record, when it came, and what its
+    endpoint's ``start`` did. ``close`` gives back what was never taken up (and the key's place for the day
+    when no engine used it), once."""
+
+    __slots__ = ("endpoint", "key", "wait", "obj", "record", "received_at", "started", "_keys")
+
+    def __init__(self, endpoint: Endpoint, key: ApiKey, wait: float | None, obj: dict[str, Any],
+                 record: RequestRecord, received_at: float, keys: Keyring | None) -> None:
+        self.endpoint, self.key, self.wait, self.obj, self.record = endpoint, key, wait, obj, record
+        self.received_at, self._keys = received_at, keys
+        self.started: Any = None
+
+    def close(self) -> None:
+        if self.started is not None:
+            self.started.close()
+            self.started = None
+        if self._keys is not None:
+            self._keys.done(self.record.id)  # a place it took and never used for an engine is given back
+            self._keys = None
 
 
 def _record(request_id: str, model: str, stream: bool, key: ApiKey) -> RequestRecord:

@@ -27,6 +27,7 @@ through ``on_cut(kind)`` for Prometheus.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,7 +41,7 @@ from capyctl.domain.errors import CapyError, InvalidRequest, TooLarge, TooManyCo
 from capyctl.domain.limits import Limits
 
 log = logging.getLogger("capyctl.http")
-Handler = Callable[[Exchange], Awaitable[None]]
+Handler = Callable[[Exchange], Awaitable[None]]  # called at once; what it returns is awaited in the request's task
 KEEP_ALIVE = 5.0  # seconds a kept-alive connection may stand idle between requests
 
 
@@ -197,9 +198,12 @@ class Connection(asyncio.Protocol):
 
     # requests
     def start(self, exchange: Exchange) -> None:
+        """Answer ``exchange``: its handler is called at once (a request's front, and its engine write where
+        nothing has to wait, before a task's first turn), in the context the task it returns then runs in."""
         self.exchange = exchange
         handler = self.server.handlers.get(exchange.path)
-        task = self.loop.create_task(exchange.run(handler))
+        context = contextvars.copy_context()
+        task = self.loop.create_task(exchange.run(context.run(exchange.begin, handler)), context=context)
         self.server.tasks.add(task)
         task.add_done_callback(self.server.tasks.discard)
 
