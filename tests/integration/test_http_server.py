@@ -109,6 +109,12 @@ async def test_a_body_declared_past_the_limit_is_refused_at_once() -> None:
     assert running.cuts == ["too_large"]
 
 
+async def test_a_body_declared_past_the_limit_and_sent_with_its_headers_is_refused_and_counted_once() -> None:
+    async with Running(Limits(max_body=1000)) as running:
+        answer, _ = await running.exchange(CHAT + b"Content-Length: 2000\r\n\r\n" + b"x" * 2000)
+    assert _parts(answer)[0] == "HTTP/1.1 413 Request Entity Too Large" and running.cuts == ["too_large"]
+
+
 async def test_a_body_that_grows_past_the_limit_is_refused_as_it_does() -> None:
     async with Running(Limits(max_body=1000)) as running:
         chunked = CHAT + b"Transfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"x" * 1024 + b"\r\n"  # no end

@@ -258,12 +258,13 @@ class Connection(asyncio.Protocol):
         self.refuse(error, f"slow_{phase}")
 
     def refuse(self, error: CapyError, kind: str, retry_after: int | None = None) -> None:
-        """Answer ``error`` (unless an answer is going out already) and close the connection."""
-        self.server.on_cut(kind)
+        """Answer ``error`` (unless an answer is going out already) and close the connection; counted once
+        (the rest of a read the parser goes on with after a refusal is not refused again)."""
         self.disarm()
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        self.server.on_cut(kind)
         if self.exchange is None or not self.exchange.started:
             transport.write(raw_error(status_of(error), error_body(error), retry_after))
         transport.close()
