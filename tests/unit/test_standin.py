@@ -105,17 +105,18 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-def launch(tmp_path: Path, client: httpx.AsyncClient) -> Iterator[Callable[..., Awaitable[Standin]]]:
+def launch(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Standin]]]:
     """Start stand-ins; every one started is stopped (SIGTERM to its group, then SIGKILL) at teardown."""
     started: list[tuple[int, Callable[[], int | None], Callable[[float], None]]] = []
     counter = iter(range(1000))
+    session = WireEngineSession()  # the adapters' probes go the way CapyCTL's do: its one engine client
 
     async def start(family: str = "vllm", *, version: str | None = None, env: dict[str, str] | None = None,
                     extra: list[str] | None = None, context: int | None = None, residency: str = "host_backed",
                     name: str = "tiny", timeline: Path | None = None, via_capyctl: bool = False) -> Standin:
         n = next(counter)
         venv = make_standin_venv(tmp_path / f"venv-{family}-{n}", family, version)
-        adapter = VllmEngine(client) if family == "vllm" else SglangEngine(client)
+        adapter = VllmEngine(session) if family == "vllm" else SglangEngine(session)
         assert adapter.recognises(venv)
         probed, _ = adapter.probe(venv)
         engine = EngineInstall(name="standin", family=EngineFamily(family), path=str(venv), version=probed,

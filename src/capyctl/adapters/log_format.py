@@ -298,7 +298,6 @@ def configure_logging(log_format: str = "text") -> BatchedWriter:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     handler.start()
     global _active
     _active = handler

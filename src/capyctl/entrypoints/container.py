@@ -15,7 +15,6 @@ from typing import Any
 from dependency_injector import containers, providers
 
 from capyctl.adapters.clock import SystemClock
-from capyctl.adapters.engines._http import make_client
 from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
@@ -83,15 +82,15 @@ class Container(containers.DeclarativeContainer):
     clock = providers.Singleton(SystemClock)
     store = providers.Resource(open_store, state_dir=state_dir)
     events = providers.Singleton(Events, store=store, clock=clock, routine=routine_line)
-    http_client = providers.Singleton(make_client)
     processes = providers.Singleton(PopenProcessControl)
 
-    llamacpp = providers.Singleton(LlamaCppEngine, client=http_client)
-    vllm = providers.Singleton(VllmEngine, client=http_client)
-    sglang = providers.Singleton(SglangEngine, client=http_client)
-    tensorfold = providers.Singleton(TensorfoldEngine, client=http_client)
-    adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
+    # the one client to engines: streams and decisions, and the adapters' probes, metrics, park and wake
     engine_session = providers.Singleton(WireEngineSession, max_event=config.max_event)
+    llamacpp = providers.Singleton(LlamaCppEngine, client=engine_session)
+    vllm = providers.Singleton(VllmEngine, client=engine_session)
+    sglang = providers.Singleton(SglangEngine, client=engine_session)
+    tensorfold = providers.Singleton(TensorfoldEngine, client=engine_session)
+    adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
 
     controller_settings = providers.Singleton(ControllerSettings)
     chat_settings = providers.Singleton(

@@ -55,7 +55,6 @@ async def serve_standalone(state_dir: Path, listen: str, management: str, settin
     try:
         await _serve(container, inference_addr, management_addr, settings.limits)
     finally:
-        await container.http_client().aclose()
         container.shutdown_resources()
 
 

@@ -1,16 +1,33 @@
-"""Engine side routes over httpx (health, metrics, version) and the reading of engine error answers.
+"""Engine side routes (health, metrics, version, park and wake) and the reading of engine error answers.
 
-Shared by every engine adapter. The streamed chat call itself is in ``_wire``.
+Shared by every engine adapter. They reach an engine through ``EngineClient``,
+which ``_wire.WireEngineSession`` is: the client that streams chats and asks
+for decisions makes these calls too, over the same kept-alive connections.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-import httpx
 import msgspec
 
-from capyctl.domain.errors import EngineError, EngineUnavailable, engine_code
+from capyctl.domain.errors import EdgeError, EngineError, EngineUnavailable, engine_code
+
+PROBE_TIMEOUT = 2.0  # seconds for a side route's whole answer (health, metrics, version)
+CONTROL_TIMEOUT = 900.0  # seconds for a park or wake: a deep wake reads the weights again
+
+
+class EngineClient(Protocol):
+    """The one HTTP client to engines, as the adapters' side routes use it."""
+
+    async def request(self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0
+                      ) -> tuple[int, bytes]:
+        """``method`` on ``url`` (absolute), ``body`` sent as JSON: the status and whole body, whatever the
+        status. Raises ``EngineUnavailable`` when the engine cannot be reached, breaks the connection before
+        its answer ends or does not answer within ``timeout`` seconds, ``EdgeError`` for an answer too large
+        to hold; a request cut short (timeout, cancellation) closes its connection."""
+        ...
+
 
 _decode_any = msgspec.json.decode
 
@@ -46,47 +63,39 @@ def _detail(detail: Any) -> str:
     return ""
 
 
-async def fetch_ok(client: httpx.AsyncClient, url: str) -> httpx.Response | None:
-    """GET an engine's side route (health, metrics, version): the answer if it was 200, else None.
+async def fetch_ok(client: EngineClient, url: str) -> bytes | None:
+    """GET an engine's side route (health, metrics, version): the answer's body if it was 200, else None.
 
-    Never raises for network trouble: an engine that does not answer is simply not ready.
+    Never raises for network trouble: an engine that does not answer (in ``PROBE_TIMEOUT``, or whole, or
+    within the client's size limit) is simply not ready.
     """
     try:
-        response = await client.get(url, timeout=2.0)
-    except httpx.HTTPError:
+        status, body = await client.request("GET", url, timeout=PROBE_TIMEOUT)
+    except (EngineUnavailable, EdgeError):
         return None
-    except AttributeError as exc:  # httpcore over anyio asks a socket the engine closed mid-connect for its
-        if "getpeername" not in str(exc):  # peer's address, and raises this rather than a ConnectError
-            raise
-        return None
-    return response if response.status_code == 200 else None
+    return body if status == 200 else None
 
 
-async def fetch_json(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
-    response = await fetch_ok(client, url)
-    if response is None:
+async def fetch_json(client: EngineClient, url: str) -> dict[str, Any] | None:
+    """``fetch_ok``'s answer when it is a JSON object; None for anything else."""
+    body = await fetch_ok(client, url)
+    if body is None:
         return None
     try:
-        body = response.json()
-    except ValueError:
+        obj = _decode_any(body)
+    except msgspec.DecodeError:
         return None
-    return body if isinstance(body, dict) else None
+    return obj if isinstance(obj, dict) else None
 
 
-async def post_ok(client: httpx.AsyncClient, url: str, body: Any = None, timeout: float = 900.0) -> None:
-    """POST to an engine's control route (sleep, wake, release ...); raises ``EngineError`` with the engine's
-    answer when it is not 200, ``EngineUnavailable`` when the engine cannot be reached."""
+async def post_ok(client: EngineClient, url: str, body: Any = None, timeout: float = CONTROL_TIMEOUT) -> None:
+    """POST to an engine's control route (sleep, wake, release ...), ``body`` as JSON (None: no body); raises
+    ``EngineError`` with the engine's answer when it is not 200, ``EngineUnavailable`` when the engine cannot
+    be reached or does not answer in ``timeout`` seconds."""
+    data = None if body is None else msgspec.json.encode(body)
     try:
-        response = await client.post(url, json=body, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise EngineUnavailable(f"{url}: {exc}") from exc
-    if response.status_code != 200:
-        raise engine_error(response.status_code, response.content)
-
-
-def make_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        trust_env=False,
-    )
+        status, answer = await client.request("POST", url, data, timeout)
+    except EngineUnavailable as exc:
+        raise EngineUnavailable(f"{url}: {exc.message}") from exc
+    if status != 200:
+        raise engine_error(status, answer)

@@ -6,7 +6,9 @@ in one call of ``_chunked.dechunk`` (a chunked body) and handed on whole, so
 the SSE parser and the client-side write see every event that arrived
 together as one batch. Connections are kept alive and reused
 per engine address; a stream that was cut short closes its connection, which
-is how an engine learns that its client is gone.
+is how an engine learns that its client is gone. The same session, over the
+same pool, makes CapyCTL's other calls to an engine (``request``: probes,
+metrics, park and wake), so that one client reaches the engines.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ except ImportError:  # pragma: no cover - a machine without a C compiler
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
 _IDLE_PER_ENGINE = 64
-_MAX_DECISION = 16 << 20  # bytes of one decision answer
+_MAX_ANSWER = 16 << 20  # bytes of one whole answer (a decision, a probe, a metrics read)
 _TARGETS = 256  # engine addresses whose request heads are kept
 
 
@@ -202,22 +204,24 @@ class WireEngineSession(EngineSession):
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
-        self._targets: dict[tuple[str, str, str], tuple[str, int, bytes]] = {}
+        self._targets: dict[tuple[str, str, str, str], tuple[str, int, bytes]] = {}
         self._spares: dict[tuple[str, int], asyncio.Future[None]] = {}  # connections being opened ahead
 
-    def _target(self, base_url: str, route: str, accept: str) -> tuple[str, int, bytes]:
-        """(host, port, the request's head up to its Content-Length value) for ``route`` under ``base_url``:
-        worked out once per engine address, not per request."""
-        known = self._targets.get((base_url, route, accept))
+    def _target(self, base_url: str, route: str, accept: str, method: str = "POST") -> tuple[str, int, bytes]:
+        """(host, port, the request's head up to its Content-Length value) for ``method`` on ``route`` (a path,
+        with its query if any) under ``base_url``: worked out once per engine address, not per request. A POST
+        carries JSON; a GET carries nothing (Content-Length: 0)."""
+        known = self._targets.get((method, base_url, route, accept))
         if known is None:
             url = urlsplit(base_url)
             host, port = url.hostname or "127.0.0.1", url.port or 80
             path = url.path.rstrip("/") + route
-            head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            typed = "Content-Type: application/json\r\n" if method == "POST" else ""
+            head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{typed}"
                     f"Accept: {accept}\r\nContent-Length: ").encode()
             if len(self._targets) >= _TARGETS:  # engines restart on new ports: keep the newest few
                 self._targets.clear()
-            known = self._targets[(base_url, route, accept)] = (host, port, head)
+            known = self._targets[(method, base_url, route, accept)] = (host, port, head)
         return known
 
     def _idle_connection(self, host: str, port: int) -> _Response | None:
@@ -279,6 +283,35 @@ class WireEngineSession(EngineSession):
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
         ``EngineUnavailable`` when the engine cannot be reached; a cut closes the connection."""
         host, port, head = self._target(base_url, "/v1/systemone", "application/json")
+        status, answer = await self._exchange(host, port, head, body, _MAX_ANSWER)
+        if status != 200:
+            raise engine_error(status, answer)
+        return answer
+
+    async def request(self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0,
+                      limit: int = _MAX_ANSWER) -> tuple[int, bytes]:
+        """Any other call to an engine (a probe, a metrics read, a park or a wake): ``method`` on ``url``
+        (``http://host:port/path?query``), ``body`` sent as JSON; the answer's status and whole body, whatever
+        the status. On the pool the streams use: a kept-alive connection is taken if one stands idle, and
+        goes back once the answer is complete.
+
+        Raises ``EngineUnavailable`` when the engine cannot be reached, closes the connection before its answer
+        ends, or has not answered in ``timeout`` seconds (None: no limit); ``EdgeError`` for an answer past
+        ``limit`` bytes. A request cut short (that timeout, a cancellation, a refused size) closes its
+        connection, which is how an engine learns to stop; it never goes back to the pool. An answer whose
+        end is only the connection's close (no length, not chunked) reads as broken."""
+        parts = urlsplit(url)
+        route = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        host, port, head = self._target(f"{parts.scheme}://{parts.netloc}", route, "*/*", method)
+        try:
+            with anyio.fail_after(timeout):
+                return await self._exchange(host, port, head, body or b"", limit)
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"the engine at {host}:{port} did not answer {method} {route} "
+                                    f"within {timeout} s") from exc
+
+    async def _exchange(self, host: str, port: int, head: bytes, body: bytes, limit: int) -> tuple[int, bytes]:
+        """The request sent and its whole answer read (status, body); the connection is pooled again after it."""
         conn = await self._send(host, port, head, body)
         parts: list[bytes] = []
         size = 0
@@ -287,21 +320,19 @@ class WireEngineSession(EngineSession):
                 if conn.body:
                     parts.append(conn.take())
                     size += len(parts[-1])
-                    if size > _MAX_DECISION:
-                        raise EdgeError(f"the engine's decision answer is larger than {_MAX_DECISION} bytes")
+                    if size > limit:
+                        raise EdgeError(f"the engine's answer is larger than {limit} bytes")
                     continue
                 if conn.complete:
                     break
                 if conn.lost is not None:
-                    raise EngineUnavailable(f"the engine connection broke before its decision ended: {conn.lost!r}")
+                    raise EngineUnavailable(f"the engine connection broke before its answer ended: {conn.lost!r}")
                 await conn.wait()
-            if conn.status != 200:
-                raise engine_error(conn.status, b"".join(parts))
         except BaseException:
-            conn.close()  # cut short (client gone, deadline): closing tells the engine to stop
+            conn.close()  # cut short (client gone, deadline, too large): closing tells the engine to stop
             raise
         self._release(conn, (host, port))
-        return b"".join(parts)
+        return conn.status, b"".join(parts)
 
     def _spare(self, key: tuple[str, int]) -> None:
         """Open a connection to the engine at ``key`` to stand idle, when none does: one CapyCTL closed to cut

@@ -15,10 +15,8 @@ import re
 import subprocess
 from pathlib import Path
 
-import httpx
-
 from capyctl.adapters.engines import _prom
-from capyctl.adapters.engines._http import fetch_json, fetch_ok
+from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.adapters.engines._capabilities import RestartOnly
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -54,7 +52,7 @@ class LlamaCppEngine(RestartOnly, EngineAdapter):
         "--ctx-size": "use engine_config.context_length",
     }
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self._client = client
 
     def recognises(self, path: Path) -> bool:
@@ -100,8 +98,8 @@ class LlamaCppEngine(RestartOnly, EngineAdapter):
         return await fetch_ok(self._client, base_url + "/health") is not None
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        response = await fetch_ok(self._client, base_url + "/metrics")
-        return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+        metrics = await fetch_ok(self._client, base_url + "/metrics")
+        return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING])
 
     def serves_decisions(self, engine: EngineInstall) -> bool:
         """Only some builds have ``POST /v1/systemone``: the route's path is in the server's code when they do,

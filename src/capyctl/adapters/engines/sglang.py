@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-
 from capyctl.adapters.engines import _prom, _venv
 from capyctl.adapters.engines._capabilities import DecisionsByVersion
-from capyctl.adapters.engines._http import fetch_json, fetch_ok, post_ok
+from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok, post_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
@@ -59,7 +57,7 @@ class SglangEngine(DecisionsByVersion, EngineAdapter):
     # also refuses abbreviations argparse would expand to one of these (--enable-cache-rep)
     owned_options = _venv.ArgparseOptions(_OWNED)
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self._client = client
 
     def recognises(self, path: Path) -> bool:
@@ -95,8 +93,8 @@ class SglangEngine(DecisionsByVersion, EngineAdapter):
         return await fetch_ok(self._client, base_url + "/health") is not None
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        response = await fetch_ok(self._client, base_url + "/metrics")
-        return None if response is None else _prom.running_waiting(response.content, [_RUNNING], [_WAITING])
+        metrics = await fetch_ok(self._client, base_url + "/metrics")
+        return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING])
 
     # --- parking (memory saver: release and resume; deep also reloads the weights) --------------
     async def park(self, base_url: str, residency: Residency) -> None:

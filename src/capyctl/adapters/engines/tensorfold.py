@@ -21,10 +21,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-
 from capyctl.adapters.engines import _prom, _venv
-from capyctl.adapters.engines._http import fetch_json, fetch_ok
+from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.adapters.engines._capabilities import DecisionsByVersion, RestartOnly
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -48,7 +46,7 @@ class TensorfoldEngine(DecisionsByVersion, RestartOnly, EngineAdapter):
         "--context": "use engine_config.context_length",
     }
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self._client = client
 
     def recognises(self, path: Path) -> bool:
@@ -80,5 +78,5 @@ class TensorfoldEngine(DecisionsByVersion, RestartOnly, EngineAdapter):
         return health is not None and health.get("status") == "ok"
 
     async def load(self, base_url: str) -> tuple[int, int] | None:
-        response = await fetch_ok(self._client, base_url + "/metrics")
-        return None if response is None else _prom.running_waiting(response.content, _RUNNING, _WAITING)
+        metrics = await fetch_ok(self._client, base_url + "/metrics")
+        return None if metrics is None else _prom.running_waiting(metrics, _RUNNING, _WAITING)
