@@ -1,8 +1,9 @@
-/* The run scan: what the typed relay needs of a run of plain SSE chunks, in one pass over its bytes.
+/* The scan: what the relay check needs of a read of plain SSE chunks, in one pass over its bytes.
 
-   scan_run(body) reads ``body`` (``data: {...}\n\n`` events, nothing else) and returns, when every
-   payload is one that ``relay_check.Head`` decodes (``msgspec.json.Decoder(Head).decode_lines``) and
-   none is the engine's failure event, the facts ``TypedRelay.run`` works from:
+   scan_run(body, objects) reads ``body`` (``data: {...}\n\n`` events, nothing else) and returns, when every
+   payload is one that ``relay_check.Head`` decodes (with ``objects``, the engine objects the meter keeps,
+   as its head fields beside model, choices and error) and none is the engine's failure event, the facts
+   ``StreamCheck`` works from:
 
        (count, model, delta_keys, top_index, text_count, first_text, objects, positions)
 
@@ -13,25 +14,25 @@
    - top_index: the highest tool-call index any delta sent, -1 when none did;
    - text_count, first_text: how many chunks carry generated text (a truthy content, reasoning_content,
      reasoning or a non-empty tool_calls in some choice's delta), and the first of them (-1 if none);
-   - objects: where the payloads of the chunks that send usage, metrics, timings or tensorfold (not null)
-     begin and end in ``body``, two offsets a chunk, flat;
-   - positions: when ``"model":<model>`` occurs once in each chunk, as its model field (no object below
-     the head has a key "model", and each chunk writes its model field without spaces), the offset of
-     each chunk's model token, as native uint32 values in one bytes object; None otherwise. Respelling
-     the tokens there (``respell``) is then each chunk's first-occurrence splice of the pattern.
+   - objects: where the payloads of the chunks that send one of ``objects`` (not null) begin and end in
+     ``body``, two offsets a chunk, flat;
+   - positions: when ``"model":<model>`` occurs once in each chunk, as its model field (no key below the
+     head ends in "model", and each chunk writes its model field without spaces), the offset of each
+     chunk's model token, as native uint32 values in one bytes object; None otherwise. Respelling the
+     tokens there (``respell``) is then each chunk's first-occurrence splice of the pattern.
 
    respell(body, positions, old, new) writes ``body`` again with ``new`` in place of the ``old`` token at
    each of ``positions``, checking that ``old`` is there (ValueError where it is not).
 
-   It returns None for anything it is not sure of, and the caller then takes the way it took before
-   (msgspec's decode): so what it accepts must be a subset of what msgspec accepts, and its facts must
-   be what the decoded heads say. It refuses, among others: unknown or repeated fields of the structs
-   (Head, Choice, Delta, ToolCall), a field name with an escape, a model that is not the same plain
-   string (no escapes) in every chunk or absent from all, an index that is not a plain non-negative
-   integer of at most 18 digits, a \u escape of a surrogate, a number of more than 40 characters or
-   with an exponent of three digits or more, nesting deeper than 64, a line feed inside a payload, and
-   invalid UTF-8 (checked strictly, as Python's decoder does). The field lists are exported
-   (HEAD_FIELDS ...) so that a test holds them to the structs.
+   It returns None for anything it is not sure of, and the caller then decodes (msgspec): so what it
+   accepts must be a subset of what msgspec accepts, and its facts must be what the decoded heads say.
+   Fields the structs do not name are skipped, as msgspec skips them, but read as strictly as the rest.
+   It refuses, among others: a delta key outside ``Delta``, a repeated field of the structs, a field name
+   with an escape, a model that is not the same plain string (no escapes) in every chunk or absent from
+   all, an index that is not a plain non-negative integer of at most 18 digits, a \\u escape of a surrogate,
+   a number of more than 40 characters or with an exponent of three digits or more, nesting deeper than
+   64, a line feed inside a payload, and invalid UTF-8 (checked strictly, as Python's decoder does). The
+   field lists are exported (HEAD_FIELDS ...) so that a test holds them to the structs.
 
    No allocation happens before the result is built; every read is bounds-checked against the end. */
 
@@ -77,16 +78,21 @@ typedef struct {
 
 #define F(name) {name, sizeof(name) - 1}
 
-static const Field HEAD_FIELDS[] = {F("id"), F("object"), F("created"), F("model"), F("choices"), F("system_fingerprint"), F("service_tier"), F("prompt_token_ids"), F("prompt_text"), F("kv_transfer_params"), F("exact_mode"), F("speculative"), F("reasoning_tokens"), F("usage"), F("metrics"), F("timings"), F("tensorfold"), F("error"), {NULL, 0}};
-enum {H_MODEL = 3, H_CHOICES = 4, H_USAGE = 13, H_METRICS = 14, H_TIMINGS = 15, H_TENSORFOLD = 16, H_ERROR = 17};
+/* The head's fields: the three the relay reads, then the engine objects the caller names (scan_run's
+   ``objects``, at most MAX_OBJECTS), set when the caller passes another tuple than the last. */
+#define MAX_OBJECTS 16
+static const Field HEAD_FIELDS[] = {F("model"), F("choices"), F("error"), {NULL, 0}};
+enum {H_MODEL = 0, H_CHOICES = 1, H_ERROR = 2, H_OBJECTS = 3};
+static Field head_fields[H_OBJECTS + MAX_OBJECTS + 1] = {F("model"), F("choices"), F("error"), {NULL, 0}};
+static PyObject *head_objects = NULL;  /* the caller's tuple the names in head_fields point into (a reference) */
 
-static const Field CHOICE_FIELDS[] = {F("index"), F("delta"), F("logprobs"), F("finish_reason"), F("stop_reason"), F("token_ids"), F("matched_stop"), F("weight_versions"), F("reasoning_tokens"), {NULL, 0}};
+static const Field CHOICE_FIELDS[] = {F("index"), F("delta"), {NULL, 0}};
 enum {C_INDEX = 0, C_DELTA = 1};
 
 static const Field DELTA_FIELDS[] = {F("role"), F("content"), F("reasoning"), F("reasoning_content"), F("tool_calls"), {NULL, 0}};
 enum {D_ROLE = 0, D_TOOL_CALLS = 4};
 
-static const Field TOOL_CALL_FIELDS[] = {F("index"), F("id"), F("type"), F("function"), {NULL, 0}};
+static const Field TOOL_CALL_FIELDS[] = {F("index"), {NULL, 0}};
 enum {T_INDEX = 0};
 
 /* ---- lexing ---- */
@@ -261,7 +267,9 @@ scan_container(Scan *s, int depth, int *truthy)
         if (object) {
             const unsigned char *key = s->p + 1;
             if (!at(s, '"') || !scan_string(s, &nonempty, &plain)) return 0;
-            if (s->p - key == 6 && memcmp(key, "model", 5) == 0) s->nested_model = 1;
+            /* a key whose raw bytes end in model (an escaped quote before it included) may hold the
+               bytes "model":<token> that the rename searches for */
+            if (s->p - key >= 6 && memcmp(s->p - 6, "model", 5) == 0) s->nested_model = 1;
             skip_ws(s);
             if (!at(s, ':')) return 0;
             s->p++;
@@ -289,7 +297,8 @@ scan_value(Scan *s, int depth, int *truthy)
     }
 }
 
-/* A field name of a struct, at its opening quote: its position in ``fields``, or -1 (unknown, escaped).
+/* A field name of a struct, at its opening quote: its position in ``fields``, -1 when unknown, -2 when it
+   holds an escape, a control character or non-ASCII, or does not end.
    ``hint`` is tried first: engines send a struct's fields in the order relay_check declares them, so the
    field after the last one read is most often the next (hint may be the end of ``fields``). */
 static int
@@ -297,10 +306,10 @@ scan_field(Scan *s, const Field *fields, int hint)
 {
     const unsigned char *start = ++s->p;
     while (s->p < s->end && *s->p != '"') {
-        if (*s->p == '\\' || *s->p < 0x20 || *s->p >= 0x80) return -1;
+        if (*s->p == '\\' || *s->p < 0x20 || *s->p >= 0x80) return -2;
         s->p++;
     }
-    if (s->p >= s->end) return -1;
+    if (s->p >= s->end) return -2;
     Py_ssize_t len = s->p - start;
     s->p++;
     if (fields[hint].name != NULL && fields[hint].len == len && memcmp(fields[hint].name, start, len) == 0)
@@ -333,27 +342,35 @@ scan_index(Scan *s, long long *value)
     return 1;
 }
 
-/* A struct's object: each field read by ``field(s, index, context)``; unknown or repeated fields refused */
+/* A struct's object: each field read by ``field(s, index, context)``; a repeated field refused, and an
+   unknown one too where ``skip`` is 0; else an unknown field's value is skipped (read as any value, as
+   strictly as the rest, at nesting depth ``skip``: the typed decode does not read it either). */
 typedef int (*FieldFn)(Scan *s, int index, void *context);
 
 static int
-scan_struct(Scan *s, const Field *fields, FieldFn field, void *context)
+scan_struct(Scan *s, const Field *fields, FieldFn field, void *context, int skip)
 {
     unsigned int seen = 0;
-    int more, hint = 0;
+    int more, hint = 0, ignored;
     if (!at(s, '{')) return 0;
     more = open_container(s, '}');
     while (more) {
         if (!at(s, '"')) return 0;
         int index = scan_field(s, fields, hint);
-        if (index < 0 || (seen & (1u << index))) return 0;
-        seen |= 1u << index;
-        hint = index + 1;
+        if (index == -2 || (index == -1 && !skip) || (index >= 0 && (seen & (1u << index)))) return 0;
         skip_ws(s);
         if (!at(s, ':')) return 0;
         s->p++;
         skip_ws(s);
-        if (!field(s, index, context) || (more = after_member(s, '}')) < 0) return 0;
+        if (index >= 0) {
+            seen |= 1u << index;
+            hint = index + 1;
+            if (!field(s, index, context)) return 0;
+        }
+        else if (!scan_value(s, skip, &ignored)) {
+            return 0;
+        }
+        if ((more = after_member(s, '}')) < 0) return 0;
     }
     return 1;
 }
@@ -381,7 +398,7 @@ tool_call_field(Scan *s, int index, void *context)
 
 /* A list of structs (or null); *nonempty: it holds one */
 static int
-scan_struct_list(Scan *s, const Field *fields, FieldFn field, void *context, int *nonempty)
+scan_struct_list(Scan *s, const Field *fields, FieldFn field, void *context, int skip, int *nonempty)
 {
     int more;
     *nonempty = 0;
@@ -389,7 +406,7 @@ scan_struct_list(Scan *s, const Field *fields, FieldFn field, void *context, int
     if (!at(s, '[')) return 0;
     more = *nonempty = open_container(s, ']');
     while (more) {
-        if (!scan_struct(s, fields, field, context) || (more = after_member(s, ']')) < 0) return 0;
+        if (!scan_struct(s, fields, field, context, skip) || (more = after_member(s, ']')) < 0) return 0;
     }
     return 1;
 }
@@ -401,7 +418,7 @@ delta_field(Scan *s, int index, void *context)
     int truthy = 0;
     choice->facts->delta_keys |= 1u << index;
     if (index == D_TOOL_CALLS) {
-        if (!scan_struct_list(s, TOOL_CALL_FIELDS, tool_call_field, choice->facts, &truthy)) return 0;
+        if (!scan_struct_list(s, TOOL_CALL_FIELDS, tool_call_field, choice->facts, 5, &truthy)) return 0;
     }
     else if (!scan_value(s, 3, &truthy)) {
         return 0;
@@ -420,7 +437,7 @@ choice_field(Scan *s, int index, void *context)
     }
     if (index == C_DELTA) {
         if (at(s, 'n')) return scan_literal(s, "null", 4);
-        return scan_struct(s, DELTA_FIELDS, delta_field, context);
+        return scan_struct(s, DELTA_FIELDS, delta_field, context, 0);
     }
     return scan_value(s, 3, &ignored);
 }
@@ -448,20 +465,15 @@ head_field(Scan *s, int index, void *context)
         case H_CHOICES: {
             ChoiceContext choice = {head->facts, 0};
             head->choices = 1;
-            if (!scan_struct_list(s, CHOICE_FIELDS, choice_field, &choice, &ignored)) return 0;
+            if (!scan_struct_list(s, CHOICE_FIELDS, choice_field, &choice, 3, &ignored)) return 0;
             head->chunk->text = choice.text;
             return 1;
         }
         case H_ERROR:
             head->error = 1;
             return scan_value(s, 1, &ignored);
-        case H_USAGE:
-        case H_METRICS:
-        case H_TIMINGS:
-        case H_TENSORFOLD:
+        default:  /* an engine object */
             if (!at(s, 'n')) head->chunk->objects = 1;
-            return scan_value(s, 1, &ignored);
-        default:
             return scan_value(s, 1, &ignored);
     }
 }
@@ -546,7 +558,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
         chunk->text = 0;
         chunk->objects = 0;
         HeadContext head = {&facts, chunk, 0, 0};
-        if (!scan_struct(&s, HEAD_FIELDS, head_field, &head)) Py_RETURN_NONE;
+        if (!scan_struct(&s, head_fields, head_field, &head, 1)) Py_RETURN_NONE;
         if (head.error && !head.choices) Py_RETURN_NONE;  /* the engine's failure event */
         skip_ws(&s);
         if (s.end - s.p < 2 || s.p[0] != '\n' || s.p[1] != '\n') Py_RETURN_NONE;
@@ -555,7 +567,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
         s.p += 2;
         count++;
     }
-    if (count < 2) Py_RETURN_NONE;  /* one chunk alone is read as a chunk */
+    if (count < 1) Py_RETURN_NONE;
     if (s.non_ascii && !valid_utf8(body, body + size)) Py_RETURN_NONE;
 
     const Chunk *chunks = room->items;
@@ -617,13 +629,43 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
                          first_text, offsets, positions);
 }
 
-static PyObject *
-scan_run(PyObject *module, PyObject *arg)
+/* head_fields set from ``objects`` (a tuple of at most MAX_OBJECTS ASCII names), unless it is the last */
+static int
+set_objects(PyObject *objects)
 {
-    if (!PyBytes_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "scan_run() takes bytes");
+    if (objects == head_objects) return 1;
+    Py_ssize_t n = PyTuple_Check(objects) ? PyTuple_GET_SIZE(objects) : -1;
+    if (n < 0 || n > MAX_OBJECTS) {
+        PyErr_Format(PyExc_TypeError, "scan_run(): objects must be a tuple of at most %d names", MAX_OBJECTS);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(objects, i);
+        Py_ssize_t len;
+        const char *text = PyUnicode_Check(name) && PyUnicode_IS_ASCII(name) ? PyUnicode_AsUTF8AndSize(name, &len) : NULL;
+        if (text == NULL) {
+            PyErr_SetString(PyExc_TypeError, "scan_run(): each object name must be an ASCII str");
+            return 0;
+        }
+        head_fields[H_OBJECTS + i].name = text;
+        head_fields[H_OBJECTS + i].len = len;
+    }
+    head_fields[H_OBJECTS + n].name = NULL;
+    head_fields[H_OBJECTS + n].len = 0;
+    Py_INCREF(objects);
+    Py_XSETREF(head_objects, objects);
+    return 1;
+}
+
+static PyObject *
+scan_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "scan_run(body, objects) takes bytes and a tuple of names");
         return NULL;
     }
+    if (!set_objects(args[1])) return NULL;
+    PyObject *arg = args[0];
     const unsigned char *body = (const unsigned char *)PyBytes_AS_STRING(arg);
     Py_ssize_t size = PyBytes_GET_SIZE(arg);
     Chunks chunks;
@@ -678,8 +720,8 @@ respell(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
-    {"scan_run", scan_run, METH_O,
-     "scan_run(body) -> (count, model, delta_keys, top_index, text_count, first_text, objects, positions) | None"},
+    {"scan_run", (PyCFunction)(void (*)(void))scan_run, METH_FASTCALL,
+     "scan_run(body, objects) -> (count, model, delta_keys, top_index, text_count, first_text, objects, positions) | None"},
     {"respell", (PyCFunction)(void (*)(void))respell, METH_FASTCALL,
      "respell(body, positions, old, new) -> body with new in place of old at each position"},
     {NULL, NULL, 0, NULL},

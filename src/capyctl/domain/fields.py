@@ -5,7 +5,7 @@ A version inside a row's range is verified by that row. A version outside
 every range is served with the nearest lower row of its engine (or the
 lowest one, if it is older than all) and reported as unverified. A ``delta``
 key outside the row ends the stream (``DeltaVerifier``): an untested field
-never reaches a client. The same stage refuses chunks of the wrong shape.
+never reaches a client (``relay_check``); so does a chunk of the wrong shape.
 
 Fields beside ``delta`` (choice fields, ``usage``, engine objects such as
 ``metrics``, ``timings``, ``tensorfold``) are relayed as sent and are not
@@ -21,7 +21,7 @@ import msgspec
 
 from capyctl.domain.engines import EngineFamily, version_key
 from capyctl.domain.errors import EdgeError, UnverifiedStream
-from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS
 
 
 class Provenance(enum.StrEnum):
@@ -112,7 +112,7 @@ def row_for(family: EngineFamily | str, version: str) -> RowChoice:
 
 
 class DeltaVerifier:
-    """Relay stage: refuses a chunk CapyCTL cannot relay faithfully, before any of it is sent.
+    """Tells why a chunk CapyCTL cannot relay faithfully is refused (``verify`` raises it), over its dict.
 
     A ``delta`` key outside the row ends the stream as unverified. A chunk of
     the wrong shape (``choices`` not a list, a choice or its ``delta`` not an
@@ -128,10 +128,10 @@ class DeltaVerifier:
         self._where = where
         self._max_tool_calls = max_tool_calls
 
-    def __call__(self, chunk: Chunk) -> Chunk:
-        choices = chunk.obj.get("choices")
+    def verify(self, obj: dict[str, Any]) -> None:
+        choices = obj.get("choices")
         if choices is None:
-            return chunk
+            return
         if type(choices) is not list:
             raise EdgeError(f"'choices' is {_kind(choices)}, not a list")
         allowed = self._allowed
@@ -151,7 +151,6 @@ class DeltaVerifier:
                 raise UnverifiedStream(key, self._where)
             if "tool_calls" in delta and delta["tool_calls"] is not None:
                 self._check_tool_calls(delta["tool_calls"])
-        return chunk
 
     def _check_tool_calls(self, tool_calls: Any) -> None:
         if type(tool_calls) is not list:

@@ -20,7 +20,6 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.engines import EngineFamily, version_key
-from capyctl.domain.streams import Chunk, has_generated_text
 
 FIGURES = ("ttft_ms", "queue_ms", "prefill_ms", "decode_tokens_per_second", "cached_tokens")
 Seen = dict[str, Any]  # the engine objects seen on the stream: usage, metrics, timings, tensorfold
@@ -141,12 +140,11 @@ ENGINE_OBJECTS = frozenset({"usage", "metrics", "timings", "tensorfold"})
 
 
 class Meter:
-    """Relay stage: notes the engine's own figures and CapyCTL's timing of one stream.
+    """The engine's own figures and CapyCTL's timing of one stream, as the relay check notes them.
 
-    Reads the clock once per chunk; touches the chunk only to look. The times
-    are the ``Clock`` port's monotonic seconds. The relay's typed pass
-    (``relay_check.TypedRelay``) keeps the same figures, reading the clock once
-    per batch of chunks (one network read).
+    The times are the ``Clock`` port's monotonic seconds: the check reads the
+    clock once per network read, and once more for the chunks after the
+    first one with text (``relay_check.StreamCheck``).
     """
 
     __slots__ = ("_now", "sent_at", "first_text_at", "last_at", "text_chunks", "seen")
@@ -158,20 +156,6 @@ class Meter:
         self.last_at: float | None = None
         self.text_chunks = 0
         self.seen: Seen = {}
-
-    def __call__(self, chunk: Chunk) -> Chunk:
-        now = self._now()
-        self.last_at = now
-        obj = chunk.obj
-        if has_generated_text(obj):
-            self.text_chunks += 1
-            if self.first_text_at is None:
-                self.first_text_at = now
-        if not ENGINE_OBJECTS.isdisjoint(obj):  # most chunks carry none of them
-            for name in ENGINE_OBJECTS:
-                if obj.get(name) is not None:
-                    self.seen[name] = obj[name]
-        return chunk
 
     def router_ttft_ms(self) -> float | None:
         return None if self.first_text_at is None else (self.first_text_at - self.sent_at) * 1000

@@ -6,7 +6,7 @@ with real technology; tests use fakes with observable state.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,7 +16,7 @@ from capyctl.domain.engines import EngineInstall
 from capyctl.domain.keys import ApiKey
 from capyctl.domain.lifecycle import Launched
 from capyctl.domain.memory import Residency
-from capyctl.domain.streams import StreamEvent
+from capyctl.domain.streams import Relayed, StreamEvent
 
 
 class Clock(Protocol):
@@ -156,32 +156,27 @@ class EngineEffects(Protocol):
         """The engine's answer to the fixed canary request (``services/canary``); None when none is sent."""
 
 
-class EngineStream(AbstractAsyncContextManager[AsyncIterator[list[StreamEvent]]], Protocol):
+class EngineAnswer(Protocol):
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
+                   ) -> bool:
+        """Hand the answer's events to ``deliver`` in batches, one per network read, as each read arrives.
+
+        ``deliver`` says what became of each batch (``Relayed``): MORE, FULL
+        (reading pauses until ``drain()`` returns) or ENDED. Returns True once
+        ``deliver`` said ENDED, False when the answer ended first; raises what
+        ``deliver`` raises, ``EdgeError`` for a broken stream (an event past
+        the size limit) and ``EngineUnavailable`` when the connection breaks.
+        """
+
+
+class EngineStream(AbstractAsyncContextManager[EngineAnswer], Protocol):
     def abandon(self) -> None:
         """Give up a stream that will never be entered: a request the session wrote already is cut."""
 
 
 class EngineSession(Protocol):
-    def chat_stream(
-        self, base_url: str, body: bytes, until: Callable[[], bool] | None = None
-    ) -> EngineStream:
-        """POST a streamed chat request to the engine; its events come in batches, one per network read.
-
-        With ``until``, the first events come one at a time until ``until()``
-        is true (the caller has its first token) or a few have come: a read
-        that holds a large part of the answer does not hold back its first
-        token while the rest is parsed and checked.
-
-        A session whose ``relays_runs`` attribute is true also takes
-        ``runs=True``: then the plain events of one read may come as one
-        ``Run`` (checked, and sent on, as one piece) instead of a Chunk each.
-
-        What is yielded may also have ``pump(deliver, drain)``: the same
-        batches handed to ``deliver`` as each read arrives, from the
-        connection's own callback, instead of being pulled. ``deliver`` says
-        what became of each (``Relayed``: MORE, FULL, that is pause reading
-        until ``drain()`` returns, or ENDED); ``pump`` returns True once it said
-        ENDED, False when the answer ended first, and raises as pulling would.
+    def chat_stream(self, base_url: str, body: bytes) -> EngineStream:
+        """POST a streamed chat request to the engine; entering gives its answer (``EngineAnswer``).
 
         The request may be written at once, when the session holds a kept-alive
         connection to the engine idle (the engine works on it while the caller

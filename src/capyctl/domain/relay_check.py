@@ -1,66 +1,47 @@
-"""The streamed relay's fast path: one typed decode per chunk, then the three stages' work in one pass.
+"""The streamed relay's check: one typed reading of each chunk, per engine version, and the one rewrite.
 
-The stages (``DeltaVerifier``, ``Meter``, ``ModelRewrite``) read a chunk as a
-dict. What they need is much less: ``model``, each choice's ``index`` and
-``delta`` (its keys, its text values), the tool-call indexes, and the engine
-objects the meter keeps. The SSE parser decodes each payload into the small
-structs below (``decode_head``), and ``TypedRelay`` does the stages' work on
-them, without a dict and without a call per stage.
+A chunk is checked on the few fields the relay reads: ``model`` (renamed to
+the deployment's name), ``error`` without ``choices`` (the engine's own error
+event, relayed untouched), each choice's ``index`` and ``delta`` (its keys
+against the engine version's field row, its text), the tool-call indexes
+(below the limit), and the engine objects the meter keeps (``usage``,
+``metrics``, ``timings``, ``tensorfold``). Those are decoded into the small
+structs below; every other field is skipped as JSON and relayed byte for
+byte, unread. A delta key outside the five the field table knows, or a read
+field of the wrong type, fails the typed decode, and the chunk is refused;
+its error is told by ``fields.DeltaVerifier`` over the chunk's dict.
 
-Both ways give the same answer, byte for byte, error for error:
-
-- The structs name every field the recorded engines send (typed ``Any`` when
-  the relay does not read it) and forbid all others. So every value is still
-  decoded, and checked, by the same msgspec decoders as the dict decode:
-  msgspec's skipping of unknown fields checks neither UTF-8 nor number range,
-  and would let through a payload that the dict decode refuses.
-- Whatever the structs refuse (an unknown field or delta key, a value of the
-  wrong type, a payload that is no JSON object) the parser decodes as a dict,
-  and that chunk takes the stages: their errors are the reference.
-- ``TypedRelay`` declines a chunk whose answer it does not own before it
-  changes anything: a delta key known here that its row refuses, a tool-call
-  index at the limit, ``"model":<json>`` bytes it cannot find (the stages
-  re-encode such a chunk), an encoding error. The relay then runs the stages.
+Where the engine adapter ran the C scan over a read (``Chunks.facts``, see
+``_speedups/scan.c``), the check works from its facts instead of decoding;
+the scan only answers for reads whose typed decode would give the same facts,
+and leaves the rest (``facts`` None) to the decode.
 """
 
 from __future__ import annotations
 
-import functools
-import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from capyctl.domain.fields import FieldRow
+from capyctl.domain.errors import CapyError, EdgeError
+from capyctl.domain.fields import DeltaVerifier, FieldRow
 from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
-from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunk, Run
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, respell, sse_of
 
 _encode = msgspec.json.encode
+_decode_dict = msgspec.json.Decoder(dict[str, Any]).decode
 Index = Annotated[int, msgspec.Meta(ge=0)]
+OBJECT_NAMES = tuple(sorted(ENGINE_OBJECTS))  # the engine objects the meter keeps, as the C scan is told them
 
 
-class _Strict(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """A struct of the typed pass: an unknown field sends the chunk to the dict decode (and the stages).
-
-    Every known field is decoded (``Any`` when the relay does not read it), so
-    that what a full decode refuses is refused here too. A field missing here
-    costs speed only, never a different answer. Fields are declared in the
-    order engines send them, the order msgspec matches fastest. ``gc=False``:
-    decoded JSON holds no cycles.
-    """
-
-
-class ToolCall(_Strict):
+class ToolCall(msgspec.Struct, gc=False):
     index: Index | None = None
-    id: Any = None
-    type: Any = None
-    function: Any = None
 
 
-class Delta(_Strict):
-    """Every key any field row allows; UNSET when not sent (a row that refuses a key sees it sent)."""
+class Delta(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """Every key the field table knows; UNSET when not sent. Any other key fails the decode."""
 
     role: Any = UNSET
     content: Any = UNSET
@@ -69,231 +50,183 @@ class Delta(_Strict):
     tool_calls: list[ToolCall] | None | UnsetType = UNSET
 
 
-class Choice(_Strict):
+class Choice(msgspec.Struct, gc=False):
     index: Index | None = None
     delta: Delta | None = None
-    logprobs: Any = None
-    finish_reason: Any = None
-    stop_reason: Any = None
-    token_ids: Any = None
-    matched_stop: Any = None
-    weight_versions: Any = None
-    reasoning_tokens: Any = None
 
 
-class Head(_Strict):
-    """A chunk as the relay reads it. ``error`` sent without ``choices`` is the engine's failure event,
-    which the parser builds from the dict decode."""
-
-    id: Any = None
-    object: Any = None
-    created: Any = None
-    model: Any = UNSET
-    choices: list[Choice] | None | UnsetType = UNSET
-    system_fingerprint: Any = None
-    service_tier: Any = None
-    prompt_token_ids: Any = None
-    prompt_text: Any = None
-    kv_transfer_params: Any = None
-    exact_mode: Any = None
-    speculative: Any = None
-    reasoning_tokens: Any = None
-    usage: Any = None
-    metrics: Any = None
-    timings: Any = None
-    tensorfold: Any = None
-    error: Any = UNSET
-
-
+Head = msgspec.defstruct(
+    "Head",
+    [("model", Any, UNSET), ("choices", list[Choice] | None | UnsetType, UNSET), ("error", Any, UNSET),
+     *((name, Any, None) for name in OBJECT_NAMES)],
+    gc=False,
+)
 DELTA_KEYS = Delta.__struct_fields__
-decode_head = msgspec.json.Decoder(Head).decode  # raises msgspec.DecodeError (or RecursionError) when it refuses
-decode_heads = msgspec.json.Decoder(Head).decode_lines
-
-try:  # the run scan in C, built with the package (_speedups/scan.c); without it, every run is decoded into heads
-    from capyctl._speedups.scan import respell as _respell
-    from capyctl._speedups.scan import scan_run as _scan_run
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _scan_run = None
-scan_run: Callable[[bytes], tuple[Any, ...] | None] | None = _scan_run
-"""``scan_run(body)``: a run's facts read straight from its bytes (see ``_speedups/scan.c``), or None where the scan is
-not sure (the run is then decoded into heads, as without it). None when the package was built without it."""
+_decode_head = msgspec.json.Decoder(Head).decode
+_decode_heads = msgspec.json.Decoder(Head).decode_lines
 
 
-class Undecoded(Sequence[Any]):
-    """A scanned run's heads: decoded when first read (a run the typed pass declines, a non-streamed answer),
-    as a run's heads always were; their count is known from the scan."""
+class ChunkRules:
+    """What one engine version's field row asks of a chunk; made once per (family, version)."""
 
-    __slots__ = ("_sse", "_count", "_heads")
+    __slots__ = ("verifier", "refused", "refused_bits", "max_tool_calls")
 
-    def __init__(self, sse: bytes, count: int) -> None:
-        self._sse, self._count = sse, count
-        self._heads: list[Head] | None = None
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._decoded()[index]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._decoded())
-
-    def _decoded(self) -> list[Head]:
-        if self._heads is None:
-            self._heads = decode_heads(b"\n".join(self._sse[6:-2].split(b"\n\ndata: ")))
-        return self._heads
+    def __init__(self, row: FieldRow, where: str, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> None:
+        self.verifier = DeltaVerifier(row.delta, where, max_tool_calls)
+        self.refused = tuple(key for key in DELTA_KEYS if key not in row.delta)  # known keys the row refuses
+        self.refused_bits = sum(1 << DELTA_KEYS.index(key) for key in self.refused)  # the C scan's bits of those
+        self.max_tool_calls = max_tool_calls
 
 
-class ChunkCheck(msgspec.Struct, frozen=True):
-    """What one engine version's field row asks of a typed chunk; built once per (family, version)."""
+class Refused(Exception):
+    """A chunk was refused: ``sent`` is the SSE of the chunks before it in its read (still relayed), ``error``
+    ends the stream."""
 
-    refused: tuple[str, ...]  # delta keys the structs know that the row does not allow
-    max_tool_calls: int
-
-
-def chunk_check(row: FieldRow, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> ChunkCheck:
-    return ChunkCheck(tuple(key for key in DELTA_KEYS if key not in row.delta), max_tool_calls)
-
-
-# What a TypedRelay needs of its check and name that is the same for every stream of them (the refused keys'
-# getter and bits, the name's JSON and the model patterns met), made by the first stream, not each one
-_MADE: dict[tuple[ChunkCheck, str], tuple[Any, ...]] = {}
-_MADE_MOST = 1024  # (check, name) pairs kept: engine versions times deployments
-_PATTERNS_MOST = 64  # model names an engine sent kept per (check, name)
+    def __init__(self, sent: bytes, error: CapyError) -> None:
+        super().__init__(error)
+        self.sent = sent
+        self.error = error
 
 
-class TypedRelay:
-    """One stream's ``DeltaVerifier``, ``Meter`` and ``ModelRewrite``, on a chunk's ``head``, in one pass.
+_NONE = object()  # _take: no chunk sent a model
+_MANY = object()  # _take: the chunks sent different models
 
-    ``relay(chunk, now)`` is True when the chunk passed and its work is done
-    (meter updated, ``raw`` rewritten), False when the stages must answer
-    for it: then nothing has been touched. ``now`` is the clock's reading for
-    the chunk (read per chunk, as the Meter does).
+
+class StreamCheck:
+    """One stream's check, meter and model rewrite, read by read.
+
+    ``check(chunks)`` gives the bytes to send for ``chunks``: as they came, with
+    ``model`` set to ``name`` where an engine sent another. It raises
+    ``Refused`` at the first chunk it refuses. ``failure`` holds the engine's
+    own error event (a dict) once one came: it is relayed untouched, and the
+    stream then ends without metrics.
     """
 
-    __slots__ = ("_refused", "_unset", "_refused_bits", "_max_tool_calls", "_meter", "_name", "_token",
-                 "_replacement", "_patterns")
+    __slots__ = ("_rules", "_meter", "_now", "_name", "_token", "_replacement", "failure")
 
-    def __init__(self, check: ChunkCheck, meter: Meter, name: str) -> None:
-        made = _MADE.get((check, name))
-        if made is None:  # the first stream of this engine version under this name
-            if len(_MADE) >= _MADE_MOST:
-                _MADE.clear()
-            refused, unset = _refused_getter(check.refused)
-            token = _encode(name)
-            made = _MADE[(check, name)] = (refused, unset, _bits(check.refused), check.max_tool_calls, token,
-                                           b'"model":' + token, {})
-        (self._refused, self._unset, self._refused_bits, self._max_tool_calls, self._token, self._replacement,
-         self._patterns) = made
+    def __init__(self, rules: ChunkRules, meter: Meter, name: str, now: Callable[[], float]) -> None:
+        self._rules = rules
         self._meter = meter
+        self._now = now
         self._name = name
+        self._token = _encode(name)
+        self._replacement = b'"model":' + self._token
+        self.failure: dict[str, Any] | None = None
 
-    def __call__(self, chunk: Chunk, now: float) -> bool:
-        head = chunk.head
-        text = self._text(head)
-        if text is None:
-            return False
-        raw = None
-        sent = head.model
-        if sent is not UNSET and sent != self._name and (raw := self._splice(chunk.raw, sent)) is None:
-            return False
-        meter = self._meter
-        meter.last_at = now
-        if text:
-            meter.text_chunks += 1
-            if meter.first_text_at is None:
-                meter.first_text_at = now
-        if _has_objects(head):
-            self._keep(head)
-        if raw is not None:
-            chunk.raw = raw
-        return True
+    def check(self, chunks: Chunks) -> bytes:
+        facts = chunks.facts
+        if facts is not None:
+            sent = self._scanned(chunks, facts)
+            if sent is not None:
+                return sent
+        payloads = chunks.payload_list()
+        try:
+            heads = [_decode_head(payloads[0])] if len(payloads) == 1 else _decode_heads(b"\n".join(payloads))
+        except (msgspec.DecodeError, RecursionError):
+            return self._one_by_one(payloads)
+        if len(heads) != len(payloads):  # a blank payload, which decode_lines skips
+            return self._one_by_one(payloads)
+        return self._take(chunks.sse, payloads, heads)
 
-    def run(self, run: Run, now: Callable[[], float]) -> bool:
-        """A whole Run, as ``__call__`` would do its chunks one by one: True when every chunk passed (the
-        meter updated, ``run.sse`` rewritten); False, with nothing touched, when one must go to the stages
-        (the relay then takes the run's chunks one by one). ``now`` is the meter's clock."""
-        if run.facts is not None:
-            return self._scanned(run, now)
-        name = self._name
-        texts: list[bool] = []
-        rewrite = False
-        alike = True  # every chunk sent the same model (and so may share a prefix; see _rewrite_alike)
-        first = run.heads[0].model
-        for head in run.heads:
+    def _scanned(self, chunks: Chunks, facts: tuple[Any, ...]) -> bytes | None:
+        """``check`` from the C scan's facts; None where the decode must answer (a refusal to explain)."""
+        count, model, keys, top_index, text_count, first_text, objects, positions = facts
+        rules = self._rules
+        if keys & rules.refused_bits or top_index >= rules.max_tool_calls:
+            return None
+        sse = chunks.sse
+        if model is not None and model != self._token:  # every chunk sent this same plain string
+            if positions is not None and chunks.respell is not None:
+                sse = chunks.respell(sse, positions, model, self._token)
+            else:
+                sse = self._rename_alike(sse, b'"model":' + model, count) or self._rename(
+                    chunks.payload_list(), [_decode_head(p) for p in chunks.payload_list()])
+        self._metered(text_count, first_text, count)
+        for i in range(0, len(objects), 2):  # (begin, end) of each payload that carries an engine object
+            self._keep(_decode_head(chunks.sse[objects[i]:objects[i + 1]]))
+        return sse
+
+    def _take(self, sse: bytes, payloads: list[bytes], heads: list[Any]) -> bytes:
+        """``check`` over decoded heads: all of them at once when none is refused or a failure event."""
+        texts = 0
+        first_text = -1
+        model: Any = _NONE
+        for i, head in enumerate(heads):
+            if head.error is not UNSET and head.choices is UNSET:
+                return self._one_by_one(payloads, heads)  # the engine's error event: untouched, unmetered
             text = self._text(head)
             if text is None:
-                return False
-            texts.append(text)
+                return self._one_by_one(payloads, heads)
+            if text:
+                texts += 1
+                if first_text < 0:
+                    first_text = i
             sent = head.model
-            if sent is not UNSET and sent != name:
-                rewrite = True
-            if alike and sent != first:
-                alike = False
-        if rewrite:
-            sse = (alike and type(first) is str and self._rewrite_alike(run, first)) or self._rewritten(run)
-            if sse is None:
-                return False
-            run.sse = sse
-        # The clock as the meter reads it chunk by chunk: a chunk after the first with text is later than it
-        meter = self._meter
-        at = now()
-        if True in texts:
-            meter.text_chunks += texts.count(True)
-            if meter.first_text_at is None:
-                meter.first_text_at = at
-                if texts.index(True) < len(texts) - 1:
-                    at = now()
-        meter.last_at = at
-        for head in run.heads:
+            if sent is not UNSET and model is not _MANY:
+                model = sent if model is _NONE or model == sent else _MANY
+        if model is not _NONE and model != self._name:
+            renamed = None
+            if type(model) is str:
+                renamed = self._rename_alike(sse, b'"model":' + _encode(model), len(heads))
+            sse = renamed or self._rename(payloads, heads)
+        self._metered(texts, first_text, len(heads))
+        for head in heads:
             if _has_objects(head):
                 self._keep(head)
-        return True
+        return sse
 
-    def _scanned(self, run: Run, now: Callable[[], float]) -> bool:
-        """``run`` for a scanned run, from its facts: the same checks, rewrite and meter updates as over its
-        heads, without them (only the chunks that carry an engine object the meter keeps are decoded)."""
-        count, model, keys, top_index, text_count, first_text, objects, positions = run.facts
-        if keys & self._refused_bits or top_index >= self._max_tool_calls:
-            return False  # a chunk the stages must answer for, as _text says
-        body = run.sse
-        if model is not None and model != self._token:  # every chunk sent this same plain string
-            if positions is not None:  # each chunk's only "model":<model> is its model field: respelled there
-                sse: bytes | None = _respell(body, positions, model, self._token)
-            else:
-                pattern = self._patterns.get(model)
-                if pattern is None:
-                    pattern = b'"model":' + model
-                    self._keep_pattern(model, pattern)
-                sse = self._rewrite_alike_pattern(run, pattern) or self._rewritten(run)
-            if sse is None:
-                return False
-            run.sse = sse
-        meter = self._meter
-        at = now()
-        if text_count:
-            meter.text_chunks += text_count
-            if meter.first_text_at is None:
-                meter.first_text_at = at
-                if first_text < count - 1:
-                    at = now()
-        meter.last_at = at
-        for i in range(0, len(objects), 2):  # (begin, end) of each such payload in the bytes as they came
-            self._keep(decode_head(body[objects[i]:objects[i + 1]]))
-        return True
+    def _one_by_one(self, payloads: list[bytes], heads: list[Any] | None = None) -> bytes:
+        """``check`` chunk by chunk, where a read holds a refused chunk or the engine's error event."""
+        out: list[bytes] = []
+        for i, payload in enumerate(payloads):
+            try:
+                head = heads[i] if heads is not None else _decode_head(payload)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise Refused(sse_of(out), self._why(payload, exc)) from exc
+            if head.error is not UNSET and head.choices is UNSET:
+                error = _decode_dict(payload)["error"]
+                self.failure = error if isinstance(error, dict) else {"message": str(error)}
+                out.append(payload)
+                continue
+            text = self._text(head)
+            if text is None:
+                raise Refused(sse_of(out), self._why(payload, None))
+            sent = head.model
+            if sent is not UNSET and sent != self._name:
+                payload = self._splice(payload, sent)
+            self._metered(1 if text else 0, 0 if text else -1, 1)
+            if _has_objects(head):
+                self._keep(head)
+            out.append(payload)
+        return sse_of(out)
+
+    def _why(self, payload: bytes, exc: Exception | None) -> CapyError:
+        """The error a refused chunk ends the stream with: the verifier's, over the chunk's dict."""
+        try:
+            obj = _decode_dict(payload)
+        except msgspec.DecodeError as error:
+            return EdgeError(f"the engine sent an event that is not a JSON object: {error}")
+        except RecursionError:
+            return EdgeError("the engine sent an event nested too deeply to decode")
+        try:
+            self._rules.verifier.verify(obj)
+        except CapyError as error:
+            return error
+        return EdgeError(f"the engine sent a chunk CapyCTL cannot read: {exc}")  # e.g. an index past 64 bits
 
     def _text(self, head: Any) -> bool | None:
-        """Whether the chunk carries generated text; None when the stages must answer for it (a delta key
-        the row refuses, a tool-call index at the limit)."""
+        """Whether the chunk carries generated text; None when it is refused (a delta key the row refuses,
+        a tool-call index at the limit)."""
         text = False
         if head.choices:
-            refused, unset, limit = self._refused, self._unset, self._max_tool_calls
+            refused, limit = self._rules.refused, self._rules.max_tool_calls
             for choice in head.choices:
                 delta = choice.delta
                 if delta is None:
                     continue
-                if refused is not None and refused(delta) != unset:
-                    return None
+                for key in refused:
+                    if getattr(delta, key) is not UNSET:
+                        return None
                 calls = delta.tool_calls
                 if calls:
                     for call in calls:
@@ -303,97 +236,69 @@ class TypedRelay:
                     text = True
         return text
 
-    def _splice(self, raw: bytes, sent: Any) -> bytes | None:
-        """``raw`` with its first ``"model":<sent>`` set to the name; None when that pattern cannot be made
-        or is not there (the stages then re-encode the chunk, or raise)."""
-        pattern = self._patterns.get(sent) if type(sent) is str else None
-        if pattern is None and (pattern := self._pattern(sent)) is None:
-            return None
-        spliced = raw.replace(pattern, self._replacement, 1)  # one search, not `in` and then another
-        return None if spliced == raw else spliced  # equal: not there (pattern and name differ)
-
-    def _rewrite_alike(self, run: Run, sent: str) -> bytes | None:
-        """The run rewritten by C calls over its whole bytes when every chunk begins with the same bytes up
-        to its first ``"model":<sent>`` (an engine that repeats id, object and created, as vLLM does) and
-        holds no other; None otherwise, and ``_rewritten`` splices chunk by chunk.
-
-        Exact: the prefix ``data: {"<letter>...`` cannot occur inside a valid JSON payload (the quote after
-        the brace would end a string, and a letter cannot follow a string) nor span a blank line, so each
-        of its occurrences begins an event: as many as there are chunks means every chunk begins with it,
-        and so holds ``"model":<sent>`` first where the prefix does. As many of those as chunks means that
-        is each chunk's only one, and replacing them all is the first-occurrence splice of each.
-        """
-        pattern = self._patterns.get(sent) or self._pattern(sent)
-        return None if pattern is None else self._rewrite_alike_pattern(run, pattern)
-
-    def _rewrite_alike_pattern(self, run: Run, pattern: bytes) -> bytes | None:
-        """``_rewrite_alike`` for the bytes ``"model":<sent>``."""
-        sse = run.sse
-        if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):  # data: {"<a letter or _>
-            return None
-        end = sse.find(pattern, 0, sse.find(b"\n"))
-        count = len(run.heads)
-        if end == -1 or sse.count(sse[:end + len(pattern)]) != count:
-            return None
-        parts = sse.split(pattern)  # (split and join: faster than replace, and they count)
-        return self._replacement.join(parts) if len(parts) == count + 1 else None
-
-    def _rewritten(self, run: Run) -> bytes | None:
-        """The run's bytes with each chunk's ``model`` set to the name, as ``__call__`` splices one chunk;
-        None when a chunk's splice is not found."""
-        payloads = run.payloads()
-        name = self._name
-        for i, head in enumerate(run.heads):
-            sent = head.model
-            if sent is UNSET or sent == name:
-                continue
-            spliced = self._splice(payloads[i], sent)
-            if spliced is None:
-                return None
-            payloads[i] = spliced
-        return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n"
-
-    def _pattern(self, sent: Any) -> bytes | None:
-        """``"model":<sent>`` as ``ModelRewrite`` searches for it; None when it cannot be encoded (the stages
-        then raise what they raise)."""
-        try:
-            pattern = b'"model":' + _encode(sent)
-        except Exception:  # whatever it is, the stages raise it, in their order
-            return None
-        if type(sent) is str:
-            self._keep_pattern(sent, pattern)
-        return pattern
-
-    def _keep_pattern(self, sent: Any, pattern: bytes) -> None:
-        """Remember ``"model":<sent>`` for the streams of this name: a few names at most, unless the engine
-        sends a new one each time (then the oldest are forgotten)."""
-        if len(self._patterns) >= _PATTERNS_MOST:
-            self._patterns.clear()
-        self._patterns[sent] = pattern
+    def _metered(self, texts: int, first_text: int, count: int) -> None:
+        """The meter told of ``count`` chunks, ``texts`` of them with text (the first at ``first_text``): the
+        clock is read once for them, and once more when chunks came after the first text."""
+        meter = self._meter
+        at = self._now()
+        if texts:
+            meter.text_chunks += texts
+            if meter.first_text_at is None:
+                meter.first_text_at = at
+                if first_text < count - 1:
+                    at = self._now()
+        meter.last_at = at
 
     def _keep(self, head: Any) -> None:
         seen = self._meter.seen
-        for name in ENGINE_OBJECTS:  # in the meter's order
+        for name in OBJECT_NAMES:
             value = getattr(head, name)
             if value is not None:
                 seen[name] = value
 
+    def _rename_alike(self, sse: bytes, pattern: bytes, count: int) -> bytes | None:
+        """``sse`` with each chunk's ``"model":<sent>`` renamed, when every chunk begins with the same bytes up
+        to its first such pattern and holds no other; None otherwise.
 
-@functools.lru_cache(maxsize=64)
-def _refused_getter(refused: tuple[str, ...]) -> tuple[Callable[[Any], Any] | None, Any]:
-    """One C call that reads every refused key of a delta, and what it reads when none was sent (UNSET, or
-    all UNSET); made once per set of keys, not per stream."""
-    if not refused:
-        return None, UNSET
-    return operator.attrgetter(*refused), UNSET if len(refused) == 1 else (UNSET,) * len(refused)
+        Exact: the prefix ``data: {"<letter>...`` cannot occur inside a valid JSON payload (the quote after the
+        brace would end a string, and a letter cannot follow a string) nor span a blank line, so each of its
+        occurrences begins an event: as many as there are chunks means every chunk begins with it, and holds
+        the pattern first where the prefix does. As many patterns as chunks means that is each one's only one.
+        """
+        if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):
+            return None
+        end = sse.find(pattern, 0, sse.find(b"\n"))
+        if end == -1 or sse.count(sse[:end + len(pattern)]) != count:
+            return None
+        parts = sse.split(pattern)
+        return self._replacement.join(parts) if len(parts) == count + 1 else None
 
+    def _rename(self, payloads: list[bytes], heads: list[Any]) -> bytes:
+        """Each chunk's ``model`` set to the name, payload by payload."""
+        out = list(payloads)
+        for i, head in enumerate(heads):
+            sent = head.model
+            if sent is not UNSET and sent != self._name:
+                out[i] = self._splice(out[i], sent)
+        return sse_of(out)
 
-def _bits(refused: tuple[str, ...]) -> int:
-    """The scan's delta-key bits (one per ``Delta`` field, in its order) of the refused keys."""
-    return sum(1 << DELTA_KEYS.index(key) for key in refused)
+    def _splice(self, payload: bytes, sent: Any) -> bytes:
+        """``payload`` with its first ``"model":<sent>`` set to the name; written anew from its dict where the
+        engine spaced it otherwise."""
+        spliced = payload.replace(b'"model":' + _encode(sent), self._replacement, 1)
+        if spliced != payload:
+            return spliced
+        obj = _decode_dict(payload)
+        obj["model"] = self._name
+        return _encode(obj)
 
 
 def _has_objects(head: Any) -> bool:
-    """The chunk carries an engine object the meter keeps (usage, metrics, timings, tensorfold)."""
-    return (head.usage is not None or head.metrics is not None or head.timings is not None
-            or head.tensorfold is not None)
+    """The chunk carries an engine object the meter keeps."""
+    for name in OBJECT_NAMES:
+        if getattr(head, name) is not None:
+            return True
+    return False
+
+
+__all__ = ["ChunkRules", "Refused", "StreamCheck", "OBJECT_NAMES", "respell"]

@@ -1,22 +1,18 @@
-"""The relay pipeline: what happens to each engine chunk on its way to a client.
+"""What an engine's stream is made of on its way to a client.
 
-An engine stream is a sequence of events (``Chunk``, ``Comment``, ``EngineFailure``,
-``Done``). Each ``Chunk`` keeps its raw JSON bytes (``raw``) and is decoded
-once: the SSE parser decodes it into the relay's small typed structs
-(``head``, see ``relay_check``), and into a dict (``obj``) only when a reader
-asks for one, or when the typed decode refused it. Stages read ``obj``, and
-only a stage that must change the chunk touches ``raw``. Everything a stage
-does not own is relayed byte for byte. Stages run in order; a stage may raise
-a ``CapyError`` to end the stream (the verifier of delta keys is such a
-stage). The streamed relay does the stages' work on ``head`` in one pass
-where it can (``relay_check.TypedRelay``) and writes ``raw`` as SSE; the
-non-streamed path runs the stages and feeds ``obj`` to ``Assembler``.
+The engine adapter parses each network read of an SSE answer into events:
+``Chunks`` (the ``data:`` payloads that came together, kept as their SSE
+bytes), ``Comment`` (``:`` lines, keep-alives) and ``Done`` (``data:
+[DONE]``). The relay check (``relay_check.StreamCheck``) reads the chunks'
+few fields it needs and hands their bytes on, touching only a ``model`` it
+renames; everything else is relayed byte for byte. A non-streamed answer is
+assembled (``Assembler``) from the same relayed bytes.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,123 +20,76 @@ import msgspec
 from capyctl.domain.errors import EdgeError
 
 _encode = msgspec.json.encode
-_decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 
-class Chunk(msgspec.Struct):
-    """One ``data:`` payload: its bytes, and its decoded forms.
+class Chunks(msgspec.Struct, gc=False):
+    """The ``data:`` payloads of one read, in order, as SSE: ``data: <payload>\\n\\n`` each.
 
-    Built as ``Chunk(raw, obj)`` (a dict at once) or ``Chunk(raw, None, head)``
-    (the parser's typed decode). ``obj`` is decoded from ``raw`` when first
-    read; the stages read it before they change ``raw``. (Read after the typed
-    pass rewrote ``model`` in ``raw``, it is the rewritten chunk's dict.)
+    ``payloads`` is None when each payload is one line: they are split from ``sse`` when first asked for
+    (``payload_list``). A payload of several lines comes in a ``Chunks`` of its own. ``facts`` and
+    ``respell`` are the C scan's reading of ``sse`` (``_speedups.scan``), when the parser ran it.
     """
 
-    raw: bytes
-    decoded: dict[str, Any] | None = None
-    head: Any = None  # a relay_check.Head, or None
+    sse: bytes
+    payloads: list[bytes] | None = None
+    facts: Any = None
+    respell: Callable[[bytes, bytes, bytes, bytes], bytes] | None = None
 
-    @property
-    def obj(self) -> dict[str, Any]:
-        obj = self.decoded
-        if obj is None:
-            obj = self.decoded = _decode(self.raw)
-        return obj
-
-
-class Run(msgspec.Struct):
-    """Several chunks that came in one network read, each a plain ``data: {...}`` event (one line, one
-    space after the colon): their SSE bytes as they came, and their typed heads, in order.
-
-    The relay checks a run as a whole and sends its bytes on as one piece; a run it cannot answer for
-    becomes its chunks (``chunks()``), each relayed as a chunk of its own would be.
-    """
-
-    sse: bytes  # b"data: <payload>\n\n" for each chunk
-    heads: Sequence[Any]  # a relay_check.Head for each chunk (decoded when first read, for a scanned run)
-    facts: Any = None  # a scanned run's facts (relay_check.scan_run), which the typed pass reads instead of heads
-
-    def payloads(self) -> list[bytes]:
-        return self.sse[6:-2].split(b"\n\ndata: ")
-
-    def chunks(self) -> list[Chunk]:
-        return [Chunk(raw, None, head) for raw, head in zip(self.payloads(), self.heads)]
+    def payload_list(self) -> list[bytes]:
+        if self.payloads is None:
+            self.payloads = payloads_of(self.sse)
+        return self.payloads
 
 
-class Comment(msgspec.Struct):
+class Comment(msgspec.Struct, gc=False):
     raw: bytes  # the comment line(s), without the final blank line
 
 
-class EngineFailure(msgspec.Struct):
-    """A ``data:`` event carrying ``{"error": ...}``: the engine gave up mid-stream."""
-
-    raw: bytes
-    error: dict[str, Any]
-
-
-class Done(msgspec.Struct):
+class Done(msgspec.Struct, gc=False):
     pass
 
 
-StreamEvent = Chunk | Run | Comment | EngineFailure | Done
+DONE = Done()
+StreamEvent = Chunks | Comment | Done
+
+
+def sse_of(payloads: list[bytes]) -> bytes:
+    """Payloads as SSE data events."""
+    return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n" if payloads else b""
+
+
+def payloads_of(sse: bytes) -> list[bytes]:
+    """The payloads of SSE data events as ``sse_of`` writes them (comments and ``[DONE]`` left out)."""
+    if sse.startswith(b"data: {") and b"\n\n:" not in sse and b"[DONE]" not in sse:
+        return sse[6:-2].split(b"\n\ndata: ")
+    return [block[6:] for block in sse.split(b"\n\n") if block.startswith(b"data: ") and block != b"data: [DONE]"]
+
+
+def respell(sse: bytes, positions: bytes, old: bytes, new: bytes) -> bytes:
+    """``sse`` with ``new`` in place of the ``old`` token at each offset in ``positions`` (native uint32 values,
+    in order): the Python reference of the C scan's ``respell``. ValueError where ``old`` is not there."""
+    if len(positions) % 4:
+        raise ValueError("positions must be whole uint32 values")
+    parts: list[bytes] = []
+    start = 0
+    for at in memoryview(positions).cast("I"):
+        if at < start or sse[at:at + len(old)] != old:
+            raise ValueError(f"the token is not at offset {at}")
+        parts += (sse[start:at], new)
+        start = at + len(old)
+    parts.append(sse[start:])
+    return b"".join(parts)
 
 
 class Relayed(enum.IntEnum):
-    """What a pumped stream's ``deliver`` says of a batch it relayed (see ``EngineSession``)."""
+    """What a pumped stream's ``deliver`` says of a batch it relayed (see ``EngineAnswer``)."""
 
     MORE = 0  # go on reading
     FULL = 1  # the client cannot take more for now: pause reading until it has drained
     ENDED = 2  # the batch ended the stream
-Stage = Callable[[Chunk], Chunk]
 
-GENERATED_TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
 DEFAULT_MAX_TOOL_CALLS = 256  # tool calls in one answer; an index past it is an edge_error
-
-
-class ModelRewrite:
-    """Sets ``model`` to the name the client sent, touching only those bytes."""
-
-    __slots__ = ("_name", "_replacement", "_cache")
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._replacement = b'"model":' + _encode(name)
-        self._cache: dict[str, bytes] = {}
-
-    def __call__(self, chunk: Chunk) -> Chunk:
-        obj = chunk.obj
-        sent = obj.get("model")
-        if sent == self._name or (sent is None and "model" not in obj):
-            return chunk
-        pattern = self._cache.get(sent) if isinstance(sent, str) else None
-        if pattern is None:
-            pattern = b'"model":' + _encode(sent)
-            if isinstance(sent, str):
-                if len(self._cache) >= 64:  # (an engine that sends a new name each time: the oldest are forgotten)
-                    self._cache.clear()
-                self._cache[sent] = pattern
-        obj["model"] = self._name
-        if pattern in chunk.raw:
-            chunk.raw = chunk.raw.replace(pattern, self._replacement, 1)
-        else:  # unusual spacing from the engine: re-encode rather than risk a wrong splice
-            chunk.raw = _encode(obj)
-        return chunk
-
-
-def has_generated_text(obj: dict[str, Any]) -> bool:
-    """True when a chunk carries generated text; a role-only opening chunk does not."""
-    for choice in obj.get("choices") or ():
-        delta = choice.get("delta")
-        if delta and (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
-                      or delta.get("tool_calls")):
-            return True
-    return False
-
-
-def run_stages(stages: Sequence[Stage], chunk: Chunk) -> Chunk:
-    for stage in stages:
-        chunk = stage(chunk)
-    return chunk
 
 
 def _merge_tool_calls(into: list[dict[str, Any]], pieces: list[dict[str, Any]], limit: int) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import msgspec
 
 from capyctl.domain.errors import EdgeError
 from capyctl.domain.ports import EngineSession
-from capyctl.domain.streams import Chunk, Done, EngineFailure
+from capyctl.domain.streams import Chunks, Done, Relayed, StreamEvent
 from capyctl.services.chat import failure_error
 
+_decode = msgspec.json.Decoder(dict[str, Any]).decode
 REQUEST: dict[str, Any] = {
     "messages": [{"role": "user", "content": "Answer with one word: are you ready?"}],
     "max_tokens": 8,
@@ -34,16 +36,24 @@ class Canary:
         """The engine's answer to the canary, its text only."""
         body = msgspec.json.encode({**REQUEST, "model": served_model})
         text: list[str] = []
-        async with self._session.chat_stream(base_url, body) as events:
-            async for batch in events:
-                for event in batch:
-                    if isinstance(event, Chunk):
-                        for choice in event.obj.get("choices") or ():
+
+        def deliver(batch: list[StreamEvent]) -> Relayed:
+            for event in batch:
+                if type(event) is Chunks:
+                    for payload in event.payload_list():  # type: ignore[union-attr]
+                        obj = _decode(payload)
+                        if "error" in obj and "choices" not in obj:
+                            error = obj["error"]
+                            raise failure_error(error if isinstance(error, dict) else {"message": str(error)})
+                        for choice in obj.get("choices") or ():
                             content = (choice.get("delta") or {}).get("content")
                             if isinstance(content, str):
                                 text.append(content)
-                    elif isinstance(event, EngineFailure):
-                        raise failure_error(event.error)
-                    elif isinstance(event, Done):
-                        return "".join(text)
+                elif type(event) is Done:
+                    return Relayed.ENDED
+            return Relayed.MORE
+
+        async with self._session.chat_stream(base_url, body) as answer:
+            if await answer.pump(deliver, anyio.lowlevel.checkpoint):
+                return "".join(text)
         raise EdgeError("the engine's answer to the canary ended without [DONE]")

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import msgspec
 
 from capyctl.domain.errors import (
@@ -25,23 +26,11 @@ from capyctl.domain.errors import (
     engine_code,
 )
 from capyctl.domain.engines import EngineFamily
-from capyctl.domain.fields import DeltaVerifier
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
-from capyctl.domain.ports import Clock, EngineSession, EngineStream
-from capyctl.domain.relay_check import ChunkCheck, TypedRelay, chunk_check
+from capyctl.domain.ports import Clock, EngineAnswer, EngineSession, EngineStream
+from capyctl.domain.relay_check import ChunkRules, Refused, StreamCheck
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord
-from capyctl.domain.streams import (
-    DEFAULT_MAX_TOOL_CALLS,
-    Assembler,
-    Chunk,
-    Done,
-    EngineFailure,
-    ModelRewrite,
-    Relayed,
-    Run,
-    Stage,
-    StreamEvent,
-)
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Assembler, Chunks, Comment, Relayed, StreamEvent, payloads_of
 from capyctl.domain.scheduling import QueueLimits, Route
 from capyctl.services.admission import AdmissionService, Lease
 from capyctl.services.controllers import Serving
@@ -50,6 +39,8 @@ from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
 
 _encode = msgspec.json.encode
+_decode = msgspec.json.Decoder(dict[str, Any]).decode
+_DONE = b"data: [DONE]\n\n"
 SALTED_FAMILIES = frozenset({EngineFamily.VLLM, EngineFamily.SGLANG})  # engines that honour cache_salt
 
 
@@ -172,11 +163,7 @@ class ChatService(RequestService):
         admission: AdmissionService | None = None, keys: Keyring | None = None,
     ) -> None:
         super().__init__(fleet, session, clock, events, settings, admission, keys)
-        self._metrics_rows: dict[tuple[str, str], MetricsRow] = {}
-        self._checks: dict[tuple[str, str], ChunkCheck] = {}
-        self._stages: dict[tuple[str, str, str], tuple[DeltaVerifier, ModelRewrite]] = {}
-        # a session that can hand plain events of one read over as one Run is asked to (see EngineSession)
-        self._runs: dict[str, Any] = {"runs": True} if getattr(session, "relays_runs", False) else {}
+        self._rules: dict[tuple[str, str], tuple[ChunkRules, MetricsRow]] = {}  # per engine version
 
     def start(self, record: RequestRecord, obj: dict[str, Any]) -> Started:
         """A request's first steps, done at once as its last byte arrives (no wait, no I/O but one write):
@@ -204,7 +191,7 @@ class ChatService(RequestService):
             started.close()
             raise
         started.route = route
-        started.stream = self._session.chat_stream(route.url, started.body, lambda: record.answered, **self._runs)
+        started.stream = self._session.chat_stream(route.url, started.body)
         return started
 
     @asynccontextmanager
@@ -229,7 +216,7 @@ class ChatService(RequestService):
                 if route is None:
                     route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it fell
                 if stream is None:  # (the session may write the request at once: the rest is done while the engine works)
-                    stream = self._session.chat_stream(route.url, body, lambda: record.answered, **self._runs)
+                    stream = self._session.chat_stream(route.url, body)
                 try:
                     self._selected(record)
                     meter = self._meters[record.id] = Meter(self._clock.monotonic)
@@ -238,9 +225,9 @@ class ChatService(RequestService):
                     raise
                 streaming = False
                 try:
-                    async with stream as events:
+                    async with stream as answer:
                         streaming = True
-                        yield self._call(controller, record, meter, events)
+                        yield self._call(controller, record, meter, answer)
                 except EngineUnavailable as exc:
                     # stopped, or crashed and restarting
                     gone = await controller.lost(route, self._settings.crash_notice)
@@ -255,50 +242,31 @@ class ChatService(RequestService):
         finally:
             del self.live[record.id]
 
-    def _call(self, controller: Serving, record: RequestRecord, meter: Meter, events: Any) -> EngineCall:
-        """The engine call over ``events``. Built once the engine has the request and has answered its head:
-        while it works on the first token, not before the request leaves. The verifier runs first: nothing
-        of a chunk with an unverified key is sent."""
+    def _call(self, controller: Serving, record: RequestRecord, meter: Meter, answer: EngineAnswer) -> EngineCall:
+        """The engine call over ``answer``, with its check (the rules made once per engine version)."""
         engine = controller.engine
-        made = self._stages.get((engine.family, engine.version, record.deployment))
-        if made is None:  # the stages around the meter hold nothing of a stream: made once per engine and name
-            if len(self._stages) >= 1024:
-                self._stages.clear()
-            made = self._stages[(engine.family, engine.version, record.deployment)] = (
-                DeltaVerifier(controller.fields.row.delta, f"{engine.family} {engine.version}",
-                              self._settings.max_tool_calls),
-                ModelRewrite(record.deployment))
-        stages: list[Stage] = [made[0], meter, made[1]]
-        row = self._metrics_rows.get((engine.family, engine.version))
-        if row is None:
-            row = self._metrics_rows[(engine.family, engine.version)] = metrics_row_for(engine.family, engine.version)
-        typed = self._typed_relay(controller, record, meter)
-        now = self._clock.monotonic
-        pumped = _Relay(stages, record, meter, typed, now) if hasattr(events, "pump") else None
-        return EngineCall(_relay(events, stages, record, meter, typed, now), meter, row, events, pumped)
-
-    def _typed_relay(self, controller: Serving, record: RequestRecord, meter: Meter) -> TypedRelay | None:
-        """The stages' work in one pass, for a streamed answer (its check built once per engine version).
-        None for a non-streamed answer: it reads every chunk's dict, and the stages are its way."""
-        if not record.stream:
-            return None
-        key = (controller.engine.family, controller.engine.version)
-        check = self._checks.get(key)
-        if check is None:
-            check = self._checks[key] = chunk_check(controller.fields.row, self._settings.max_tool_calls)
-        return TypedRelay(check, meter, record.deployment)
+        made = self._rules.get((engine.family, engine.version))
+        if made is None:
+            made = self._rules[(engine.family, engine.version)] = (
+                ChunkRules(controller.fields.row, f"{engine.family} {engine.version}",
+                           self._settings.max_tool_calls),
+                metrics_row_for(engine.family, engine.version))
+        rules, row = made
+        return EngineCall(answer, StreamCheck(rules, meter, record.deployment, self._clock.monotonic), meter, row,
+                          record)
 
     async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
                        started: Started | None = None) -> dict[str, Any]:
-        """A non-streamed answer, assembled from the engine's stream, with ``capyctl.metrics``."""
-        assembler = Assembler(record.deployment, self._settings.max_tool_calls)
+        """A non-streamed answer, assembled from the engine's stream as the relay checked it, with
+        ``capyctl.metrics``."""
+        parts: list[bytes] = []
         async with self.open(record, obj, wait, started) as call:
-            async for batch in call.events:
-                for event in batch:
-                    if isinstance(event, Chunk):
-                        assembler.add(event.obj)
-                    elif isinstance(event, EngineFailure):
-                        raise failure_error(event.error)
+            parts.append(await call.pump(lambda data: parts.append(data) is not None, anyio.lowlevel.checkpoint))
+        if call.failure is not None:
+            raise failure_error(call.failure)
+        assembler = Assembler(record.deployment, self._settings.max_tool_calls)
+        for payload in payloads_of(b"".join(parts)):
+            assembler.add(_decode(payload))
         answer = assembler.result()
         answer["capyctl"] = {"metrics": call.metrics()}
         return answer
@@ -336,47 +304,74 @@ class Started:
 
 
 class EngineCall:
-    """One engine call in progress: its relayed events (in batches, one per engine read), then its metrics.
+    """One engine call in progress: its answer relayed through its check, then its metrics."""
 
-    The events are pulled (``events``) or, where the session can (``pumps``), pumped: each batch relayed
-    from the engine connection's own callback as its read arrives (``pump``)."""
+    __slots__ = ("_answer", "_check", "_meter", "_row", "_record", "last")
 
-    __slots__ = ("events", "_meter", "_row", "_source", "_relay")
-
-    def __init__(self, events: AsyncIterator[list[StreamEvent]], meter: Meter, row: MetricsRow,
-                 source: Any = None, relay: _Relay | None = None) -> None:
-        self.events = events
+    def __init__(self, answer: EngineAnswer, check: StreamCheck, meter: Meter, row: MetricsRow,
+                 record: RequestRecord) -> None:
+        self._answer = answer
+        self._check = check
         self._meter = meter
         self._row = row
-        self._source = source
-        self._relay = relay
+        self._record = record
+        self.last: bytes | None = None  # the stream's last bytes (its end included), once [DONE] came
 
     @property
-    def pumps(self) -> bool:
-        return self._relay is not None
+    def failure(self) -> dict[str, Any] | None:
+        """The engine's own error event, when it sent one (the stream then ends without metrics)."""
+        return self._check.failure
 
-    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
-                   ) -> None:
-        """Relay the stream through ``deliver``, a batch at a time as the engine's reads arrive: what
-        ``events`` would yield, in the same order, with the same end. ``deliver`` says FULL when its client
-        cannot take more for now (reading pauses until ``drain()`` returns). Returns once the batch that
-        ends the stream was delivered; raises as iterating ``events`` would, after delivering the chunks
-        before a refused one."""
-        relay = self._relay
-        assert relay is not None
+    async def pump(self, write: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> bytes:
+        """Relay the answer: each read's events checked and framed as SSE, handed to ``write`` as the read
+        arrives (``write`` returns True when its client cannot take more for now: reading then pauses until
+        ``drain()`` returns). The read that holds ``[DONE]`` is not written: its bytes, with the metrics line
+        and ``[DONE]``, are returned, for the caller to send with the end of its answer.
 
-        def relayed(batch: list[StreamEvent]) -> Relayed:
+        Raises as the check refuses a chunk (after writing the chunks before it), ``EdgeError`` when the
+        answer ends without ``[DONE]`` (unless it ended on the engine's own error event), and as the
+        engine's connection breaks."""
+        def deliver(batch: list[StreamEvent]) -> Relayed:
             try:
-                sent, done = relay.step(batch)
+                data = self.frame(batch)
             except Refused as refused:
                 if refused.sent:
-                    deliver(refused.sent)
+                    write(refused.sent)
                 raise refused.error from refused.error.__cause__
-            said = deliver(sent)
-            return Relayed.ENDED if done else said
+            if self.last is not None:
+                return Relayed.ENDED
+            return Relayed.FULL if data and write(data) else Relayed.MORE
 
-        if not await self._source.pump(relayed, drain):
-            relay.ended()
+        if not await self._answer.pump(deliver, drain) and self._check.failure is None:
+            raise EdgeError("the engine's stream ended without [DONE]")
+        return self.last if self.last is not None else b""
+
+    def frame(self, batch: list[StreamEvent]) -> bytes:
+        """A batch of events as the SSE bytes sent on (see ``pump``); raises ``Refused``."""
+        check, record = self._check, self._record
+        if len(batch) == 1 and type(batch[0]) is Chunks:  # the most usual batch
+            data = check.check(batch[0])  # type: ignore[arg-type]
+            if not record.answered and (self._meter.first_text_at is not None or check.failure is not None):
+                record.engine_answered()
+            return data
+        parts: list[bytes] = []
+        for event in batch:
+            if type(event) is Chunks:
+                try:
+                    parts.append(check.check(event))
+                except Refused as refused:
+                    raise Refused(b"".join(parts) + refused.sent, refused.error) from refused.error.__cause__
+                if not record.answered and (self._meter.first_text_at is not None or check.failure is not None):
+                    record.engine_answered()
+            elif type(event) is Comment:
+                parts += (event.raw, b"\n\n")  # type: ignore[union-attr]
+            else:  # Done
+                if check.failure is None:  # an answer that ended on the engine's error has no metrics
+                    parts += (b": x-capyctl-metrics ", _encode(self.metrics()), b"\n\n")
+                parts.append(_DONE)
+                self.last = b"".join(parts)
+                return self.last
+        return b"".join(parts)
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         return self._meter.figures(self._row)
@@ -414,98 +409,3 @@ class _Admitted:
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
         await self._lease.__aexit__(kind, error, trace)
-
-
-class Refused(Exception):
-    """A stage refused a chunk: ``sent`` are the events before it in its batch (still relayed), ``error``
-    ends the stream."""
-
-    def __init__(self, sent: list[StreamEvent], error: CapyError) -> None:
-        super().__init__(error)
-        self.sent = sent
-        self.error = error
-
-
-class _Relay:
-    """The stages over each batch of events, one batch at a time; what pulling and pumping a stream share.
-
-    A chunk the parser decoded into typed structs goes through ``typed`` (the
-    stages' work in one pass) when it passes there, a Run likewise as a whole;
-    any other chunk through the stages (a declined Run as its chunks). When a stage refuses a chunk,
-    the chunks before it in the batch are still relayed, then the error ends
-    the stream: nothing of the refused chunk is sent. A stream that ends
-    without ``[DONE]`` is an ``edge_error`` (it may be cut short), unless it
-    ended on the engine's own error event.
-    """
-
-    __slots__ = ("_stages", "_record", "_meter", "_typed", "_now", "_failed")
-
-    def __init__(self, stages: list[Stage], record: RequestRecord, meter: Meter, typed: TypedRelay | None,
-                 now: Callable[[], float]) -> None:
-        self._stages = stages
-        self._record = record
-        self._meter = meter
-        self._typed = typed
-        self._now = now
-        self._failed = False
-
-    def step(self, batch: list[StreamEvent]) -> tuple[list[StreamEvent], bool]:
-        """(the batch as it is to be sent, whether it ends the stream: it then ends at its ``Done``);
-        raises ``Refused``."""
-        record, meter, typed, now = self._record, self._meter, self._typed, self._now
-        position = 0
-        while position < len(batch):  # a run the typed pass declines is spliced in as its chunks
-            event = batch[position]
-            position += 1
-            if isinstance(event, Run):
-                if typed is not None and typed.run(event, now):
-                    if not record.answered and meter.first_text_at is not None:
-                        record.engine_answered()
-                    continue
-                position -= 1
-                batch[position:position + 1] = event.chunks()
-                continue
-            if isinstance(event, Chunk):
-                if typed is not None and event.head is not None and typed(event, now()):  # the clock per chunk, as
-                    # the Meter reads it: whether a decode rate can be given must not hang on read boundaries
-                    if not record.answered and meter.first_text_at is not None:
-                        record.engine_answered()
-                    continue
-                try:
-                    for stage in self._stages:
-                        event = stage(event)
-                except CapyError as error:
-                    raise Refused(batch[:position - 1], error) from error
-                batch[position - 1] = event
-                if not record.answered and meter.first_text_at is not None:
-                    record.engine_answered()
-            elif isinstance(event, EngineFailure):
-                record.engine_answered()
-                self._failed = True
-            elif isinstance(event, Done):
-                return batch[:position], True
-        return batch, False
-
-    def ended(self) -> None:
-        """The engine's message ended without ``[DONE]``."""
-        if not self._failed:
-            raise EdgeError("the engine's stream ended without [DONE]")
-
-
-async def _relay(
-    batches: AsyncIterator[list[StreamEvent]], stages: list[Stage], record: RequestRecord, meter: Meter,
-    typed: TypedRelay | None, now: Callable[[], float],
-) -> AsyncIterator[list[StreamEvent]]:
-    """The stream pulled: ``_Relay`` over each batch as it is asked for."""
-    relay = _Relay(stages, record, meter, typed, now)
-    async for batch in batches:
-        try:
-            sent, done = relay.step(batch)
-        except Refused as refused:
-            if refused.sent:
-                yield refused.sent
-            raise refused.error from refused.error.__cause__
-        yield sent
-        if done:
-            return
-    relay.ended()

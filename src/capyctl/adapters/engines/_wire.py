@@ -1,10 +1,10 @@
 """The streamed chat call to an engine: HTTP/1.1 on asyncio with httptools' C parser.
 
 This is the relay's hot path, so it avoids a general HTTP client: each
-socket read is parsed once by ``httptools`` (an answer's head) or unframed
-in one call of ``_chunked.dechunk`` (a chunked body) and handed on whole, so
-the SSE parser and the client-side write see every event that arrived
-together as one batch. Connections are kept alive and reused
+socket read is parsed once by ``httptools`` and its body handed on whole,
+from the connection's own callback, so the SSE parser and the client-side
+write see every event that arrived together as one batch. Connections are
+kept alive and reused
 per engine address; a stream that was cut short closes its connection, which
 is how an engine learns that its client is gone. The same session, over the
 same pool, makes CapyCTL's other calls to an engine (``request``: probes,
@@ -14,7 +14,7 @@ metrics, park and wake), so that one client reaches the engines.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,15 +22,10 @@ import anyio
 import httptools
 
 from capyctl.adapters.engines._http import engine_error
-from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, MANY, SseParser
+from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, Relayed, StreamEvent
-
-try:  # optional (see pyproject.toml): without it httptools unframes chunked bodies too, a call per chunk
-    from capyctl._speedups.chunked import DONE as _UNFRAMED, dechunk as _dechunk
-except ImportError:  # pragma: no cover - a machine without a C compiler
-    _dechunk = None
 
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
@@ -40,17 +35,11 @@ _TARGETS = 256  # engine addresses whose request heads are kept
 
 
 class _Response(asyncio.Protocol):
-    """One connection; parses whatever the engine sends and wakes the reader.
-
-    httptools parses each answer's head. When the head ends in the answer's first read and says the body is
-    chunked, the body is unframed by ``_chunked.dechunk``, one call a read, instead of httptools' call into
-    Python per chunk (an engine streams an event a chunk); the parser, left at that head, is made anew for
-    the next answer. Any other answer (a head over several reads, a body of known length) is httptools'
-    alone. Both ways give ``on_body`` the same bytes and end the answer the same way."""
+    """One connection; httptools parses whatever the engine sends, and each read wakes the reader (or, while
+    a stream is pumped, calls its ``sink``)."""
 
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
-        self.unframing = False  # this answer's body goes to dechunk; the parser stopped at its head
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -60,13 +49,6 @@ class _Response(asyncio.Protocol):
 
     def reset(self) -> None:
         """Ready for the next request on this connection."""
-        if self.unframing:
-            self.parser = httptools.HttpResponseParser(self)
-            self.unframing = False
-        self.first_read = True  # the answer's first read is yet to come
-        self.chunked = False
-        self.chunk_state = self.chunk_left = 0  # dechunk's place in the framing between reads
-        self.pending = b""  # a size or trailer line begun at the end of a read, for the next one
         self.status = 0
         self.content_type = b""
         self.headers_done = False
@@ -82,12 +64,10 @@ class _Response(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.unframing:
-            self._unframe(data)
-        elif self.first_read and _dechunk is not None:
-            self._first(data)
-        else:
-            self._feed(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.lost = exc
         if self.sink is not None:  # relayed right here, in this read's callback
             self.sink()
             return
@@ -95,52 +75,6 @@ class _Response(asyncio.Protocol):
             self.transport.pause_reading()
             self.paused = True
         self._wake()
-
-    def _feed(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.lost = exc
-
-    def _first(self, data: bytes) -> None:
-        """An answer's first read: its head to httptools and, when the head ends here and the body is
-        chunked, what follows to dechunk. A head that goes on into a later read stays httptools' whole."""
-        self.first_read = False
-        end = data.find(b"\r\n\r\n") + 4
-        if end == 3:
-            self._feed(data)
-            return
-        self._feed(data[:end] if end < len(data) else data)
-        if self.chunked and self.headers_done and not self.complete and self.lost is None and self.status >= 200:
-            self.unframing = True
-            if end < len(data):
-                self._unframe(data[end:])
-        elif end < len(data) and self.lost is None:
-            self._feed(data[end:])  # an interim (1xx) answer's head, or a body of known length
-
-    def _unframe(self, data: bytes) -> None:
-        if self.lost is not None:  # the framing broke in an earlier read: nothing after it is the answer's
-            return
-        if self.complete:  # bytes after the answer's end: the connection can serve no other answer
-            if self.transport is not None:
-                self.transport.close()
-            return
-        if self.pending:
-            data, self.pending = self.pending + data, b""
-        try:
-            payload, self.chunk_state, self.chunk_left, used = _dechunk(data, self.chunk_state, self.chunk_left)
-        except ValueError as exc:
-            self.lost = httptools.HttpParserError(f"the engine's chunked body: {exc}")
-            return
-        if payload:  # (on_body, inline: a call less a read)
-            self.body.append(payload)
-            self.buffered += len(payload)
-        if self.chunk_state == _UNFRAMED:
-            if used < len(data):  # more than the answer: not to be reused
-                self.keep_alive = False
-            self.on_message_complete()
-        elif used < len(data):
-            self.pending = data[used:]
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if not self.complete:
@@ -154,8 +88,6 @@ class _Response(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 12 and name.lower() == b"content-type":
             self.content_type = value.lower()
-        elif len(name) == 17 and name.lower() == b"transfer-encoding":
-            self.chunked = value.lower().rstrip().endswith(b"chunked")
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -199,8 +131,6 @@ class _Response(asyncio.Protocol):
 
 
 class WireEngineSession(EngineSession):
-    relays_runs = True  # chat_stream(..., runs=True) hands plain events of one read over as one Run
-
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
@@ -268,8 +198,7 @@ class WireEngineSession(EngineSession):
                 break
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
-    def chat_stream(self, base_url: str, body: bytes, until: Callable[[], bool] | None = None,
-                    runs: bool = False) -> _ChatStream:
+    def chat_stream(self, base_url: str, body: bytes) -> _ChatStream:
         """(see ``EngineSession``). The request is written at once when a kept-alive connection to the engine
         stands idle: the engine starts on it while the caller does what it has left to do before it enters."""
         host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
@@ -277,7 +206,7 @@ class WireEngineSession(EngineSession):
         if conn is not None:
             conn.reset()
             conn.transport.write(_request(head, body))  # type: ignore[union-attr]
-        return _ChatStream(self, host, port, head, body, until, runs, conn)
+        return _ChatStream(self, host, port, head, body, conn)
 
     async def decide(self, base_url: str, body: bytes) -> bytes:
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
@@ -390,13 +319,12 @@ class _ChatStream:
     short (client gone, refused chunk, error): closing tells the engine to stop. A class rather than a
     generator: a request's way in and out of it is two calls, not a generator's machinery."""
 
-    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_until", "_runs", "_conn", "_written")
+    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_conn", "_written")
 
     def __init__(self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes,
-                 until: Callable[[], bool] | None, runs: bool, written: _Response | None) -> None:
+                 written: _Response | None) -> None:
         self._session = session
         self._host, self._port, self._head, self._body = host, port, head, body
-        self._until, self._runs = until, runs
         self._conn: _Response | None = None
         self._written = written  # the pooled connection the request went out on already, if any
 
@@ -416,7 +344,7 @@ class _ChatStream:
                 raise engine_error(conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
-            return _Stream(conn, _Reads(conn, self._session._max_event, self._until, self._runs))
+            return _Stream(conn, SseParser(self._session._max_event))
         except BaseException:
             conn.close()
             raise
@@ -450,97 +378,24 @@ async def _not_a_stream(conn: _Response) -> EdgeError:
     return EdgeError(f"the engine answered 200 with content type {kind!r} instead of an SSE stream{hint}: {start!r}")
 
 
-_ONE_BY_ONE = 8  # at most this many leading events are handed over one at a time
-
-
-class _Reads:
-    """The events of each network read, in batches; with ``until``, the first ones come one at a time until
-    it is true (or after a few), so that the first token is relayed before the rest of a large read is
-    parsed. What both ways of relaying a stream (pulled, pumped) share."""
-
-    __slots__ = ("conn", "parser", "until", "singly")
-
-    def __init__(self, conn: _Response, max_event: int, until: Callable[[], bool] | None, runs: bool) -> None:
-        self.conn = conn  # told when [DONE] has come (saw_done)
-        self.parser = SseParser(max_event, runs=runs)
-        self.until = until
-        self.singly = _ONE_BY_ONE if until is not None else 0
-
-    def batches(self, data: bytes) -> Iterable[list[StreamEvent]]:
-        parser = self.parser
-        event = parser.lone(data)
-        if event is not MANY:  # one whole event alone (a token a read): the same batch, without feed's generators
-            if event is None:
-                return ()
-            if self.singly and not self.until():  # type: ignore[misc]
-                self.singly -= 1
-            if isinstance(event, Done):
-                self.conn.saw_done = True
-            return ([event],)  # type: ignore[list-item]
-        if not self.singly or self.until():  # type: ignore[misc]
-            # whole plain events as one Run (an engine at full speed), once none is to come alone: the same batch
-            batch = parser.runs(data)
-            if batch is not MANY:
-                if isinstance(batch[-1], Done):  # type: ignore[index]
-                    self.conn.saw_done = True
-                return (batch,)  # type: ignore[return-value]
-        return self._fed(data)
-
-    def _fed(self, data: bytes) -> Iterator[list[StreamEvent]]:
-        """``batches`` the general way: the parser's ``feed``, its first events one at a time until ``until``."""
-        events = self.parser.feed(data)
-        while self.singly and not self.until():  # type: ignore[misc]
-            event = next(events, None)
-            if event is None:
-                return
-            self.singly -= 1
-            if isinstance(event, Done):
-                self.conn.saw_done = True
-            yield [event]
-        batch = list(events)
-        if batch:
-            if isinstance(batch[-1], Done):
-                self.conn.saw_done = True
-            yield batch
-
-    def last(self) -> list[StreamEvent]:
-        """What the parser still holds once the HTTP message is complete."""
-        return list(self.parser.close())
-
-
 class _Stream:
-    """An engine's SSE answer on one connection: pulled (``async for``: a batch per read, the reader woken by
-    each) or pumped (``pump``: each read is parsed and handed on in the connection's own callback)."""
+    """An engine's SSE answer on one connection, pumped: each read is parsed and handed on in the connection's
+    own callback, with no wake-up of the relaying task per read."""
 
-    def __init__(self, conn: _Response, reads: _Reads) -> None:
+    def __init__(self, conn: _Response, parser: SseParser) -> None:
         self._conn = conn
-        self._reads = reads
+        self._parser = parser
 
-    def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
-        return self._pull()
-
-    async def _pull(self) -> AsyncIterator[list[StreamEvent]]:
-        conn, reads = self._conn, self._reads
-        while True:
-            if conn.body:
-                for batch in reads.batches(conn.take()):
-                    yield batch
-                continue
-            if conn.complete:
-                break
-            if conn.lost is not None:
-                raise EngineUnavailable(f"the engine connection broke: {conn.lost!r}")
-            await conn.wait()
-        if last := reads.last():
-            yield last
+    def _events(self, data: bytes) -> list[StreamEvent]:
+        events = self._parser.feed(data)
+        if events and type(events[-1]) is Done:
+            self._conn.saw_done = True
+        return events
 
     async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
                    ) -> bool:
-        """Hand each batch to ``deliver`` as its read arrives, from the connection's callback: no wake-up
-        of this task per read. When ``deliver`` says FULL, reading from the engine pauses until ``drain()``
-        returns. True once ``deliver`` said ENDED, False when the HTTP message ended first; raises as
-        pulling would."""
-        conn, reads = self._conn, self._reads
+        """(see ``EngineAnswer``)"""
+        conn = self._conn
         loop = asyncio.get_running_loop()
         state: list[Any] = [None]  # the waiter of this turn
 
@@ -551,7 +406,8 @@ class _Stream:
             try:
                 full = False
                 while conn.body:  # a read is relayed whole, even past a full client: it is in memory already
-                    for batch in reads.batches(conn.take()):
+                    batch = self._events(conn.take())
+                    if batch:
                         said = deliver(batch)
                         if said is Relayed.ENDED:
                             waiter.set_result(True)
@@ -564,11 +420,11 @@ class _Stream:
                         conn.transport.pause_reading()
                     waiter.set_result(_PAUSED)
                 elif conn.complete:
-                    last = reads.last()
+                    last = self._parser.close()
                     waiter.set_result(bool(last) and deliver(last) is Relayed.ENDED)
                 elif conn.lost is not None:
                     waiter.set_exception(EngineUnavailable(f"the engine connection broke: {conn.lost!r}"))
-            except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it as pulling would
+            except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it
                 waiter.set_exception(exc)
 
         conn.sink = sink

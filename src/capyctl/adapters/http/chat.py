@@ -11,20 +11,15 @@ import functools
 import time
 from typing import Any
 
-import msgspec
-
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
 from capyctl.adapters.http.exchange import Exchange
 from capyctl.adapters.http.front import Headers, Outcome, send_one_answer
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.requests import Phase, RequestRecord
-from capyctl.domain.streams import Chunk, Comment, Done, EngineFailure, Relayed, Run, StreamEvent
-from capyctl.services.chat import ChatService, EngineCall, Started, failure_error, read_target
+from capyctl.services.chat import ChatService, Started, failure_error, read_target
 
-_encode = msgspec.json.encode
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
-_DONE = b"data: [DONE]\n\n"
 # Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
 _STREAMED_REFUSALS = frozenset({"cache_salt_unsupported"})
 CHAT_PATH = "/v1/chat/completions"
@@ -65,33 +60,19 @@ class ChatEndpoint:
     async def _stream(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
                       headers: Headers, outcome: Outcome, started: Started | None) -> None:
         opened = False
-        framing = _Framing()
         try:
             async with self._service.open(record, obj, wait, started) as call:
                 opened = True
                 exchange.start(_SSE_HEADERS + headers[1:])  # made while the engine works on the first token
-                if exchange.pushes and call.pumps:  # relayed from the engine connection's callback, read by read
-                    await call.pump(functools.partial(self._deliver, record, exchange, outcome, framing, call),
-                                    exchange.drain)
-                else:
-                    async for batch in call.events:
-                        data = framing.frame(batch, call, outcome)
-                        if framing.last:  # the batch that ended the stream leaves with the stream's end
-                            continue  # (the events end here: the relay stops at Done)
-                        if outcome.started:  # the hot path
-                            await exchange.write(data)
-                        else:  # headers go out with the first chunk: one wake-up for the client
-                            began = time.perf_counter()
-                            outcome.started = True
-                            await exchange.write(data)
-                            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-            failure = framing.failure
+                last = await call.pump(functools.partial(self._write, record, exchange, outcome), exchange.drain)
+            failure = call.failure
             if failure is None:
                 record.phase = Phase.DONE
                 outcome.code = "ok"
+                outcome.ttft_ms = call.metrics().get("ttft_ms", {}).get("value")
             else:
                 record.phase = Phase.FAILED
-                outcome.code = failure_error(failure.error).code
+                outcome.code = failure_error(failure).code
         except CapyError as error:
             record.phase = Phase.FAILED
             outcome.code = error.code
@@ -103,7 +84,6 @@ class ChatEndpoint:
                 exchange.start(_SSE_HEADERS + headers[1:])
             await exchange.end(sse_error_event(error))
             return
-        last = framing.last
         if outcome.started:
             await exchange.end(last)
         else:  # the whole answer came in one read
@@ -113,51 +93,13 @@ class ChatEndpoint:
             if last:
                 self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
 
-
-    def _deliver(self, record: RequestRecord, exchange: Exchange, outcome: Outcome, framing: _Framing,
-                 call: EngineCall, batch: list[StreamEvent]) -> Relayed:
-        """One batch of a pumped stream, written at once (the pulled loop's body, without its awaits)."""
-        data = framing.frame(batch, call, outcome)
-        if framing.last:  # the batch that ended the stream leaves with the stream's end, after the call
-            return Relayed.MORE
-        if not outcome.started:  # headers go out with the first chunk
-            began = time.perf_counter()
-            outcome.started = True
-            full = exchange.write_now(data)
-            self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
-            return Relayed.FULL if full else Relayed.MORE
-        return Relayed.FULL if exchange.write_now(data) else Relayed.MORE
-
-
-class _Framing:
-    """A relayed stream's batches as the SSE bytes sent on: what pulling and pumping share."""
-
-    __slots__ = ("failure", "last")
-
-    def __init__(self) -> None:
-        self.failure: EngineFailure | None = None  # the engine's own error event, when it sent one
-        self.last = b""  # the bytes of the batch that ended the stream, once it came
-
-    def frame(self, batch: list[StreamEvent], call: EngineCall, outcome: Outcome) -> bytes:
-        if len(batch) == 1 and type(batch[0]) is Run:  # one read's run, the most usual batch at full speed
-            return batch[0].sse  # type: ignore[union-attr]
-        parts: list[bytes] = []
-        for event in batch:
-            if isinstance(event, Run):  # checked as a whole, already SSE: sent on as it came
-                parts.append(event.sse)
-            elif isinstance(event, Chunk):
-                parts += (b"data: ", event.raw, b"\n\n")
-            elif isinstance(event, EngineFailure):
-                self.failure = event
-                parts += (b"data: ", event.raw, b"\n\n")
-            elif isinstance(event, Done):
-                if self.failure is None:  # an answer that ended on the engine's error has no metrics
-                    metrics = call.metrics()
-                    outcome.ttft_ms = metrics.get("ttft_ms", {}).get("value")
-                    parts += (b": x-capyctl-metrics ", _encode(metrics), b"\n\n")
-                parts.append(_DONE)
-                self.last = b"".join(parts)
-                return self.last
-            elif isinstance(event, Comment):
-                parts += (event.raw, b"\n\n")
-        return b"".join(parts)
+    def _write(self, record: RequestRecord, exchange: Exchange, outcome: Outcome, data: bytes) -> bool:
+        """One read's relayed bytes, written at once from the engine connection's callback: True when the client
+        cannot take more for now. The headers go out with the first (one wake-up for the client)."""
+        if outcome.started:
+            return exchange.write_now(data)
+        began = time.perf_counter()
+        outcome.started = True
+        full = exchange.write_now(data)
+        self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+        return full

@@ -75,8 +75,6 @@ def raw_error(status: int, body: bytes, retry_after: int | None = None) -> bytes
 class Exchange:
     """One request read whole, and its answer written straight to the connection's transport."""
 
-    pushes = True  # write_now, a write from the engine connection's callback, is there (see ChatEndpoint)
-
     def __init__(self, connection: Any, method: str, path: str, query: bytes, headers: Headers, body: bytes,
                  keep_alive: bool) -> None:
         self.method = method
