@@ -32,8 +32,10 @@ def _declared_too_large(headers: Headers, limit: int) -> bool:
 
 
 class AsgiExchange:
-    pushes = False  # no write from a callback: streams are pulled
-    """An exchange over ASGI's receive and send; its watch runs in ``tasks``, the request's task group."""
+    """An exchange over ASGI's receive and send; its watch runs in ``tasks``, the request's task group.
+
+    ASGI's ``send`` is awaited, so ``write_now`` (called from a pumped stream's delivery) only queues its
+    bytes and says the client is full: the relay then awaits ``drain``, which sends them."""
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any, tasks: anyio.abc.TaskGroup) -> None:
         self.method = scope["method"]
@@ -47,6 +49,7 @@ class AsgiExchange:
         self._tasks = tasks
         self._watching: anyio.CancelScope | None = None
         self._head: Headers | None = None
+        self._queued: list[bytes] = []
 
     async def read_body(self, limit: int) -> bytes:
         if _declared_too_large(self.headers, limit):
@@ -105,12 +108,22 @@ class AsgiExchange:
         await self._start()
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
+    def write_now(self, data: bytes) -> bool:
+        if self.ended:
+            return False
+        self._queued.append(data)
+        return True
+
+    async def drain(self) -> None:
+        while self._queued:
+            await self.write(self._queued.pop(0))
+
     async def end(self, data: bytes = b"") -> None:
+        await self.drain()
         await self._start()
         self.ended = True
         routine_due()
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
-
 
     def cut_scope(self) -> anyio.CancelScope:
         return anyio.CancelScope()

@@ -6,7 +6,6 @@ from capyctl.domain.engines import EngineFamily as F
 from capyctl.domain.engines import version_key
 from capyctl.domain.errors import EdgeError, UnverifiedStream
 from capyctl.domain.fields import FIELD_TABLE, DeltaVerifier, Provenance, row_for
-from capyctl.domain.streams import Chunk
 
 # The seed's "Streamed fields" table: engine, a version inside the row, the delta keys allowed.
 SEED_ROWS = [
@@ -73,15 +72,14 @@ def test_no_row_overlaps_another() -> None:
                 assert not (a.low <= b.low[: len(a.low)] and b.low[: len(a.high)] <= a.high), (a.label, b.label)
 
 
-def chunk(delta: dict) -> Chunk:
-    return Chunk(b"{}", {"choices": [{"index": 0, "delta": delta}]})
+def chunk(delta: dict) -> dict:
+    return {"choices": [{"index": 0, "delta": delta}]}
 
 
 def test_verifier_passes_allowed_keys_and_names_the_first_unknown_one() -> None:
-    verify = DeltaVerifier(row_for(F.SGLANG, "0.5.21").row.delta, "sglang 0.5.21")
-    same = chunk({"role": None, "content": "x", "reasoning_content": None})
-    assert verify(same) is same
-    assert verify(Chunk(b"{}", {"choices": [], "usage": {"prompt_tokens": 1}})).obj["usage"]
+    verify = DeltaVerifier(row_for(F.SGLANG, "0.5.21").row.delta, "sglang 0.5.21").verify
+    verify(chunk({"role": None, "content": "x", "reasoning_content": None}))  # passes: no exception
+    verify({"choices": [], "usage": {"prompt_tokens": 1}})
     with pytest.raises(UnverifiedStream) as caught:
         verify(chunk({"content": "x", "reasoning": "y", "hidden_states": [1]}))
     assert caught.value.extra["key"] == "hidden_states"
@@ -89,7 +87,7 @@ def test_verifier_passes_allowed_keys_and_names_the_first_unknown_one() -> None:
 
 
 def test_vllm_citations_are_not_relayed() -> None:
-    verify = DeltaVerifier(row_for(F.VLLM, "0.31.0").row.delta, "vllm 0.31.0")
+    verify = DeltaVerifier(row_for(F.VLLM, "0.31.0").row.delta, "vllm 0.31.0").verify
     with pytest.raises(UnverifiedStream, match="citations"):
         verify(chunk({"citations": ["a"]}))
 
@@ -118,15 +116,15 @@ TOOL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
     ],
 )
 def test_verifier_refuses_chunks_of_the_wrong_shape_as_edge_errors(obj: dict, says: str) -> None:
-    verify = DeltaVerifier(row_for(F.VLLM, "0.32.0").row.delta, "vllm 0.32.0")
+    verify = DeltaVerifier(row_for(F.VLLM, "0.32.0").row.delta, "vllm 0.32.0").verify
     with pytest.raises(EdgeError) as caught:
-        verify(Chunk(b"{}", obj))
+        verify(obj)
     assert says in caught.value.message and caught.value.code == "edge_error"
     assert caught.value.extra["reason"] in caught.value.message
 
 
 def test_verifier_accepts_the_lenient_shapes_real_engines_send() -> None:
-    verify = DeltaVerifier(row_for(F.VLLM, "0.32.0").row.delta, "vllm 0.32.0", max_tool_calls=2)
+    verify = DeltaVerifier(row_for(F.VLLM, "0.32.0").row.delta, "vllm 0.32.0", max_tool_calls=2).verify
     for obj in (
         {"choices": None, "usage": {"prompt_tokens": 1}},  # a usage chunk without choices
         {"choices": [{"index": 0, "delta": None, "finish_reason": "stop"}]},
@@ -134,8 +132,7 @@ def test_verifier_accepts_the_lenient_shapes_real_engines_send() -> None:
         {"choices": [{"index": 0, "delta": {"tool_calls": [{"function": {"arguments": "{}"}}]}}]},
         {"choices": [{"index": 0, "delta": {"tool_calls": None, "content": "x"}}]},
     ):
-        chunk = Chunk(b"{}", obj)
-        assert verify(chunk) is chunk
+        verify(obj)  # accepted: no exception (the shapes refused above do raise)
 
 
 def test_version_keys_read_only_ascii_digits() -> None:

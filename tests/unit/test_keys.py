@@ -16,6 +16,7 @@ import pytest
 
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
+from tests.fakes.answers import ScriptedAnswer, chunks
 from tests.fakes.asgi_door import AsgiDoor
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.domain.deployments import Deployment, Desired
@@ -40,7 +41,7 @@ from capyctl.domain.keys import (
     utc_day,
 )
 from capyctl.domain.scheduling import QueueLimits
-from capyctl.domain.streams import Chunk, Done
+from capyctl.domain.streams import DONE
 from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
@@ -322,15 +323,14 @@ class OneChunkEngine:
         self.gate.set()
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes,
-                          until: Any = None) -> AsyncIterator[AsyncIterator[list[Any]]]:
+    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[ScriptedAnswer]:
         self.bodies.append(msgspec.json.decode(body))
 
         async def events() -> AsyncIterator[list[Any]]:
             await self.gate.wait()
-            yield [Chunk(msgspec.json.encode(CHUNK), CHUNK), Done()]
+            yield [chunks(CHUNK), DONE]
 
-        yield events()
+        yield ScriptedAnswer(events())
 
 
 class Stats:

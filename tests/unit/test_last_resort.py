@@ -59,13 +59,12 @@ class BrokenService:
 
     @asynccontextmanager
     async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, started: Any = None):
-        async def events():
-            from capyctl.domain.streams import Chunk
-
-            yield [Chunk(b'{"choices":[]}', {"choices": []})]
+        async def pump(write: Any, drain: Any) -> bytes:
+            if write(b'data: {"choices":[]}\n\n'):
+                await drain()
             raise RuntimeError("a bug in the relay")
 
-        yield SimpleNamespace(events=events(), metrics=lambda: {})
+        yield SimpleNamespace(pump=pump, failure=None, metrics=lambda: {})
 
 
 class Stats:
@@ -154,7 +153,7 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
 
     class Session:
         @asynccontextmanager
-        async def chat_stream(self, base_url: str, body: bytes, until: Any = None):
+        async def chat_stream(self, base_url: str, body: bytes):
             raise EngineUnavailable("could not reach the engine")
             yield
 

@@ -12,7 +12,7 @@ def test_import_contracts_hold() -> None:
         [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
         cwd=ROOT, capture_output=True, text=True, check=False,
     )
-    assert "Contracts: 6 kept, 0 broken." in done.stdout, done.stdout + done.stderr
+    assert "Contracts: 7 kept, 0 broken." in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0
 
 
@@ -49,20 +49,23 @@ def test_no_code_imports_a_private_module_or_name_of_another_package() -> None:
     assert offending == {}
 
 
-def test_the_relay_takes_the_c_ways_exactly_where_they_were_built() -> None:
-    """The C modules are optional (CapyCTL installs and serves without a compiler, on the Python ways).
-    Where the install had a compiler both must be there (a module that failed to build would only show as
-    slower relaying); on any machine the relay takes a C way exactly when its module is there."""
+def test_the_relay_takes_the_c_way_exactly_where_it_was_built() -> None:
+    """The C scan is optional (CapyCTL installs and serves without a compiler, on the Python way). Where the
+    install had a compiler it must be there (a module that failed to build would only show as slower
+    relaying); on any machine the SSE parser hands the scan's facts on exactly when the module is there."""
     import importlib.util
     import os
     import shutil
 
-    from capyctl.adapters.engines import _wire
-    from capyctl.domain import relay_check
+    from capyctl.adapters.engines import _sse
 
-    built = {name: importlib.util.find_spec(f"capyctl._speedups.{name}") is not None for name in ("scan", "chunked")}
+    built = importlib.util.find_spec("capyctl._speedups.scan") is not None
     compiler = os.environ.get("CC", "gcc").split()[0]
     if compiler != "false" and shutil.which(compiler) is not None:
-        assert built == {"scan": True, "chunked": True}, f"a C compiler ({compiler}) is here, yet: {built}"
-    assert (relay_check.scan_run is not None) == built["scan"]
-    assert (_wire._dechunk is not None) == built["chunked"]
+        assert built, f"a C compiler ({compiler}) is here, yet the scan module was not built"
+    assert (_sse.scan_run is not None) == built
+    read = b'data: {"model":"m","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    (chunks,) = _sse.SseParser().feed(read)
+    assert (chunks.facts is not None) == built
+    (plain,) = _sse.SseParser(scan=False).feed(read)
+    assert plain.facts is None and plain.payload_list() == chunks.payload_list()

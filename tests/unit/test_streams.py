@@ -1,45 +1,67 @@
-"""Relay stages and the non-streamed assembler, on real llama.cpp chunks."""
+"""The relay's model rewrite and text detection, and the non-streamed assembler, on real llama.cpp chunks."""
 
 from pathlib import Path
 
 import msgspec
 
 from capyctl.adapters.engines._sse import SseParser
-from capyctl.domain.streams import Assembler, Chunk, ModelRewrite, has_generated_text
+from capyctl.domain.engines import EngineFamily as F
+from capyctl.domain.fields import row_for
+from capyctl.domain.metrics import Meter
+from capyctl.domain.relay_check import ChunkRules, StreamCheck
+from capyctl.domain.streams import Assembler, Chunks, payloads_of, sse_of
 
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings" / "llamacpp" / "0.6.0"
 
 
+class Chunk:
+    """One recorded chunk: its payload bytes and its dict."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.obj = msgspec.json.decode(raw)
+
+
 def chunks(name: str) -> list[Chunk]:
-    parser = SseParser()
-    return [e for e in parser.feed((RECORDINGS / name).read_bytes()) if isinstance(e, Chunk)]
+    events = SseParser().feed((RECORDINGS / name).read_bytes())
+    return [Chunk(raw) for e in events if isinstance(e, Chunks) for raw in e.payload_list()]
+
+
+def check_for(name: str) -> tuple[StreamCheck, Meter]:
+    meter = Meter(lambda: 0.0)
+    return StreamCheck(ChunkRules(row_for(F.LLAMACPP, "0.6.0").row, "test"), meter, name, lambda: 0.0), meter
 
 
 def test_model_rewrite_touches_only_the_model_bytes() -> None:
-    rewrite = ModelRewrite("my-model")
-    for chunk in chunks("chat_stream_stop.sse"):
-        before = chunk.raw
-        after = rewrite(chunk)
-        assert after.raw == before.replace(b'"model":"smollm2-135m-instruct"', b'"model":"my-model"')
-        assert msgspec.json.decode(after.raw)["model"] == "my-model"
-        assert after.obj["model"] == "my-model"
+    check, _ = check_for("my-model")
+    recorded = chunks("chat_stream_stop.sse")
+    for chunk in recorded:  # one chunk a read
+        after = check.check(Chunks(sse_of([chunk.raw])))
+        assert after == sse_of([chunk.raw.replace(b'"model":"smollm2-135m-instruct"', b'"model":"my-model"')])
+        assert msgspec.json.decode(payloads_of(after)[0])["model"] == "my-model"
+    whole = sse_of([chunk.raw for chunk in recorded])  # all in one read
+    assert check.check(Chunks(whole)) == whole.replace(b'"model":"smollm2-135m-instruct"', b'"model":"my-model"')
 
 
 def test_model_rewrite_falls_back_to_reencoding_unusual_spacing() -> None:
-    chunk = Chunk(b'{"model" : "x", "choices": []}', {"model": "x", "choices": []})
-    out = ModelRewrite("y")(chunk)
-    assert msgspec.json.decode(out.raw) == {"model": "y", "choices": []}
+    check, _ = check_for("y")
+    out = check.check(Chunks(sse_of([b'{"model" : "x", "choices": []}'])))
+    assert [msgspec.json.decode(p) for p in payloads_of(out)] == [{"model": "y", "choices": []}]
 
 
 def test_model_rewrite_leaves_a_matching_name_alone() -> None:
-    raw = b'{"model":"same","choices":[]}'
-    assert ModelRewrite("same")(Chunk(raw, {"model": "same", "choices": []})).raw is raw
+    check, _ = check_for("same")
+    sse = sse_of([b'{"model":"same","choices":[]}', b'{"model":"same","choices":[]}'])
+    assert check.check(Chunks(sse)) is sse
 
 
 def test_role_only_chunk_is_not_generated_text() -> None:
     first, second = chunks("chat_stream_stop.sse")[:2]
-    assert not has_generated_text(first.obj)
-    assert has_generated_text(second.obj)
+    check, meter = check_for("m")
+    check.check(Chunks(sse_of([first.raw])))
+    assert meter.text_chunks == 0 and meter.first_text_at is None
+    check.check(Chunks(sse_of([second.raw])))
+    assert meter.text_chunks == 1 and meter.first_text_at is not None
 
 
 def test_assembler_joins_real_stream_with_usage_and_timings() -> None:

@@ -19,12 +19,12 @@ import trio
 
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
+from tests.fakes.answers import ScriptedAnswer, chunks
 from tests.fakes.asgi_door import AsgiDoor
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
 from capyctl.domain.scheduling import QueueLimits
-from capyctl.domain.streams import Chunk
 from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
@@ -46,15 +46,14 @@ class SilentAfterOneChunk:
         self.open = 0
 
     @asynccontextmanager
-    async def chat_stream(self, base_url: str, body: bytes,
-                          until: Any = None) -> AsyncIterator[AsyncIterator[list[Any]]]:
+    async def chat_stream(self, base_url: str, body: bytes) -> AsyncIterator[ScriptedAnswer]:
         async def events() -> AsyncIterator[list[Any]]:
-            yield [Chunk(msgspec.json.encode(CHUNK), CHUNK)]
+            yield [chunks(CHUNK)]
             await anyio.sleep_forever()
 
         self.open += 1
         try:
-            yield events()
+            yield ScriptedAnswer(events())
         finally:
             self.open -= 1
 

@@ -1,0 +1,47 @@
+"""Loaded by ``bench/request_path.py`` only (through PYTHONPATH): with ``CAPYCTL_TRACE_FILES`` set, SIGUSR1
+starts noting the source file of every Python function called on the main thread, and SIGUSR2 stops and
+writes them (``file:function``), as a JSON list, to the file that variable names.
+
+Calls made in a task that was already running at SIGUSR1 (the server's own loops: switching, probes) are
+left out; calls in tasks started since (the request's) and in the event loop's callbacks (the sockets'
+reads) are noted."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+_out = os.environ.get("CAPYCTL_TRACE_FILES")
+
+if _out:
+    _seen: set[str] = set()
+    _before: set[object] = set()
+
+    def _note(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call":
+            try:
+                task = asyncio.current_task()
+            except RuntimeError:  # no loop running
+                task = None
+            if task is None or task not in _before:
+                code = frame.f_code
+                _seen.add(f"{code.co_filename}:{code.co_qualname}")
+
+    def _start(signum, frame):  # type: ignore[no-untyped-def]
+        _seen.clear()
+        _before.clear()
+        try:
+            _before.update(asyncio.all_tasks())
+        except RuntimeError:
+            pass
+        sys.setprofile(_note)
+
+    def _stop(signum, frame):  # type: ignore[no-untyped-def]
+        sys.setprofile(None)
+        with open(_out + ".tmp", "w") as out:
+            json.dump(sorted(_seen), out)
+        os.replace(_out + ".tmp", _out)
+
+    signal.signal(signal.SIGUSR1, _start)
+    signal.signal(signal.SIGUSR2, _stop)

@@ -1,0 +1,34 @@
+"""Engine answers for unit tests: an ``EngineAnswer`` (``domain/ports.py``) that pumps scripted batches of
+events, as the wire session pumps the batches of its reads."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from capyctl.domain.streams import Chunks, Relayed, StreamEvent
+
+
+def chunks(*objs: dict[str, Any]) -> Chunks:
+    """The chunks ``objs`` as one read's ``Chunks`` event."""
+    payloads = [msgspec.json.encode(obj) for obj in objs]
+    return Chunks(b"".join(b"data: " + payload + b"\n\n" for payload in payloads), payloads)
+
+
+class ScriptedAnswer:
+    """Pumps the batches ``batches`` yields, honouring FULL (``drain`` awaited) and ENDED like the wire."""
+
+    def __init__(self, batches: AsyncIterable[list[StreamEvent]]) -> None:
+        self._batches = batches
+
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
+                   ) -> bool:
+        async for batch in self._batches:
+            said = deliver(batch)
+            if said is Relayed.ENDED:
+                return True
+            if said is Relayed.FULL:
+                await drain()
+        return False
