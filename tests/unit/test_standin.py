@@ -32,7 +32,7 @@ from capyctl.domain.deployments import DeploymentSpec, EngineConfig
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
 from capyctl.domain.fields import DeltaVerifier, row_for
-from capyctl.domain.streams import Chunk, Done
+from capyctl.domain.streams import DONE, Chunks, Relayed, StreamEvent
 from tests.fakes.standin_engine import (
     answer_text,
     calls,
@@ -280,24 +280,43 @@ async def test_vllm_running_gauge_counts_a_slow_stream(launch: Any, client: http
     await until(load_is(standin, (0, 0)), "the running gauge to drop")
 
 
+async def pump_all(session: WireEngineSession, base: str, body: bytes,
+                   ended: Callable[[list[StreamEvent]], bool]) -> tuple[list[list[StreamEvent]], bool]:
+    """(each batch the engine's answer came in, what pump returned): delivery says ENDED when ``ended``."""
+    batches: list[list[StreamEvent]] = []
+
+    def deliver(batch: list[StreamEvent]) -> Relayed:
+        batches.append(batch)
+        return Relayed.ENDED if ended(batch) else Relayed.MORE
+
+    async def drain() -> None:
+        raise AssertionError("nothing said FULL")
+
+    with anyio.fail_after(10):
+        async with session.chat_stream(base, body) as answer:
+            said_ended = await answer.pump(deliver, drain)
+    return batches, said_ended
+
+
 async def test_capyctl_wire_client_reads_the_standin(launch: Any, client: httpx.AsyncClient) -> None:
     standin = await (await launch(env={"STANDIN_TOKEN_DELAY_MS": "2"})).ready()
     session = WireEngineSession()
     verify = DeltaVerifier(row_for("vllm", "0.32.0").row.delta, "vllm 0.32.0")
     body = json.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}}).encode()
     for _ in range(3):
-        events = []
-        async with session.chat_stream(standin.base, body) as batches:
-            async for batch in batches:
-                events += batch
-        chunks = [verify(event).obj for event in events if isinstance(event, Chunk)]
-        assert isinstance(events[-1], Done) and text_of(chunks) == expected_text(CHAT)
+        batches, ended = await pump_all(session, standin.base, body, lambda batch: batch[-1] is DONE)
+        events = [event for batch in batches for event in batch]
+        chunks = [json.loads(payload) for event in events if isinstance(event, Chunks)
+                  for payload in event.payload_list()]
+        for chunk in chunks:
+            verify.verify(chunk)  # every delta key one vLLM 0.32 sends
+        assert ended and events[-1] is DONE and text_of(chunks) == expected_text(CHAT)
+        assert chunks[-1]["usage"]["completion_tokens"] == CHAT["max_tokens"]
     assert len(session._idle[("127.0.0.1", int(standin.base.rsplit(":", 1)[1]))]) == 1  # kept alive, reused
 
     slow = json.dumps({**CHAT, "max_tokens": 500, "stream": True}).encode()
-    async with session.chat_stream(standin.base, slow) as batches:
-        async for _ in batches:
-            break  # CapyCTL's client went away: the stand-in must count the request out at once
+    batches, ended = await pump_all(session, standin.base, slow, lambda batch: True)  # CapyCTL's client went
+    assert ended and len(batches) == 1  # away after the first batch: the stand-in must count the request out
     await until(load_is(standin, (0, 0)), "the cut stream to leave the running gauge")
 
     async def gone() -> bool:

@@ -104,3 +104,15 @@ def test_assembler_joins_tool_calls_by_index_and_keeps_reasoning() -> None:
         {"id": "c2", "type": "function", "function": {"name": "put", "arguments": "{}"}},
     ]
     assert assembler.result()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_payload_of_several_lines_is_relayed_as_as_many_data_lines() -> None:
+    """SSE joins an event's data lines with a line feed; the relayed event must give the client the same JSON."""
+    check, meter = check_for("mine")
+    (event,) = SseParser().feed(b'data: {"model":"x",\ndata: "choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n')
+    relayed = check.check(event)
+    assert relayed.startswith(b"data: ") and all(line.startswith(b"data: ") for line in relayed.split(b"\n") if line)
+    (again,) = SseParser().feed(relayed)
+    assert [msgspec.json.decode(p) for p in again.payload_list()] == [
+        {"model": "mine", "choices": [{"index": 0, "delta": {"content": "hi"}}]}]
+    assert payloads_of(relayed) == again.payload_list() and meter.text_chunks == 1

@@ -54,15 +54,24 @@ StreamEvent = Chunks | Comment | Done
 
 
 def sse_of(payloads: list[bytes]) -> bytes:
-    """Payloads as SSE data events."""
-    return b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n" if payloads else b""
+    """Payloads as SSE data events; a payload of several lines (always alone: it has a ``Chunks`` of its own)
+    is written as as many ``data:`` lines."""
+    if not payloads:
+        return b""
+    body = b"\n\ndata: ".join(payloads)
+    if len(payloads) == 1 and 10 in body:
+        body = body.replace(b"\n", b"\ndata: ")
+    return b"data: " + body + b"\n\n"
 
 
 def payloads_of(sse: bytes) -> list[bytes]:
     """The payloads of SSE data events as ``sse_of`` writes them (comments and ``[DONE]`` left out)."""
     if sse.startswith(b"data: {") and b"\n\n:" not in sse and b"[DONE]" not in sse:
-        return sse[6:-2].split(b"\n\ndata: ")
-    return [block[6:] for block in sse.split(b"\n\n") if block.startswith(b"data: ") and block != b"data: [DONE]"]
+        payloads = sse[6:-2].split(b"\n\ndata: ")
+        if sse.count(b"\n") == 2 * len(payloads):  # no payload of several lines
+            return payloads
+    return [block[6:].replace(b"\ndata: ", b"\n") for block in sse.split(b"\n\n")
+            if block.startswith(b"data: ") and block != b"data: [DONE]"]
 
 
 def respell(sse: bytes, positions: bytes, old: bytes, new: bytes) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 
 from capyctl.domain.errors import EdgeError
 from capyctl.domain.relay_check import OBJECT_NAMES
-from capyctl.domain.streams import DONE, Chunks, Comment, StreamEvent
+from capyctl.domain.streams import DONE, Chunks, Comment, StreamEvent, sse_of
 
 try:  # the scan in C, built with the package where a compiler was found; the check decodes without it
     from capyctl._speedups.scan import respell as _respell
@@ -118,8 +118,8 @@ class SseParser:
             chunks = Chunks(body, [body[6:-2]])
         else:
             payloads = body[6:-2].split(b"\n\ndata: ")
-            if 10 in b"".join(payloads):  # a payload of several lines, or an event that is no data line
-                return None
+            if 10 in b"".join(payloads) or _DONE in payloads:  # a payload of several lines, an event that
+                return None  # is no data line, or a [DONE] that events follow: the general way's
             chunks = Chunks(body, payloads)
         return [chunks, DONE] if done else [chunks]
 
@@ -162,7 +162,7 @@ def _events(blocks: list[bytes]) -> list[StreamEvent]:
             if payloads:
                 events.append(Chunks(b"data: " + b"\n\ndata: ".join(payloads) + b"\n\n", payloads))
                 payloads = []
-            events.append(DONE if payload == _DONE else Chunks(b"data: " + payload + b"\n\n", [payload]))
+            events.append(DONE if payload == _DONE else Chunks(sse_of([payload]), [payload]))
             continue
         payloads.append(payload)
     if payloads:
