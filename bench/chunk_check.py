@@ -1,21 +1,24 @@
-"""Per-chunk CPU of the relay: the stages over dicts and the typed pass, on one recording, in one run.
+"""Per-chunk CPU of the relay's check: over the C scan's facts, over msgspec's typed decode, and over dicts.
 
     python bench/chunk_check.py [--recording tests/contract/recordings/vllm/0.32.0/chat_stream_usage.sse]
                                 [--rounds 7] [--repeat 200]
 
-Both pipelines are the product's code: ``SseParser`` (``typed=False``: every
-payload decoded into a dict, as before the typed pass; default: the typed
-structs), then ``services.chat._relay`` (with the stages only, or
-with ``TypedRelay`` beside them), then the SSE framing the HTTP adapter does
-(``data: `` + raw + blank line, joined per batch). ``_relay`` is driven
-without an event loop (its source never really waits), so what is timed is
-parse + decode + checks + meter + model rewrite + framing, per chunk.
+Each way is the engine adapter's ``SseParser`` then a check of each ``Chunks`` it gives, with the SSE
+framing of the other events as ``EngineCall.frame`` does it:
 
-Two shapes of network read: one read per event (a live stream, where each
-chunk is a batch of one) and the whole recording in one read (a fast engine,
-many chunks per batch). Printed: the median over rounds of µs per chunk for
-each pipeline and the ratios to the first. Before timing, the script checks that
-the pipelines give the same bytes and the same meter figures.
+- ``C facts``: ``SseParser()`` hands on the C scan's facts (``_speedups/scan.c``) and ``StreamCheck`` works
+  from them (left out where the module was not built);
+- ``typed decode``: ``SseParser(scan=False)``, and ``StreamCheck`` decodes the heads (the way of a build
+  without a C compiler, and of every read the scan declines);
+- ``dicts``: ``SseParser(scan=False)`` and the test oracle (``tests/oracle.py``), each payload decoded into a
+  dict and read field by field: the relay as it was before its typed check, for scale.
+
+So what is timed is parse + scan or decode + checks + meter + model rewrite + framing, per chunk.
+
+Two shapes of network read: one read per event (a live stream, where each chunk is a read of its own) and the
+whole recording in one read (a fast engine, many chunks per read). Printed: the median over rounds of µs per
+chunk for each way and the ratio of the first to it. Before timing, the script checks that the ways send the
+same bytes and leave the meter with the same figures.
 """
 
 from __future__ import annotations
@@ -24,64 +27,60 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-from capyctl.adapters.engines._sse import SseParser  # noqa: E402
-from capyctl.domain.fields import DeltaVerifier, row_for  # noqa: E402
+from capyctl.adapters.engines._sse import SseParser, scan_run  # noqa: E402
+from capyctl.domain.fields import row_for  # noqa: E402
 from capyctl.domain.metrics import Meter  # noqa: E402
-from capyctl.domain.relay_check import TypedRelay, chunk_check  # noqa: E402
-from capyctl.domain.requests import RequestRecord  # noqa: E402
-from capyctl.domain.streams import Chunk, ModelRewrite, StreamEvent  # noqa: E402
-from capyctl.services.chat import _relay  # noqa: E402
+from capyctl.domain.relay_check import ChunkRules, StreamCheck  # noqa: E402
+from capyctl.domain.streams import Chunks, Comment  # noqa: E402
+from tests.oracle import OracleCheck  # noqa: E402
 
 DEFAULT = ROOT / "tests/contract/recordings/vllm/0.32.0/chat_stream_usage.sse"
+NAME = "my-model"
 
 
 def clock() -> float:
     return 1.0
 
 
-async def _reads(parser: SseParser, reads: list[bytes]) -> AsyncIterator[list[StreamEvent]]:
-    for data in reads:
-        yield list(parser.feed(data))
+Way = Callable[[list[bytes]], tuple[list[bytes], Meter]]
 
 
-def _drive(events: AsyncIterator[list[StreamEvent]]) -> list[bytes]:
-    """Run an async iterator whose awaits never suspend; the SSE bytes of each batch, as the adapter frames them."""
-    out = []
-    while True:
-        try:
-            events.__anext__().send(None)
-        except StopIteration as done:
-            parts: list[bytes] = []
-            for event in done.value:
-                if isinstance(event, Chunk):
-                    parts += (b"data: ", event.raw, b"\n\n")
-            out.append(b"".join(parts))
-        except StopAsyncIteration:
-            return out
-
-
-def pipeline(typed: bool, family: str, version: str) -> Callable[[list[bytes]], tuple[list[bytes], Meter]]:
+def way(kind: str, family: str, version: str) -> Way:
     row = row_for(family, version).row
-    check = chunk_check(row)
+    where = f"{family} {version}"
+    rules = ChunkRules(row, where)  # made once per engine version, as the service does
 
     def run(reads: list[bytes]) -> tuple[list[bytes], Meter]:
-        record = RequestRecord(id="bench", deployment="my-model", stream=True)
         meter = Meter(clock)
-        stages = [DeltaVerifier(row.delta, f"{family} {version}"), meter, ModelRewrite(record.deployment)]
-        fast = TypedRelay(check, meter, record.deployment) if typed else None
-        return _drive(_relay(_reads(SseParser(typed=typed), reads), stages, record, meter, fast, clock)), meter
+        parser = SseParser(scan=kind == "C facts")
+        if kind == "dicts":
+            oracle = OracleCheck(row, where, NAME)
+            check: Callable[[Chunks], bytes] = lambda chunks: oracle.check(chunks.payload_list(), meter, clock())
+        else:
+            check = StreamCheck(rules, meter, NAME, clock).check
+        out = []
+        for data in reads:
+            parts: list[bytes] = []
+            for event in parser.feed(data):
+                if type(event) is Chunks:
+                    parts.append(check(event))
+                elif type(event) is Comment:
+                    parts += (event.raw, b"\n\n")
+                else:
+                    parts.append(b"data: [DONE]\n\n")
+            out.append(b"".join(parts))
+        return out, meter
 
     return run
 
 
-def per_chunk_us(run: Callable[[list[bytes]], Any], reads: list[bytes], chunks: int, repeat: int) -> float:
+def per_chunk_us(run: Way, reads: list[bytes], chunks: int, repeat: int) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
         run(reads)
@@ -98,23 +97,25 @@ def main() -> None:
     data = args.recording.read_bytes().replace(b"\r\n", b"\n")
     events = [block + b"\n\n" for block in data.split(b"\n\n") if block]
     chunks = sum(1 for e in events if e.startswith(b"data: {"))
-    ways = {"stages over dicts": pipeline(False, family, version), "typed pass": pipeline(True, family, version)}
-    print(f"{args.recording.relative_to(ROOT) if args.recording.is_relative_to(ROOT) else args.recording}: "
-          f"{len(events)} events, {chunks} chunks; {family} {version}")
+    kinds = ["C facts", "typed decode", "dicts"] if scan_run is not None else ["typed decode", "dicts"]
+    ways = {kind: way(kind, family, version) for kind in kinds}
+    shown = args.recording.relative_to(ROOT) if args.recording.is_relative_to(ROOT) else args.recording
+    print(f"{shown}: {len(events)} events, {chunks} chunks; {family} {version}"
+          + ("" if scan_run is not None else " (the C scan was not built: its way is left out)"))
     for label, reads in (("one read per event", events), ("one read in all", [data])):
-        results = {name: way(reads) for name, way in ways.items()}
+        results = {name: run(reads) for name, run in ways.items()}
         (first_out, first_meter), *others = results.values()
         for out, meter in others:  # the clock is a constant here: the meters' times agree too
-            assert out == first_out, "the pipelines relay different bytes"
+            assert out == first_out, "the ways relay different bytes"
             for name in ("first_text_at", "last_at", "text_chunks", "seen"):
                 assert getattr(meter, name) == getattr(first_meter, name), f"the meters differ on {name}"
         figures: dict[str, list[float]] = {name: [] for name in ways}
         for _ in range(args.rounds):  # alternate, so a noisy machine hurts all alike
-            for name, way in ways.items():
-                figures[name].append(per_chunk_us(way, reads, chunks, args.repeat))
+            for name, run in ways.items():
+                figures[name].append(per_chunk_us(run, reads, chunks, args.repeat))
         medians = {name: statistics.median(values) for name, values in figures.items()}
-        base = medians["stages over dicts"]
-        print(f"{label:>20}: " + ", ".join(f"{name} {us:.2f} µs/chunk ({base / us:.2f}x)"
+        base = medians[kinds[0]]
+        print(f"{label:>20}: " + ", ".join(f"{name} {us:.2f} µs/chunk ({us / base:.2f}x)"
                                           for name, us in medians.items())
               + f" (median of {args.rounds} rounds x {args.repeat})")
 

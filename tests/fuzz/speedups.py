@@ -1,33 +1,46 @@
-"""Differential fuzzing of CapyCTL's two C modules against the Python they stand in for, for a bounded time.
+"""Differential fuzzing of CapyCTL's C module against the Python it stands in for, for a bounded time.
 
-    python -m tests.fuzz.speedups [--seconds 60]
+    python -m tests.fuzz.speedups [--seconds 60] [--seed N]
 
-- ``_speedups/scan.c`` (``scan_run``): runs made of the recordings' chunks and of random JSON chunks, then
-  cut, mutated byte by byte, spliced; whatever the scan accepts, msgspec's decode of the heads must accept
-  too, with the same facts (``check_against_decode`` of the unit tests).
-- ``_speedups/chunked.c`` (``dechunk``): random chunked bodies (extensions, trailers, mutated
-  framing) read at random boundaries; nothing httptools refuses may be taken, and what both take must be the
-  same body.
+``_speedups/scan.c``: reads made of the recordings' chunks and of random JSON chunks, then cut, mutated byte
+by byte, spliced, are given to
 
-``scripts/fuzz-c`` runs this with both modules compiled with AddressSanitizer and UndefinedBehaviorSanitizer
-(any memory error or undefined behaviour aborts the run); ``.ci/run`` runs that script. Each module gets
-``--seconds``; a failing input is printed with its seed before the assertion.
+- ``scan_run``: whatever it accepts, msgspec's typed decode of the heads must accept too, with the same facts
+  (``check_against_decode`` of the unit tests); now and then it is first told other object names, some of
+  them refused, which must leave no trace on the next read;
+- the relay's check: over the scan's facts (respelt in C, in Python, or spliced chunk by chunk) it must send,
+  refuse and meter exactly what it does over the typed decode, and what the oracle over dicts does
+  (``tests/oracle``, held to where it reads a read as the check does);
+- ``respell``: at random offsets, the same bytes or the same ValueError as ``streams.respell``.
+
+``scripts/fuzz-c`` runs this with the module compiled with AddressSanitizer and UndefinedBehaviorSanitizer
+(any memory error or undefined behaviour aborts the run); ``.ci/run`` runs that script. A failing input is
+printed with its seed and case before the assertion.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
-import pytest
 
-from tests.unit import test_chunked as chunked_tests
-from tests.unit.test_run_scan import body_of, check_against_decode
+from capyctl._speedups import scan
+from capyctl.domain.fields import row_for
+from capyctl.domain.metrics import Meter
+from capyctl.domain.relay_check import OBJECT_NAMES, Refused
+from capyctl.domain.streams import payloads_of, respell
+from tests.oracle import OracleCheck
+from tests.unit.test_relay_check import NAME, ROWS, read_unlike_the_oracle, told
+from tests.unit.test_run_scan import body_of, check_against_decode, checked
 
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
+OTHER_OBJECTS = [(), ("usage",), ("usage", "x" * 40), tuple(f"o{i}" for i in range(16)), ("usage", 1), ("\u00e9",),
+                 tuple(f"o{i}" for i in range(17)), ["usage"]]
 
 
 def _recorded_chunks() -> list[bytes]:
@@ -44,12 +57,13 @@ def _random_json(rng: random.Random, depth: int = 0) -> object:
     if kind == 0:
         return rng.choice([None, True, False])
     if kind == 1:
-        return rng.choice([0, -1, 7, 2**63, 10**25, 0.5, -0.0, 1e300])
+        return rng.choice([0, -1, 7, 255, 256, 10**18 - 1, 10**18, 2**63, 2**64, 10**25, 0.5, -0.0, 1e300])
     if kind in (2, 3, 4):
-        return "".join(rng.choice("ab\u00e9\u20ac\U0001f600\"\\\n ") for _ in range(rng.randrange(6)))
+        return "".join(rng.choice("ab\u00e9\u20ac\U0001f600\"\\\n m") for _ in range(rng.randrange(6)))
     if kind == 5:
         return [_random_json(rng, depth + 1) for _ in range(rng.randrange(3))]
-    keys = ["model", "choices", "index", "delta", "content", "role", "tool_calls", "usage", "id", "x"]
+    keys = ["model", "choices", "index", "delta", "content", "role", "reasoning", "reasoning_content", "tool_calls",
+            "error", *OBJECT_NAMES, "id", "x"]
     return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
 
 
@@ -65,10 +79,49 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
         elif choice == 1:
             del data[at]
         elif choice == 2:
-            data[at:at] = rng.choice([b'"', b"\\", b"{", b"}", b"[", b",", b":", b"9" * 20, b"\\u", b"\xff"])
+            data[at:at] = rng.choice([b'"', b"\\", b"{", b"}", b"[", b",", b":", b"9" * 20, b"\\u", b"\xff",
+                                      b'"model":', b'"model":"tiny-llama",', b"e999", b"\n\ndata: {"])
         else:
             data[at:] = data[at:][: rng.randrange(len(data) - at + 1)]
     return bytes(data)
+
+
+def _check_respell(rng: random.Random, body: bytes, facts: Any) -> None:
+    """C respell against the Python one: at the scan's positions, or near them, or anywhere."""
+    if facts is not None and facts[7] is not None and rng.randrange(2):
+        at, old = array.array("I", facts[7]), facts[1]
+        if rng.randrange(2) and at:
+            i = rng.randrange(len(at))
+            at[i] = (at[i] + rng.choice([-1, 1, 2**31])) % 2**32
+    else:
+        at = array.array("I", sorted(rng.randrange(len(body) + 4) for _ in range(rng.randrange(4))))
+        # (a token is never empty: an empty one past the end is refused in C and taken in Python, see test_run_scan)
+        old = (body[at[0]:at[0] + rng.randrange(1, 4)] if at and rng.randrange(2) else b"") or b'"m"'
+    new = rng.choice([b'"my-model"', b"", b'"x"', old])
+    answers = []
+    for way in (scan.respell, respell):
+        try:
+            answers.append(way(body, at.tobytes(), old, new))
+        except ValueError:
+            answers.append(ValueError)
+    assert answers[0] == answers[1], ("respell", at.tolist(), old, new, answers)
+
+
+def _check_relay(rng: random.Random, body: bytes, facts: Any) -> None:
+    """The check over the facts, over the decode, and the oracle's answer, for one read."""
+    row, limit, name = rng.choice(ROWS), rng.choice([2, 256]), rng.choice([NAME, "tiny-llama"])
+    decoded = checked(body, None, None, row, limit, name)
+    for respelling in (scan.respell, respell, None):
+        assert checked(body, facts, respelling, row, limit, name) == decoded, ("check", row, limit, name)
+    if read_unlike_the_oracle([body]) is None:
+        oracle = OracleCheck(row_for(*row).row, "here", name, limit)
+        meter = Meter(lambda: 0.0)
+        try:
+            sent: Any = oracle.check(payloads_of(body), meter, 0.0)
+        except Refused as refused:
+            sent = (refused.sent, told(refused.error))
+        assert (sent, oracle.failure, meter.text_chunks, meter.seen) == (decoded[0], decoded[1], decoded[4],
+                                                                         decoded[5]), ("oracle", row, limit, name)
 
 
 def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
@@ -77,7 +130,7 @@ def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
     deadline, count, taken = time.monotonic() + seconds, 0, 0
     while time.monotonic() < deadline:
         payloads = []
-        for _ in range(rng.randrange(2, 7)):
+        for _ in range(rng.randrange(1, 7)):
             if rng.randrange(4):
                 payloads.append(rng.choice(recorded))
             else:
@@ -86,7 +139,16 @@ def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
         if rng.randrange(3) == 0:
             body = _mutate(rng, body)
         try:
-            taken += check_against_decode(body) is not None
+            if rng.randrange(8) == 0:  # other object names first, some refused: the next read must not see them
+                try:
+                    scan.scan_run(body, rng.choice(OTHER_OBJECTS))
+                except TypeError:
+                    pass
+            facts = check_against_decode(body)
+            if facts is not None:
+                taken += 1
+                _check_relay(rng, body, facts)
+            _check_respell(rng, body, facts)
         except AssertionError:
             print(f"scan: seed {seed}, case {count}: {body!r}")
             raise
@@ -94,44 +156,16 @@ def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
     return count, taken
 
 
-def fuzz_chunked(seconds: float, seed: int) -> int:
-    rng = random.Random(seed)
-    head = chunked_tests.HEAD
-    deadline, count = time.monotonic() + seconds, 0
-    with pytest.MonkeyPatch.context() as patch:
-        while time.monotonic() < deadline:
-            pieces = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))) for _ in range(rng.randrange(5))]
-            extension = rng.choice([b"", b";x=1", b";name", b';q="a b"', b";a=", b"; x", b";\x00"])
-            trailer = rng.choice([b"", b"x-t: 1\r\n", b":\r\n", b"a: \x01\r\n"])
-            body = chunked_tests.chunked(pieces, extension, trailer)
-            if rng.randrange(3) == 0:
-                body = _mutate(rng, body)
-            cuts = [rng.randrange(len(body) + 1) for _ in range(rng.randrange(4))]
-            reads = chunked_tests.split(head + body, cuts)
-            ours = chunked_tests.received(reads, True, patch)
-            theirs = chunked_tests.received(reads, False, patch)
-            # nothing httptools refuses is taken, and what both take is the same body (dechunk may refuse more:
-            # extensions RFC 9112 does not allow, which httptools lets by; what comes after an answer's end
-            # only keeps its connection from reuse, either way)
-            if ours.complete and (not theirs.complete or b"".join(ours.body) != b"".join(theirs.body)):
-                print(f"chunked: seed {seed}, case {count}: {reads!r}")
-                print(f"  dechunk: complete {ours.complete}, {ours.lost!r}, {b''.join(ours.body)!r}")
-                print(f"  httptools: complete {theirs.complete}, {theirs.lost!r}, {b''.join(theirs.body)!r}")
-                raise AssertionError("dechunk and httptools unframed the same bytes differently")
-            count += 1
-    return count
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of fuzzing for each module")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of fuzzing for each C module")
     parser.add_argument("--seed", type=int, default=None, help="a seed to replay (default: a new one)")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    print(f"fuzzing the C modules against their references, {args.seconds:g} s each, seed {seed}")
+    print(f"fuzzing the C module against its references, {args.seconds:g} s, seed {seed}")
     count, taken = fuzz_scan(args.seconds, seed)
-    print(f"  scan.c: {count} runs ({taken} taken by the scan and checked against the decode), no disagreement")
-    print(f"  chunked.c: {fuzz_chunked(args.seconds, seed)} bodies, no disagreement")
+    print(f"  scan.c: {count} reads ({taken} taken by the scan, their facts checked against the decode and the "
+          f"check over them against the decode's and the oracle's), respell against Python's; no disagreement")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
-"""The run scan in C (``_speedups/scan.c``) against the way it replaces: msgspec's decode of the heads.
+"""The C scan (``_speedups/scan.c``) against the way it stands in for: msgspec's typed decode of the heads.
 
-Whatever the scan accepts, the decode must accept too, and the facts it
-reads must be the ones the decoded heads give; the typed pass must then do
-exactly what it does over the heads. Where the scan is unsure it declines,
-and the run is decoded as before, so declining is always allowed; accepting
-the common case (the recordings) is asserted too, or the scan would buy
-nothing.
+Whatever ``scan_run`` accepts, the typed decode (``relay_check.Head``) must
+accept too, and the facts it reads must be the ones the decoded heads give;
+the check over those facts must then do exactly what it does over the
+decode, and what the oracle (``tests/oracle``) does. Where the scan is unsure
+it declines, and the read is decoded, so declining is always allowed;
+accepting the common case (the recordings) is asserted too, or the scan
+would buy nothing. ``respell`` is held to its Python reference
+(``streams.respell``).
+
+These tests need the module: they are skipped only where it cannot be
+imported (a build without a C compiler, where ``test_relay_check`` still
+tests the Python way, and ``test_layers`` checks it is built wherever gcc is).
 """
 
 from __future__ import annotations
@@ -13,11 +19,8 @@ from __future__ import annotations
 import array
 import copy
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import msgspec
 import pytest
@@ -25,46 +28,48 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec import UNSET
 
-from capyctl.adapters.engines import _sse
-from capyctl.domain import relay_check
+from capyctl.adapters.engines._sse import SseParser
 from capyctl.domain.fields import row_for
 from capyctl.domain.metrics import Meter
-from capyctl.domain.relay_check import DELTA_KEYS, Choice, Delta, Head, ToolCall, TypedRelay, chunk_check, scan_run
-from capyctl.domain.streams import Run
-from tests.unit.test_relay_check import NAME, RECORDINGS, ROWS, payload, relay, stream
+from capyctl.domain.relay_check import (
+    DELTA_KEYS,
+    OBJECT_NAMES,
+    Choice,
+    ChunkRules,
+    Delta,
+    Head,
+    Refused,
+    StreamCheck,
+    ToolCall,
+)
+from capyctl.domain.streams import Chunks, payloads_of, respell
+from tests.oracle import OracleCheck
+from tests.unit.test_relay_check import NAME, ROWS, payload, plain_chunks, recordings, told
 
-# Built where a C compiler was found at install; without it, the relay decodes every run (tests/unit/
-# test_relay_check.py holds that way to the stages), and test_layers checks it is built wherever gcc is.
-_scan = pytest.importorskip("capyctl._speedups.scan", reason="the C run scan was not built (no C compiler)")
-MAX_EVENT = _sse.DEFAULT_MAX_EVENT
+_scan = pytest.importorskip("capyctl._speedups.scan", reason="the C scan was not built (no C compiler)")
+scan_run = _scan.scan_run
 SLOW = settings(max_examples=1500, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_decode_head = msgspec.json.Decoder(Head).decode
 
 
-@contextmanager
-def without_scan() -> Iterator[None]:
-    with mock.patch.object(_sse, "scan_run", None):
-        yield
-
-
-def decoded_run(body: bytes) -> Run | None:
-    """The run as the parser made it before the scan: its heads decoded by msgspec."""
-    with without_scan():
-        return _sse._run(body, MAX_EVENT)
+def body_of(payloads: list[bytes]) -> bytes:
+    return b"".join(b"data: " + p + b"\n\n" for p in payloads)
 
 
 def payload_spans(body: bytes) -> list[tuple[int, int]]:
-    """Where each payload of a run begins and ends in its bytes."""
+    """Where each payload of a read begins and ends in its bytes."""
     spans, at = [], 6
-    for payload in body[6:-2].split(b"\n\ndata: "):
-        spans.append((at, at + len(payload)))
-        at += len(payload) + 8  # its blank line and the next "data: "
+    for chunk in body[6:-2].split(b"\n\ndata: "):
+        spans.append((at, at + len(chunk)))
+        at += len(chunk) + 8  # its blank line and the next "data: "
     return spans
 
 
-def facts_of(heads: list[Head], body: bytes) -> tuple[Any, ...]:
-    """The scan's facts but the last, worked out from decoded heads the way the typed pass reads them."""
+def facts_of(heads: list[Any], body: bytes) -> tuple[Any, ...]:
+    """The scan's facts but the last, worked out from decoded heads the way the check reads them."""
     keys, top, texts, objects = 0, -1, [], []
+    spans = payload_spans(body)
     for i, head in enumerate(heads):
         text = False
         for choice in head.choices or ():
@@ -79,8 +84,8 @@ def facts_of(heads: list[Head], body: bytes) -> tuple[Any, ...]:
                     top = max(top, call.index)
             text = text or bool(delta.content or delta.reasoning_content or delta.reasoning or delta.tool_calls)
         texts.append(text)
-        if relay_check._has_objects(head):
-            objects += payload_spans(body)[i]
+        if any(getattr(head, name) is not None for name in OBJECT_NAMES):
+            objects += spans[i]
     models = {msgspec.json.encode(head.model) if head.model is not UNSET else None for head in heads}
     assert len(models) == 1  # the scan accepts only a model every chunk sends alike (or none sends)
     return (len(heads), models.pop(), keys, top, sum(texts), texts.index(True) if True in texts else -1,
@@ -102,127 +107,155 @@ def check_positions(body: bytes, facts: tuple[Any, ...]) -> None:
         assert body[begin:end].count(b'"model":' + model) == 1, body
 
 
-TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)  # any character but a lone surrogate
-VALUE = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False, allow_infinity=False) | TEXT,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
-DELTA_VALUE = st.one_of(TEXT, st.none(), VALUE)
-TOOL_CALL = st.fixed_dictionaries({"index": st.one_of(st.integers(0, 300), st.none())},
-                                  optional={"id": TEXT, "type": st.just("function"), "function": VALUE})
-DELTA = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["assistant", None]), "content": DELTA_VALUE,
-                                            "reasoning": DELTA_VALUE, "reasoning_content": DELTA_VALUE,
-                                            "tool_calls": st.one_of(st.none(), st.lists(TOOL_CALL, max_size=3))})
-CHOICE = st.fixed_dictionaries({"index": st.integers(0, 3), "delta": st.one_of(DELTA, st.none())},
-                               optional={"logprobs": VALUE, "finish_reason": st.sampled_from([None, "stop"]),
-                                         "token_ids": VALUE})
-OBJECTS = st.one_of(st.none(), st.dictionaries(st.sampled_from(["prompt_tokens", "completion_tokens"]),
-                                                st.integers(0, 99)))
-
-
-@st.composite
-def plain_chunks(draw: st.DrawFn) -> list[bytes]:
-    """Chunks as engines send them, all valid JSON, most often with one model: what the scan should take."""
-    model = draw(st.sampled_from(["tiny-llama", NAME, "caf\u00e9", "\u00e9\u20ac", "m"]))
-    chunks = []
-    for _ in range(draw(st.integers(2, 6))):
-        chunk: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1796045145}
-        if draw(st.integers(0, 19)):
-            chunk["model"] = model if draw(st.integers(0, 19)) else draw(st.sampled_from(["other", 1, None]))
-        chunk["choices"] = draw(st.one_of(st.lists(CHOICE, max_size=2), st.none()))
-        for name in draw(st.lists(st.sampled_from(["usage", "metrics", "timings", "tensorfold", "error",
-                                                   "system_fingerprint"]), unique=True, max_size=2)):
-            chunk[name] = draw(OBJECTS)
-        chunks.append(msgspec.json.encode(chunk))
-    return chunks
-
-
-PAYLOADS = st.one_of(plain_chunks(), st.lists(payload(), min_size=2, max_size=6))
-
-
-def body_of(payloads: list[bytes]) -> bytes:
-    return b"".join(b"data: " + p + b"\n\n" for p in payloads)
-
-
 def check_against_decode(body: bytes) -> tuple[Any, ...] | None:
-    """The scan's facts for ``body``, held to the decode's: accepted only where the decode makes a run."""
-    assert scan_run is not None
-    facts = scan_run(body)
+    """The scan's facts for ``body``, held to the typed decode's: given only where every payload decodes into a
+    head and none is the engine's error event; then the same facts, and positions where each model is."""
+    facts = scan_run(body, OBJECT_NAMES)
     if facts is not None:
-        run = decoded_run(body)
-        assert run is not None, body  # the scan accepted what msgspec refuses (or a failure event)
-        assert facts[:7] == facts_of(list(run.heads), body), body
+        payloads = payloads_of(body)
+        assert body_of(payloads) == body and not any(b"\n" in p for p in payloads), body  # plain events alone
+        heads = []
+        for chunk in payloads:
+            try:
+                heads.append(_decode_head(chunk))
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise AssertionError(f"the scan accepted what the decode refuses ({exc}): {body!r}") from exc
+            assert heads[-1].error is UNSET or heads[-1].choices is not UNSET, body  # no error event
+        assert facts[:7] == facts_of(heads, body), body
         check_positions(body, facts)
     return facts
 
 
-def test_the_scan_is_built() -> None:
-    assert scan_run is not None, "the C run scan was not built: `pip install -e .` needs a C compiler"
-
-
 def test_the_scan_knows_the_structs_field_for_field() -> None:
     """Its field lists are the structs' (a field it does not know it refuses; one it knows wrongly it would
-    pass), and the structs are what it assumes of them: every field is decoded (unknown ones forbidden),
-    the few it reads typed as it reads them, the rest Any."""
-
-    assert _scan.HEAD_FIELDS == Head.__struct_fields__ and _scan.CHOICE_FIELDS == Choice.__struct_fields__
+    pass), and the structs are what it assumes of them: the few fields it reads typed as it reads them, the
+    rest Any; a delta's unknown keys forbidden, the head's and a choice's skipped, as the scan skips them."""
+    assert _scan.HEAD_FIELDS + OBJECT_NAMES == Head.__struct_fields__
+    assert _scan.CHOICE_FIELDS == Choice.__struct_fields__
     assert _scan.DELTA_FIELDS == Delta.__struct_fields__ == DELTA_KEYS
     assert _scan.TOOL_CALL_FIELDS == ToolCall.__struct_fields__
     typed = {(Head, "choices"): "list[Choice] | None | UnsetType", (Choice, "index"): "Index | None",
              (Choice, "delta"): "Delta | None", (Delta, "tool_calls"): "list[ToolCall] | None | UnsetType",
              (ToolCall, "index"): "Index | None"}
     for struct in (Head, Choice, Delta, ToolCall):
-        assert struct.__struct_config__.forbid_unknown_fields
+        assert struct.__struct_config__.forbid_unknown_fields == (struct is Delta)
         for name in struct.__struct_fields__:
-            assert struct.__annotations__[name] == typed.get((struct, name), "Any"), (struct, name)
+            annotation = struct.__annotations__[name]
+            spelt = annotation if isinstance(annotation, str) else "Any" if annotation is Any else str(annotation)
+            spelt = spelt.replace("capyctl.domain.relay_check.", "").replace("msgspec.", "")
+            assert spelt == typed.get((struct, name), "Any"), (struct, name, spelt)
 
 
-@pytest.mark.parametrize("path", sorted(RECORDINGS.glob("*/*/*.sse")), ids=lambda p: str(p.relative_to(RECORDINGS)))
-def test_every_recorded_run_is_scanned_as_the_decode_reads_it(path: Path) -> None:
+def test_scan_run_takes_bytes_and_a_tuple_of_at_most_sixteen_ascii_names() -> None:
+    body = body_of([b'{"model":"m","usage":{}}'])
+    for args in ((body.decode(), OBJECT_NAMES), (body, list(OBJECT_NAMES)), (body, ("usage", 1)), (body, ("\u00e9",)),
+                 (body, tuple(f"o{i}" for i in range(17))), (body,), (body, OBJECT_NAMES, None)):
+        with pytest.raises(TypeError):
+            scan_run(*args)
+    assert scan_run(body, tuple(f"o{i}" for i in range(16)))[6] == ()  # usage unread: skipped, as Head would
+
+
+def test_the_objects_scan_run_is_told_are_the_ones_it_places() -> None:
+    """The head's object fields are the caller's names, set anew when the tuple changes: an engine object it
+    is not told of is skipped like any field the head does not read."""
+    body = body_of([b'{"model":"m","usage":{"n":1}}', b'{"model":"m","timings":{"t":2}}', b'{"model":"m"}'])
+    spans = payload_spans(body)
+    assert scan_run(body, OBJECT_NAMES)[6] == (*spans[0], *spans[1])
+    assert scan_run(body, ("usage",))[6] == spans[0]
+    assert scan_run(body, ("timings", "other"))[6] == spans[1]
+    assert scan_run(body, ())[6] == ()
+    assert scan_run(body, OBJECT_NAMES)[6] == (*spans[0], *spans[1])  # and back
+    with pytest.raises(TypeError):  # a tuple refused part way leaves the names as they were
+        scan_run(body, ("x" + "usage", 1))
+    assert scan_run(body, OBJECT_NAMES)[6] == (*spans[0], *spans[1])
+    assert scan_run(body_of([b'{"model":"m","usage":{},"usage":{}}']), ("usage",)) is None  # a repeat: declined
+
+
+@pytest.mark.parametrize("path", recordings())
+def test_every_recorded_read_is_scanned_as_the_decode_reads_it(path: Path) -> None:
     data = path.read_bytes()
     body = data[:-14] if data.endswith(b"\n\ndata: [DONE]\n\n") else data
     facts = check_against_decode(body)
-    run = decoded_run(body)
-    if run is not None and not path.name.startswith("adv_"):  # a plain recorded stream: the scan takes it
-        assert facts is not None, path
+    if not path.name.startswith("adv_") and b"\r" not in body:  # a plain recorded stream: the scan takes it
+        assert facts is not None and facts[7] is not None, path
 
 
 CASES = [
     # (payload, whether the decode takes it) - the edges of strings, numbers, nesting and the structs
     (b'{"id":"a\x7f","model":"m"}', True), (b'{"id":"a\x01","model":"m"}', False),
-    (b'{"id":"caf\xc3\xa9 \xf0\x9f\x98\x80","model":"m"}', True), (b'{"id":"\xed\xa0\x80","model":"m"}', False),
-    (b'{"id":"\xc0\x80","model":"m"}', False), (b'{"id":"\xf4\x90\x80\x80","model":"m"}', False),
-    (b'{"id":"\xe0\x9f\xbf","model":"m"}', False), (b'{"id":"\xc3","model":"m"}', False),
+    (b'{"id":"caf\xc3\xa9 \xf0\x9f\x98\x80","model":"m"}', True), (b'{"model":"m","usage":"\xed\xa0\x80"}', False),
+    (b'{"model":"m","usage":"\xc0\x80"}', False), (b'{"model":"m","usage":"\xf4\x90\x80\x80"}', False),
+    (b'{"model":"m","error":"\xe0\x9f\xbf","choices":[]}', False), (b'{"model":"m","usage":"\xc3"}', False),
     (b'{"id":"\\u00e9\\n\\t\\"\\\\\\/","model":"m"}', True), (b'{"id":"\\x","model":"m"}', False),
     (b'{"id":"\\ud83d\\ude00","model":"m"}', True), (b'{"id":"\\udc00","model":"m"}', False),
-    (b'{"id":1e400,"model":"m"}', False), (b'{"id":1e99,"model":"m"}', True), (b'{"id":-0.0e-5,"model":"m"}', True),
+    (b'{"model":"m","usage":1e400}', False), (b'{"id":1e99,"model":"m"}', True), (b'{"id":-0.0e-5,"model":"m"}', True),
     (b'{"id":01,"model":"m"}', False), (b'{"id":1.,"model":"m"}', False), (b'{"id":-,"model":"m"}', False),
     (b'{"id":' + b"9" * 41 + b',"model":"m"}', True), (b'{"id":tru,"model":"m"}', False),
     (b'{"model":"m","choices":[{"index":-0}]}', True), (b'{"model":"m","choices":[{"index":1.0}]}', False),
+    (b'{"model":"m","choices":[{"index":' + b"9" * 18 + b"}]}", True),
     (b'{"model":"m","choices":[{"index":' + b"9" * 19 + b"}]}", True),
-    (b'{"model":"m","model":"m"}', True), (b'{"model":"m","foo":1}', False), (b'{"mod\\u0065l":"m"}', True),
+    (b'{"model":"m","choices":[{"index":' + b"9" * 40 + b"}]}", True),
+    (b'{"model":"m","choices":[{"index":-1}]}', False), (b'{"model":"m","choices":[{"index":true}]}', False),
+    (b'{"model":"m","model":"m"}', True), (b'{"model":"m","foo":1}', True), (b'{"mod\\u0065l":"m"}', True),
     (b'{"model":"m","choices":[null]}', False), (b'{"model":"m","choices":{}}', False),
     (b'{"model":"m","choices":[{"delta":{"content":"a","x":1}}]}', False),
     (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":3,"id":"c"}]}}]}', True),
+    (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":9223372036854775807}]}}]}', True),
+    (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":18446744073709551616}]}}]}', True),
+    (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":"1"}]}}]}', False),
+    (b'{"model":"m","choices":[{"delta":{"tool_calls":{}}}]}', False),
     (b'{"model":"m","error":{"message":"x"}}', True), (b'{"model":"m","error":1,"choices":[]}', True),
     (b'{"model":"m","usage":' + b"[" * 70 + b"]" * 70 + b"}", True), (b'{"model":"m"}x', False),
     (b'{"model":"m",}', False), (b'{"model" : "m" , "choices" : [ ] }\r', True), (b"{}", True),
     (b'{"model":"m","choices":[{"delta":{"reasoning_content":"x","tool_calls":[{"index":9}]}}],"choices":[]}', True),
-    (b'{"model":"m","usage":{"a":1},"usage":null}', True), (b'{"model":null}', True), (b'{"model":"m\\u0000"}', True), (b'{"model":"m","choices":[{"delta":null}]}', True),
+    (b'{"model":"m","usage":{"a":1},"usage":null}', True), (b'{"model":null}', True), (b'{"model":"m\\u0000"}', True),
+    (b'{"model":"m","choices":[{"delta":null}]}', True), (b'{"model":{"model":"m"}}', True), (b"[]", False),
+    (b'{"model":"m","choices":[{"index":0,"delta":{"content":"a"},"model":"m"}]}', True), (b"", False),
 ]
 
 
 @pytest.mark.parametrize("chunk, valid", CASES)
 def test_the_scan_takes_no_chunk_the_decode_refuses(chunk: bytes, valid: bool) -> None:
+    try:
+        _decode_head(chunk)
+        decodes = True
+    except (msgspec.DecodeError, RecursionError):
+        decodes = False
+    assert decodes == valid, chunk  # the case is what it says it is: the decode's own verdict
     plain = b'{"model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}'
-    for payloads in ([chunk, plain], [plain, chunk]):
-        with without_scan():  # the case is what it says it is: the decode's own verdict
-            try:
-                msgspec.json.decode(chunk, type=Head)
-                decodes = True
-            except (msgspec.DecodeError, RecursionError):
-                decodes = False
-        assert decodes == valid, chunk
+    for payloads in ([chunk], [chunk, plain], [plain, chunk]):
         check_against_decode(body_of(payloads))
+
+
+@pytest.mark.parametrize("index", [0, 255, 10**17, 10**18 - 1, 10**18, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**40])
+@pytest.mark.parametrize("where", ["choice", "tool call"])
+def test_an_index_of_up_to_eighteen_digits_is_read_and_a_longer_one_left_to_the_decode(index: int,
+                                                                                       where: str) -> None:
+    """The scan reads an index into a 64-bit integer: it declines one past 18 digits before it could overflow
+    (the decode reads any size); what the check makes of either is the decode's and the oracle's answer."""
+    delta = b'{"content":"a"}' if where == "choice" else b'{"tool_calls":[{"index":%d}]}' % index
+    choice = b'{"index":%d,"delta":%b}' % (index if where == "choice" else 0, delta)
+    body = body_of([b'{"model":"m","choices":[%b]}' % choice, b'{"model":"m","choices":[]}'])
+    facts = check_against_decode(body)
+    assert (facts is None) == (len(str(index)) > 18)
+    if facts is not None and where == "tool call":
+        assert facts[3] == index
+    outcomes = []
+    for way in ("c", "python", "oracle"):
+        meter = Meter(lambda: 0.0)
+        rules = ChunkRules(row_for("vllm", "0.32.0").row, "here")
+        check: Any = (OracleCheck(row_for("vllm", "0.32.0").row, "here", NAME) if way == "oracle"
+                      else StreamCheck(rules, meter, NAME, lambda: 1.0))
+        try:
+            sent = (check.check(payloads_of(body), meter, 1.0) if way == "oracle"
+                    else check.check(Chunks(body, None, scan_run(body, OBJECT_NAMES) if way == "c" else None,
+                                            _scan.respell)))
+        except Refused as refused:
+            sent = (refused.sent, told(refused.error))
+        outcomes.append((sent, meter.text_chunks))
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    refused = where == "tool call" and index >= 256
+    assert isinstance(outcomes[0][0], tuple) == refused
 
 
 def test_the_scan_reads_what_each_delta_sends() -> None:
@@ -236,32 +269,64 @@ def test_the_scan_reads_what_each_delta_sends() -> None:
     assert array.array("I", facts[7]).tolist() == [m.start() + 8 for m in re.finditer(b'"model":', body)]
 
 
-def test_a_run_is_spliceable_where_its_model_pattern_is_each_chunks_model_field_alone() -> None:
+def test_the_scan_declines_what_the_check_must_decode() -> None:
+    plain = b'{"model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}'
+    for odd in (b'{"error":{"message":"x"},"model":"m"}',  # the engine's error event
+                b'{"model":"n","choices":[]}', b'{"choices":[]}',  # another model, or none beside one
+                b'{"model":"\\u006d","choices":[]}',  # the same model, escaped
+                b'{"model":"m","choices":[],"choices":[]}', b'{"mod\\u0065l":"m","choices":[]}'):
+        assert check_against_decode(body_of([plain, odd])) is None, odd
+    for not_plain in (b"data: {}\n\n: keep-alive\n\n", b"data: {}\r\n\r\n", b"data:{}\n\n", b"data: {}\n\n\n",
+                      b"data: {}\n", b'data: {"model":"m",\ndata: "choices":[]}\n\n', b"data: [DONE]\n\n"):
+        assert scan_run(body_of([plain]) + not_plain, OBJECT_NAMES) is None, not_plain
+
+
+def test_positions_are_given_where_the_model_pattern_is_each_chunks_model_field_alone() -> None:
     plain = b'{"model":"m","choices":[]}'
     for chunk, spliceable in ((plain, True), (b'{"choices":[],"model":"m"}', True),
                               (b'{"model" :"m","choices":[]}', False), (b'{"model": "m","choices":[]}', False),
                               (b'{"choices":[{"logprobs":{"model":"m"}}],"model":"m"}', False),
                               (b'{"choices":[{"delta":{"content":"\\"model\\":\\"m\\""}}],"model":"m"}', True),
-                              (b'{"usage":{"x":[{"model":1}]},"model":"m"}', False)):
+                              (b'{"usage":{"x":[{"model":1}]},"model":"m"}', False),
+                              (b'{"usage":{"xmodel":1},"model":"m"}', False), (b'{"xmodel":1,"model":"m"}', True)):
         facts = check_against_decode(body_of([plain, chunk]))
         assert facts is not None and (facts[7] is not None) is spliceable, chunk
 
 
-def test_respell_writes_the_new_token_only_where_the_old_one_is() -> None:
+def test_respell_in_c_is_its_python_reference() -> None:
     body = body_of([b'{"model":"ab","choices":[]}', b'{"choices":[],"model":"ab"}'])
-    facts = scan_run(body)
+    facts = scan_run(body, OBJECT_NAMES)
     assert facts is not None and facts[7] is not None
-    assert _scan.respell(body, facts[7], b'"ab"', b'"my-model"') == body.replace(b'"ab"', b'"my-model"')
-    assert _scan.respell(body, facts[7], b'"ab"', b'"x"') == body.replace(b'"ab"', b'"x"')
-    assert _scan.respell(body, b"", b'"ab"', b'"x"') == body
+    for new in (b'"my-model"', b'"x"', b'"ab"', b""):
+        assert _scan.respell(body, facts[7], b'"ab"', new) == respell(body, facts[7], b'"ab"', new) == body.replace(
+            b'"ab"', new)
+    assert _scan.respell(body, b"", b'"ab"', b'"x"') == respell(body, b"", b'"ab"', b'"x"') == body
     wrong = [array.array("I", [8, 8]).tobytes(), array.array("I", [9]).tobytes(), b"\x01\x02\x03",
-             array.array("I", [len(body) - 2]).tobytes(), array.array("I", [2**32 - 1]).tobytes()]
-    wrong.append(array.array("I", reversed(array.array("I", facts[7]))).tobytes())  # out of order
+             array.array("I", [len(body) - 2]).tobytes(), array.array("I", [2**32 - 1]).tobytes(),
+             array.array("I", reversed(array.array("I", facts[7]))).tobytes()]  # out of order
     for positions in wrong:
-        with pytest.raises(ValueError):
-            _scan.respell(body, positions, b'"ab"', b'"x"')
+        for way in (_scan.respell, respell):
+            with pytest.raises(ValueError):
+                way(body, positions, b'"ab"', b'"x"')
     with pytest.raises(TypeError):
         _scan.respell(body, facts[7], "ab", b"x")
+
+
+@SLOW
+@given(body=st.binary(max_size=200), positions=st.lists(st.integers(0, 220), max_size=4),
+       old=st.binary(min_size=1, max_size=3), new=st.binary(max_size=5))
+def test_respell_in_c_agrees_with_python_on_any_input(body: bytes, positions: list[int], old: bytes,
+                                                      new: bytes) -> None:
+    """(A token is a JSON string, never empty: an empty one at an offset past the end is refused in C, and
+    taken by the Python reference, whose slice there is empty.)"""
+    at = array.array("I", positions).tobytes()
+    answers = []
+    for way in (_scan.respell, respell):
+        try:
+            answers.append(way(body, at, old, new))
+        except ValueError:
+            answers.append(ValueError)
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.parametrize("value", [b'""', b'"a"', b'"\\u0000"', b"0", b"-0", b"7", b"0.0", b"0.5", b"-0.0e5", b"1e-5",
@@ -270,6 +335,9 @@ def test_text_is_what_python_holds_true(value: bytes) -> None:
     chunk = b'{"model":"m","choices":[{"delta":{"content":%b}}]}' % value
     facts = check_against_decode(body_of([chunk, b'{"model":"m","choices":[]}']))
     assert facts is not None and facts[4] == bool(msgspec.json.decode(value))
+
+
+PAYLOADS = st.one_of(plain_chunks(), st.lists(payload(), min_size=1, max_size=6))
 
 
 @SLOW
@@ -284,30 +352,42 @@ def test_what_the_scan_accepts_the_decode_accepts_with_the_same_facts(payloads: 
     check_against_decode(body)
 
 
+def checked(body: bytes, facts: Any, respelling: Any, row: tuple[str, str], max_tool_calls: int,
+            name: str) -> tuple[Any, ...]:
+    """What one read's check sends, refuses, keeps and meters."""
+    ticks = iter(range(100))
+    meter = Meter(lambda: 0.0)
+    check = StreamCheck(ChunkRules(row_for(*row).row, "here", max_tool_calls), meter, name, lambda: float(next(ticks)))
+    try:
+        sent: Any = check.check(Chunks(body, None, facts, respelling))
+    except Refused as refused:
+        sent = (refused.sent, told(refused.error))
+    return sent, check.failure, meter.first_text_at, meter.last_at, meter.text_chunks, copy.deepcopy(meter.seen)
+
+
 @SLOW
-@given(payloads=PAYLOADS, row=st.sampled_from(ROWS),
-       max_tool_calls=st.sampled_from([2, 256]), name=st.sampled_from([NAME, "tiny-llama"]))
-def test_the_typed_pass_over_a_scanned_run_is_the_pass_over_its_heads(payloads: list[bytes], row: tuple[str, str],
-                                                                     max_tool_calls: int, name: str) -> None:
+@given(payloads=PAYLOADS, row=st.sampled_from(ROWS), max_tool_calls=st.sampled_from([2, 256]),
+       name=st.sampled_from([NAME, "tiny-llama", "caf\u00e9"]))
+def test_the_check_over_the_scans_facts_is_the_check_over_the_decode_and_the_oracle(
+        payloads: list[bytes], row: tuple[str, str], max_tool_calls: int, name: str) -> None:
     body = body_of(payloads)
-    scanned = _sse._run(body, MAX_EVENT)
-    if scanned is None or scanned.facts is None:
-        return
-    decoded = decoded_run(body)
-    assert decoded is not None and decoded.facts is None
-    check = chunk_check(row_for(*row).row, max_tool_calls)
-    outcomes = []
-    for run in (scanned, decoded):
-        ticks = iter(range(100))
+    facts = scan_run(body, OBJECT_NAMES)
+    decoded = checked(body, None, None, row, max_tool_calls, name)
+    if facts is not None:  # with the C respell, the Python one, and none (each chunk's splice)
+        for respelling in (_scan.respell, respell, None):
+            assert checked(body, facts, respelling, row, max_tool_calls, name) == decoded
+        oracle = OracleCheck(row_for(*row).row, "here", name, max_tool_calls)
         meter = Meter(lambda: 0.0)
-        passed = TypedRelay(check, meter, name).run(run, lambda: float(next(ticks)))
-        outcomes.append((passed, run.sse, meter.first_text_at, meter.last_at, meter.text_chunks,
-                         copy.deepcopy(meter.seen)))
-    assert outcomes[0] == outcomes[1]
+        try:
+            sent: Any = oracle.check(payloads, meter, 0.0)
+        except Refused as refused:
+            sent = (refused.sent, told(refused.error))
+        assert (sent, oracle.failure, meter.text_chunks, meter.seen) == (decoded[0], decoded[1], decoded[4],
+                                                                         decoded[5])
 
 
 @pytest.mark.parametrize("count", [255, 256, 257, 1100])
-def test_a_run_of_more_chunks_than_the_scan_keeps_on_its_stack_reads_the_same(count: int) -> None:
+def test_a_read_of_more_chunks_than_the_scan_keeps_on_its_stack_reads_the_same(count: int) -> None:
     """Past 256 chunks the scan moves its chunks to the heap (and doubles that room as it goes)."""
     chunks = [b'{"model":"m","choices":[{"index":0,"delta":{"content":"%d"}}]%b}' % (i, b',"usage":{"n":%d}' % i
                                                                                  if i % 300 == 299 else b"")
@@ -315,33 +395,25 @@ def test_a_run_of_more_chunks_than_the_scan_keeps_on_its_stack_reads_the_same(co
     body = body_of(chunks)
     facts = check_against_decode(body)
     assert facts is not None and facts[0] == count and len(facts[6]) == 2 * (count // 300)
-    check_positions(body, facts)
     assert facts[7] is not None and len(array.array("I", facts[7])) == count
+    assert checked(body, facts, _scan.respell, ROWS[0], 256, NAME) == checked(body, None, None, ROWS[0], 256, NAME)
 
 
-def test_a_declined_scanned_run_decodes_its_heads_when_read() -> None:
+def test_a_refused_chunk_in_a_scanned_read_is_told_by_the_decode_after_the_chunks_before_it() -> None:
     good = b'{"model":"tiny-llama","choices":[{"index":0,"delta":{"content":"hi"}}]}'
     refused = b'{"model":"tiny-llama","choices":[{"index":0,"delta":{"reasoning_content":"x"}}]}'
-    run = _sse._run(body_of([good, refused]), MAX_EVENT)
-    assert run is not None and run.facts is not None and len(run.heads) == 2
-    assert not TypedRelay(chunk_check(row_for("vllm", "0.32.0").row), Meter(lambda: 0.0), NAME).run(run, lambda: 0.0)
-    chunks = run.chunks()  # the relay's way for a declined run: its chunks, each with its decoded head
-    assert [c.raw for c in chunks] == [good, refused] and chunks[1].head.choices[0].delta.reasoning_content == "x"
-
-
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(reads=stream(), row=st.sampled_from(ROWS), max_tool_calls=st.sampled_from([2, 256]))
-def test_without_the_scan_runs_still_relay_exactly_what_the_stages_relay(reads: list[bytes], row: tuple[str, str],
-                                                                        max_tool_calls: int) -> None:
-    """A build without a C compiler decodes every run: that way too must stay the stages' answer."""
-    family, version = row
-    with without_scan():
-        assert relay(True, reads, family, version, max_tool_calls, runs=True) == relay(
-            False, reads, family, version, max_tool_calls)
+    (chunks,) = SseParser().feed(body_of([good, refused]))
+    assert isinstance(chunks, Chunks) and chunks.facts is not None  # the scan reads it; the row refuses it
+    sent, failure, first_text_at, last_at, texts, seen = checked(chunks.sse, chunks.facts, chunks.respell,
+                                                                 ("vllm", "0.32.0"), 256, NAME)
+    assert sent == (body_of([good.replace(b"tiny-llama", NAME.encode())]),
+                    ("UnverifiedStream", "unverified_stream", sent[1][2])) and "'reasoning_content'" in sent[1][2]
+    assert texts == 1 and failure is None
 
 
 @settings(max_examples=500, deadline=None)
-@given(tail=st.binary(max_size=300))
-def test_the_scan_survives_any_bytes(tail: bytes) -> None:
+@given(tail=st.binary(max_size=300), objects=st.sampled_from([OBJECT_NAMES, (), ("usage", "model", "choices")]))
+def test_the_scan_survives_any_bytes(tail: bytes, objects: tuple[str, ...]) -> None:
     for body in (b"data: {" + tail, b"data: {" + tail + b"\n\n", body_of([b'{"model":"m"}']) + b"data: {" + tail):
+        scan_run(body, objects)
         check_against_decode(body)

@@ -317,6 +317,9 @@ scan_field(Scan *s, const Field *fields, int hint)
     for (int i = 0; fields[i].name != NULL; i++) {
         if (i != hint && fields[i].len == len && memcmp(fields[i].name, start, len) == 0) return i;
     }
+    /* an unknown field "model" below the head (a choice's, a tool call's) may hold the rename's pattern as a
+       key inside a skipped value may (scan_container; a field name here has no escape) */
+    if (len == 5 && memcmp(start, "model", 5) == 0) s->nested_model = 1;
     return -1;
 }
 
@@ -639,6 +642,7 @@ set_objects(PyObject *objects)
         PyErr_Format(PyExc_TypeError, "scan_run(): objects must be a tuple of at most %d names", MAX_OBJECTS);
         return 0;
     }
+    Field fields[MAX_OBJECTS];  /* all checked before head_fields changes: a refused tuple leaves it as it was */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name = PyTuple_GET_ITEM(objects, i);
         Py_ssize_t len;
@@ -647,9 +651,10 @@ set_objects(PyObject *objects)
             PyErr_SetString(PyExc_TypeError, "scan_run(): each object name must be an ASCII str");
             return 0;
         }
-        head_fields[H_OBJECTS + i].name = text;
-        head_fields[H_OBJECTS + i].len = len;
+        fields[i].name = text;
+        fields[i].len = len;
     }
+    memcpy(&head_fields[H_OBJECTS], fields, n * sizeof(Field));
     head_fields[H_OBJECTS + n].name = NULL;
     head_fields[H_OBJECTS + n].len = 0;
     Py_INCREF(objects);

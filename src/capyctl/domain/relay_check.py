@@ -120,6 +120,8 @@ class StreamCheck:
             if sent is not None:
                 return sent
         payloads = chunks.payload_list()
+        if not chunks.sse.isascii() and not _utf8(chunks.sse):  # msgspec skips unread fields unchecked
+            return self._one_by_one(payloads)
         try:
             heads = [_decode_head(payloads[0])] if len(payloads) == 1 else _decode_heads(b"\n".join(payloads))
         except (msgspec.DecodeError, RecursionError):
@@ -168,7 +170,10 @@ class StreamCheck:
             renamed = None
             if type(model) is str:
                 renamed = self._rename_alike(sse, b'"model":' + _encode(model), len(heads))
-            sse = renamed or self._rename(payloads, heads)
+            try:
+                sse = renamed or self._rename(payloads, heads)
+            except (msgspec.DecodeError, RecursionError):  # a chunk to write anew that has no dict: refused
+                return self._one_by_one(payloads, heads)
         self._metered(texts, first_text, len(heads))
         for head in heads:
             if _has_objects(head):
@@ -179,12 +184,17 @@ class StreamCheck:
         """``check`` chunk by chunk, where a read holds a refused chunk or the engine's error event."""
         out: list[bytes] = []
         for i, payload in enumerate(payloads):
+            if not payload.isascii() and not _utf8(payload):
+                raise Refused(sse_of(out), EdgeError("the engine sent an event that is not valid UTF-8"))
             try:
                 head = heads[i] if heads is not None else _decode_head(payload)
             except (msgspec.DecodeError, RecursionError) as exc:
                 raise Refused(sse_of(out), self._why(payload, exc)) from exc
             if head.error is not UNSET and head.choices is UNSET:
-                error = _decode_dict(payload)["error"]
+                try:
+                    error = _decode_dict(payload)["error"]
+                except (msgspec.DecodeError, RecursionError) as exc:  # an unread field only a full decode refuses
+                    raise Refused(sse_of(out), self._why(payload, exc)) from exc
                 self.failure = error if isinstance(error, dict) else {"message": str(error)}
                 out.append(payload)
                 continue
@@ -193,7 +203,10 @@ class StreamCheck:
                 raise Refused(sse_of(out), self._why(payload, None))
             sent = head.model
             if sent is not UNSET and sent != self._name:
-                payload = self._splice(payload, sent)
+                try:
+                    payload = self._splice(payload, sent)
+                except (msgspec.DecodeError, RecursionError) as exc:
+                    raise Refused(sse_of(out), self._why(payload, exc)) from exc
             self._metered(1 if text else 0, 0 if text else -1, 1)
             if _has_objects(head):
                 self._keep(head)
@@ -205,7 +218,7 @@ class StreamCheck:
         try:
             obj = _decode_dict(payload)
         except msgspec.DecodeError as error:
-            return EdgeError(f"the engine sent an event that is not a JSON object: {error}")
+            return EdgeError(f"the engine sent an event CapyCTL cannot decode as a JSON object: {error}")
         except RecursionError:
             return EdgeError("the engine sent an event nested too deeply to decode")
         try:
@@ -284,13 +297,22 @@ class StreamCheck:
 
     def _splice(self, payload: bytes, sent: Any) -> bytes:
         """``payload`` with its first ``"model":<sent>`` set to the name; written anew from its dict where the
-        engine spaced it otherwise."""
+        engine spaced it otherwise (msgspec.DecodeError where it has none: an unread field the typed decode
+        skipped holds invalid UTF-8 or a number out of range)."""
         spliced = payload.replace(b'"model":' + _encode(sent), self._replacement, 1)
         if spliced != payload:
             return spliced
         obj = _decode_dict(payload)
         obj["model"] = self._name
         return _encode(obj)
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _has_objects(head: Any) -> bool:
