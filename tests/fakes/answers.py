@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
+import anyio
 import msgspec
 
-from capyctl.domain.streams import Chunks, Relayed, StreamEvent
+from capyctl.domain.streams import DONE, Chunks, Relayed, StreamEvent
 
 
 def chunks(*objs: dict[str, Any]) -> Chunks:
@@ -32,3 +33,26 @@ class ScriptedAnswer:
             if said is Relayed.FULL:
                 await drain()
         return False
+
+
+def _at_done(batch: list[StreamEvent]) -> bool:
+    return batch[-1] is DONE
+
+
+async def pump_all(session: Any, url: str, body: bytes, ended: Callable[[list[StreamEvent]], bool] = _at_done
+                   ) -> tuple[list[list[StreamEvent]], bool]:
+    """A streamed call through ``session`` (an ``EngineSession``), pumped whole: (each batch the answer came
+    in, what pump returned). Delivery says ENDED when ``ended`` (default: at ``[DONE]``), never FULL."""
+    batches: list[list[StreamEvent]] = []
+
+    def deliver(batch: list[StreamEvent]) -> Relayed:
+        batches.append(batch)
+        return Relayed.ENDED if ended(batch) else Relayed.MORE
+
+    async def drain() -> None:
+        raise AssertionError("nothing said FULL")
+
+    with anyio.fail_after(10):
+        async with session.chat_stream(url, body) as answer:
+            said_ended = await answer.pump(deliver, drain)
+    return batches, said_ended

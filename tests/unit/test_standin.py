@@ -32,7 +32,8 @@ from capyctl.domain.deployments import DeploymentSpec, EngineConfig
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
 from capyctl.domain.fields import DeltaVerifier, row_for
-from capyctl.domain.streams import DONE, Chunks, Relayed, StreamEvent
+from capyctl.domain.streams import DONE, Chunks
+from tests.fakes.answers import pump_all
 from tests.fakes.standin_engine import (
     answer_text,
     calls,
@@ -280,31 +281,13 @@ async def test_vllm_running_gauge_counts_a_slow_stream(launch: Any, client: http
     await until(load_is(standin, (0, 0)), "the running gauge to drop")
 
 
-async def pump_all(session: WireEngineSession, base: str, body: bytes,
-                   ended: Callable[[list[StreamEvent]], bool]) -> tuple[list[list[StreamEvent]], bool]:
-    """(each batch the engine's answer came in, what pump returned): delivery says ENDED when ``ended``."""
-    batches: list[list[StreamEvent]] = []
-
-    def deliver(batch: list[StreamEvent]) -> Relayed:
-        batches.append(batch)
-        return Relayed.ENDED if ended(batch) else Relayed.MORE
-
-    async def drain() -> None:
-        raise AssertionError("nothing said FULL")
-
-    with anyio.fail_after(10):
-        async with session.chat_stream(base, body) as answer:
-            said_ended = await answer.pump(deliver, drain)
-    return batches, said_ended
-
-
 async def test_capyctl_wire_client_reads_the_standin(launch: Any, client: httpx.AsyncClient) -> None:
     standin = await (await launch(env={"STANDIN_TOKEN_DELAY_MS": "2"})).ready()
     session = WireEngineSession()
     verify = DeltaVerifier(row_for("vllm", "0.32.0").row.delta, "vllm 0.32.0")
     body = json.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}}).encode()
     for _ in range(3):
-        batches, ended = await pump_all(session, standin.base, body, lambda batch: batch[-1] is DONE)
+        batches, ended = await pump_all(session, standin.base, body)
         events = [event for batch in batches for event in batch]
         chunks = [json.loads(payload) for event in events if isinstance(event, Chunks)
                   for payload in event.payload_list()]

@@ -30,6 +30,7 @@ import pytest
 from capyctl.adapters.engines._wire import WireEngineSession, _Response
 from capyctl.domain.errors import EdgeError, EngineError, EngineUnavailable
 from capyctl.domain.streams import DONE, Chunks, Comment, Relayed, StreamEvent
+from tests.fakes.answers import pump_all
 
 RECORDING = Path(__file__).parents[1] / "contract" / "recordings" / "vllm" / "0.32.0"
 BODY = b'{"model":"x","stream":true,"messages":[],"replay_case":"chat_stream_usage"}'
@@ -110,19 +111,7 @@ def disconnected(url: str) -> int:
 
 async def pumped(session: WireEngineSession, url: str, body: bytes = BODY) -> tuple[list[list[StreamEvent]], bool]:
     """(each batch delivered, what pump returned); delivery says ENDED at [DONE], never FULL."""
-    batches: list[list[StreamEvent]] = []
-
-    def deliver(batch: list[StreamEvent]) -> Relayed:
-        batches.append(batch)
-        return Relayed.ENDED if batch[-1] is DONE else Relayed.MORE
-
-    async def drain() -> None:
-        raise AssertionError("nothing said FULL")
-
-    with anyio.fail_after(10):
-        async with session.chat_stream(url, body) as answer:
-            ended = await answer.pump(deliver, drain)
-    return batches, ended
+    return await pump_all(session, url, body)
 
 
 async def test_streams_are_whole_and_connections_are_reused(replay: str) -> None:

@@ -28,7 +28,7 @@ from msgspec import UNSET, UnsetType
 from capyctl.domain.errors import CapyError, EdgeError
 from capyctl.domain.fields import DeltaVerifier, FieldRow
 from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
-from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, respell, sse_of
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, sse_of
 
 _encode = msgspec.json.encode
 _decode_dict = msgspec.json.Decoder(dict[str, Any]).decode
@@ -323,4 +323,4 @@ def _has_objects(head: Any) -> bool:
     return False
 
 
-__all__ = ["ChunkRules", "Refused", "StreamCheck", "OBJECT_NAMES", "respell"]
+__all__ = ["ChunkRules", "Refused", "StreamCheck", "OBJECT_NAMES"]
