@@ -6,8 +6,8 @@
 by byte, spliced, are given to
 
 - ``scan_run``: whatever it accepts, msgspec's typed decode of the heads must accept too, with the same facts
-  (``check_against_decode`` of the unit tests); now and then it is first told other object names, some of
-  them refused, which must leave no trace on the next read;
+  (``check_against_decode`` of the unit tests); now and then it is first told other object names and delta
+  keys, some of them refused, which must leave no trace on the next read;
 - the relay's check: over the scan's facts (respelt in C, in Python, or spliced chunk by chunk) it must send,
   refuse and meter exactly what it does over the typed decode, and what the oracle over dicts does
   (``tests/oracle``, held to where it reads a read as the check does);
@@ -41,6 +41,8 @@ from tests.unit.test_run_scan import body_of, check_against_decode, checked
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
 OTHER_OBJECTS = [(), ("usage",), ("usage", "x" * 40), tuple(f"o{i}" for i in range(16)), ("usage", 1), ("\u00e9",),
                  tuple(f"o{i}" for i in range(17)), ["usage"]]
+OTHER_DELTA_KEYS = [(), ("role",), ("content", "tool_calls"), tuple(f"d{i}" for i in range(16)), ("role", 1),
+                    tuple(f"d{i}" for i in range(17))]
 
 
 def _recorded_chunks() -> list[bytes]:
@@ -139,9 +141,9 @@ def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
         if rng.randrange(3) == 0:
             body = _mutate(rng, body)
         try:
-            if rng.randrange(8) == 0:  # other object names first, some refused: the next read must not see them
+            if rng.randrange(8) == 0:  # other names first, some refused: the next read must not see them
                 try:
-                    scan.scan_run(body, rng.choice(OTHER_OBJECTS))
+                    scan.scan_run(body, rng.choice(OTHER_OBJECTS), rng.choice(OTHER_DELTA_KEYS))
                 except TypeError:
                     pass
             facts = check_against_decode(body)

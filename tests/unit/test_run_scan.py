@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from msgspec import UNSET
 
 from capyctl.adapters.engines._sse import SseParser
-from capyctl.domain.fields import row_for
+from capyctl.domain.fields import FIELD_TABLE, row_for
 from capyctl.domain.metrics import Meter
 from capyctl.domain.relay_check import (
     DELTA_KEYS,
@@ -40,6 +40,7 @@ from capyctl.domain.relay_check import (
     Head,
     Refused,
     StreamCheck,
+    TEXT_KEYS,
     ToolCall,
 )
 from capyctl.domain.streams import Chunks, payloads_of, respell
@@ -47,7 +48,11 @@ from tests.oracle import OracleCheck
 from tests.unit.test_relay_check import NAME, ROWS, payload, plain_chunks, recordings, told
 
 _scan = pytest.importorskip("capyctl._speedups.scan", reason="the C scan was not built (no C compiler)")
-scan_run = _scan.scan_run
+
+
+def scan_run(body: bytes, objects: tuple[str, ...] = OBJECT_NAMES, delta_keys: tuple[str, ...] = DELTA_KEYS) -> Any:
+    """The scan as the SSE parser runs it: told the meter's engine objects and the field table's delta keys."""
+    return _scan.scan_run(body, objects, delta_keys)
 SLOW = settings(max_examples=1500, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 _decode_head = msgspec.json.Decoder(Head).decode
@@ -82,7 +87,7 @@ def facts_of(heads: list[Any], body: bytes) -> tuple[Any, ...]:
             for call in delta.tool_calls or ():
                 if call.index is not None:
                     top = max(top, call.index)
-            text = text or bool(delta.content or delta.reasoning_content or delta.reasoning or delta.tool_calls)
+            text = text or bool(delta.tool_calls) or any(getattr(delta, key) for key in TEXT_KEYS)
         texts.append(text)
         if any(getattr(head, name) is not None for name in OBJECT_NAMES):
             objects += spans[i]
@@ -132,7 +137,8 @@ def test_the_scan_knows_the_structs_field_for_field() -> None:
     rest Any; a delta's unknown keys forbidden, the head's and a choice's skipped, as the scan skips them."""
     assert _scan.HEAD_FIELDS + OBJECT_NAMES == Head.__struct_fields__
     assert _scan.CHOICE_FIELDS == Choice.__struct_fields__
-    assert _scan.DELTA_FIELDS == Delta.__struct_fields__ == DELTA_KEYS
+    assert Delta.__struct_fields__ == DELTA_KEYS == tuple(sorted(frozenset().union(*(r.delta for r in FIELD_TABLE))))
+    assert not hasattr(_scan, "DELTA_FIELDS")  # the delta's keys are the field table's, passed in: no copy in C
     assert _scan.TOOL_CALL_FIELDS == ToolCall.__struct_fields__
     typed = {(Head, "choices"): "list[Choice] | None | UnsetType", (Choice, "index"): "Index | None",
              (Choice, "delta"): "Delta | None", (Delta, "tool_calls"): "list[ToolCall] | None | UnsetType",
@@ -146,13 +152,37 @@ def test_the_scan_knows_the_structs_field_for_field() -> None:
             assert spelt == typed.get((struct, name), "Any"), (struct, name, spelt)
 
 
-def test_scan_run_takes_bytes_and_a_tuple_of_at_most_sixteen_ascii_names() -> None:
+def test_scan_run_takes_bytes_and_two_tuples_of_at_most_sixteen_ascii_names() -> None:
     body = body_of([b'{"model":"m","usage":{}}'])
-    for args in ((body.decode(), OBJECT_NAMES), (body, list(OBJECT_NAMES)), (body, ("usage", 1)), (body, ("\u00e9",)),
-                 (body, tuple(f"o{i}" for i in range(17))), (body,), (body, OBJECT_NAMES, None)):
+    for bad in (list(OBJECT_NAMES), ("usage", 1), ("\u00e9",), tuple(f"o{i}" for i in range(17)), None):
+        for args in ((body, bad, DELTA_KEYS), (body, OBJECT_NAMES, bad)):
+            with pytest.raises(TypeError):
+                _scan.scan_run(*args)
+    for args in ((body.decode(), OBJECT_NAMES, DELTA_KEYS), (body,), (body, OBJECT_NAMES), (body, OBJECT_NAMES,
+                                                                                              DELTA_KEYS, None)):
         with pytest.raises(TypeError):
-            scan_run(*args)
+            _scan.scan_run(*args)
     assert scan_run(body, tuple(f"o{i}" for i in range(16)))[6] == ()  # usage unread: skipped, as Head would
+    assert scan_run(body, delta_keys=tuple(f"d{i}" for i in range(16)))[0] == 1
+
+
+def test_the_delta_keys_scan_run_is_told_are_the_ones_it_knows() -> None:
+    """A delta key the scan is not told of is refused (the decode answers); role is never text, tool_calls is
+    read as a list of tool calls, any other told key is text when truthy; a refused tuple changes nothing."""
+    reasoning = body_of([b'{"model":"m","choices":[{"index":0,"delta":{"reasoning":"r"}}]}'])
+    assert scan_run(reasoning, delta_keys=("content", "role")) is None
+    facts = scan_run(reasoning, delta_keys=("role", "reasoning"))
+    assert facts[2] == 0b10 and facts[4] == 1  # its bit, and text
+    role = body_of([b'{"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'])
+    assert scan_run(role, delta_keys=("content", "role"))[2:5] == (0b11, -1, 0)  # a role, an empty text: none
+    calls = body_of([b'{"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"index":7}]}}]}'])
+    assert scan_run(calls)[3:5] == (7, 1)  # the highest index, and text
+    assert scan_run(calls, delta_keys=("tool_calls_x", "tool_calls")) is not None
+    assert scan_run(calls, delta_keys=("content",)) is None
+    with pytest.raises(TypeError):
+        _scan.scan_run(reasoning, OBJECT_NAMES, ("role", 1))
+    assert scan_run(reasoning, delta_keys=("role", "reasoning")) is not None  # told again: the same facts
+    assert scan_run(reasoning, OBJECT_NAMES, DELTA_KEYS)[2] == 1 << DELTA_KEYS.index("reasoning")
 
 
 def test_the_objects_scan_run_is_told_are_the_ones_it_places() -> None:

@@ -1,19 +1,22 @@
 /* The scan: what the relay check needs of a read of plain SSE chunks, in one pass over its bytes.
 
-   scan_run(body, objects) reads ``body`` (``data: {...}\n\n`` events, nothing else) and returns, when every
-   payload is one that ``relay_check.Head`` decodes (with ``objects``, the engine objects the meter keeps,
-   as its head fields beside model, choices and error) and none is the engine's failure event, the facts
-   ``StreamCheck`` works from:
+   scan_run(body, objects, delta_keys) reads ``body`` (``data: {...}\n\n`` events, nothing else) and returns,
+   when every payload is one that ``relay_check.Head`` decodes (with ``objects``, the engine objects the
+   meter keeps, as its head fields beside model, choices and error, and ``delta_keys``, the keys the field
+   table knows, as the fields of ``Delta``) and none is the engine's failure event, the facts
+   ``StreamCheck`` works from. The names are the caller's data: the C knows no engine's vocabulary, only
+   the shape of an OpenAI chunk (model, choices, error; a choice's index and delta; a delta's role and
+   tool_calls; a tool call's index).
 
        (count, model, delta_keys, top_index, text_count, first_text, objects, positions)
 
    - count: the chunks;
    - model: the token every chunk sends as ``model`` (a JSON string with its quotes; the same bytes in
      every chunk), or None when no chunk sends one;
-   - delta_keys: a bit per ``Delta`` field (in its order) that some choice's delta sent, null included;
+   - delta_keys: a bit per name of ``delta_keys`` (in its order) that some choice's delta sent, null included;
    - top_index: the highest tool-call index any delta sent, -1 when none did;
-   - text_count, first_text: how many chunks carry generated text (a truthy content, reasoning_content,
-     reasoning or a non-empty tool_calls in some choice's delta), and the first of them (-1 if none);
+   - text_count, first_text: how many chunks carry generated text (in some choice's delta, a truthy value
+     of a key other than role, or a non-empty tool_calls), and the first of them (-1 if none);
    - objects: where the payloads of the chunks that send one of ``objects`` (not null) begin and end in
      ``body``, two offsets a chunk, flat;
    - positions: when ``"model":<model>`` occurs once in each chunk, as its model field (no key below the
@@ -27,12 +30,12 @@
    It returns None for anything it is not sure of, and the caller then decodes (msgspec): so what it
    accepts must be a subset of what msgspec accepts, and its facts must be what the decoded heads say.
    Fields the structs do not name are skipped, as msgspec skips them, but read as strictly as the rest.
-   It refuses, among others: a delta key outside ``Delta``, a repeated field of the structs, a field name
+   It refuses, among others: a delta key outside ``delta_keys``, a repeated field of the structs, a field name
    with an escape, a model that is not the same plain string (no escapes) in every chunk or absent from
    all, an index that is not a plain non-negative integer of at most 18 digits, a \\u escape of a surrogate,
    a number of more than 40 characters or with an exponent of three digits or more, nesting deeper than
    64, a line feed inside a payload, and invalid UTF-8 (checked strictly, as Python's decoder does). The
-   field lists are exported (HEAD_FIELDS ...) so that a test holds them to the structs.
+   fixed field lists are exported (HEAD_FIELDS ...) so that a test holds them to the structs.
 
    No allocation happens before the result is built; every read is bounds-checked against the end. */
 
@@ -89,8 +92,13 @@ static PyObject *head_objects = NULL;  /* the caller's tuple the names in head_f
 static const Field CHOICE_FIELDS[] = {F("index"), F("delta"), {NULL, 0}};
 enum {C_INDEX = 0, C_DELTA = 1};
 
-static const Field DELTA_FIELDS[] = {F("role"), F("content"), F("reasoning"), F("reasoning_content"), F("tool_calls"), {NULL, 0}};
-enum {D_ROLE = 0, D_TOOL_CALLS = 4};
+/* The delta's keys: the caller's (scan_run's ``delta_keys``, the field table's keys, at most MAX_DELTA), set
+   when the caller passes another tuple than the last. Two are read by name, as OpenAI's chunk shape has
+   them: "role" (no text) and "tool_calls" (a list of tool calls); any other is text when truthy. */
+#define MAX_DELTA 16
+static Field delta_fields[MAX_DELTA + 1] = {{NULL, 0}};
+static PyObject *delta_names = NULL;  /* the caller's tuple the names in delta_fields point into (a reference) */
+static int d_role = -1, d_tool_calls = -1;  /* their places in delta_fields, -1 when absent */
 
 static const Field TOOL_CALL_FIELDS[] = {F("index"), {NULL, 0}};
 enum {T_INDEX = 0};
@@ -420,13 +428,13 @@ delta_field(Scan *s, int index, void *context)
     ChoiceContext *choice = (ChoiceContext *)context;
     int truthy = 0;
     choice->facts->delta_keys |= 1u << index;
-    if (index == D_TOOL_CALLS) {
+    if (index == d_tool_calls) {
         if (!scan_struct_list(s, TOOL_CALL_FIELDS, tool_call_field, choice->facts, 5, &truthy)) return 0;
     }
     else if (!scan_value(s, 3, &truthy)) {
         return 0;
     }
-    if (truthy && index != D_ROLE) choice->text = 1;  /* a role is no text */
+    if (truthy && index != d_role) choice->text = 1;  /* a role is no text */
     return 1;
 }
 
@@ -440,7 +448,7 @@ choice_field(Scan *s, int index, void *context)
     }
     if (index == C_DELTA) {
         if (at(s, 'n')) return scan_literal(s, "null", 4);
-        return scan_struct(s, DELTA_FIELDS, delta_field, context, 0);
+        return scan_struct(s, delta_fields, delta_field, context, 0);
     }
     return scan_value(s, 3, &ignored);
 }
@@ -632,44 +640,60 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
                          first_text, offsets, positions);
 }
 
-/* head_fields set from ``objects`` (a tuple of at most MAX_OBJECTS ASCII names), unless it is the last */
+/* ``dest`` (room for ``max`` names and the end mark) set from ``names`` (a tuple of at most ``max`` ASCII
+   names), unless it is the tuple ``*cache`` already holds; all are checked before anything changes, so a
+   refused tuple leaves ``dest`` as it was. */
 static int
-set_objects(PyObject *objects)
+set_names(PyObject *names, Field *dest, Py_ssize_t max, PyObject **cache, const char *what)
 {
-    if (objects == head_objects) return 1;
-    Py_ssize_t n = PyTuple_Check(objects) ? PyTuple_GET_SIZE(objects) : -1;
-    if (n < 0 || n > MAX_OBJECTS) {
-        PyErr_Format(PyExc_TypeError, "scan_run(): objects must be a tuple of at most %d names", MAX_OBJECTS);
+    if (names == *cache) return 1;
+    Py_ssize_t n = PyTuple_Check(names) ? PyTuple_GET_SIZE(names) : -1;
+    if (n < 0 || n > max) {
+        PyErr_Format(PyExc_TypeError, "scan_run(): %s must be a tuple of at most %zd names", what, max);
         return 0;
     }
-    Field fields[MAX_OBJECTS];  /* all checked before head_fields changes: a refused tuple leaves it as it was */
+    Field fields[MAX_OBJECTS > MAX_DELTA ? MAX_OBJECTS : MAX_DELTA];
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name = PyTuple_GET_ITEM(objects, i);
+        PyObject *name = PyTuple_GET_ITEM(names, i);
         Py_ssize_t len;
         const char *text = PyUnicode_Check(name) && PyUnicode_IS_ASCII(name) ? PyUnicode_AsUTF8AndSize(name, &len) : NULL;
         if (text == NULL) {
-            PyErr_SetString(PyExc_TypeError, "scan_run(): each object name must be an ASCII str");
+            PyErr_Format(PyExc_TypeError, "scan_run(): each name in %s must be an ASCII str", what);
             return 0;
         }
         fields[i].name = text;
         fields[i].len = len;
     }
-    memcpy(&head_fields[H_OBJECTS], fields, n * sizeof(Field));
-    head_fields[H_OBJECTS + n].name = NULL;
-    head_fields[H_OBJECTS + n].len = 0;
-    Py_INCREF(objects);
-    Py_XSETREF(head_objects, objects);
+    memcpy(dest, fields, n * sizeof(Field));
+    dest[n].name = NULL;
+    dest[n].len = 0;
+    Py_INCREF(names);
+    Py_XSETREF(*cache, names);
     return 1;
+}
+
+static int
+place_of(const Field *fields, const char *name)
+{
+    for (int i = 0; fields[i].name != NULL; i++) {
+        if (fields[i].len == (Py_ssize_t)strlen(name) && memcmp(fields[i].name, name, fields[i].len) == 0) return i;
+    }
+    return -1;
 }
 
 static PyObject *
 scan_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "scan_run(body, objects) takes bytes and a tuple of names");
+    if (nargs != 3 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "scan_run(body, objects, delta_keys) takes bytes and two tuples of names");
         return NULL;
     }
-    if (!set_objects(args[1])) return NULL;
+    if (!set_names(args[1], &head_fields[H_OBJECTS], MAX_OBJECTS, &head_objects, "objects")) return NULL;
+    if (args[2] != delta_names) {
+        if (!set_names(args[2], delta_fields, MAX_DELTA, &delta_names, "delta_keys")) return NULL;
+        d_role = place_of(delta_fields, "role");
+        d_tool_calls = place_of(delta_fields, "tool_calls");
+    }
     PyObject *arg = args[0];
     const unsigned char *body = (const unsigned char *)PyBytes_AS_STRING(arg);
     Py_ssize_t size = PyBytes_GET_SIZE(arg);
@@ -726,7 +750,8 @@ respell(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"scan_run", (PyCFunction)(void (*)(void))scan_run, METH_FASTCALL,
-     "scan_run(body, objects) -> (count, model, delta_keys, top_index, text_count, first_text, objects, positions) | None"},
+     "scan_run(body, objects, delta_keys) -> (count, model, delta_keys, top_index, text_count, first_text, objects, "
+     "positions) | None"},
     {"respell", (PyCFunction)(void (*)(void))respell, METH_FASTCALL,
      "respell(body, positions, old, new) -> body with new in place of old at each position"},
     {NULL, NULL, 0, NULL},
@@ -756,7 +781,6 @@ exec_module(PyObject *module)
     init_stop();
     if (add_fields(module, "HEAD_FIELDS", HEAD_FIELDS) < 0) return -1;
     if (add_fields(module, "CHOICE_FIELDS", CHOICE_FIELDS) < 0) return -1;
-    if (add_fields(module, "DELTA_FIELDS", DELTA_FIELDS) < 0) return -1;
     if (add_fields(module, "TOOL_CALL_FIELDS", TOOL_CALL_FIELDS) < 0) return -1;
     return 0;
 }

@@ -7,7 +7,7 @@ against the engine version's field row, its text), the tool-call indexes
 (below the limit), and the engine objects the meter keeps (``usage``,
 ``metrics``, ``timings``, ``tensorfold``). Those are decoded into the small
 structs below; every other field is skipped as JSON and relayed byte for
-byte, unread. A delta key outside the five the field table knows, or a read
+byte, unread. A delta key outside those the field table knows, or a read
 field of the wrong type, fails the typed decode, and the chunk is refused;
 its error is told by ``fields.DeltaVerifier`` over the chunk's dict.
 
@@ -19,6 +19,7 @@ and leaves the rest (``facts`` None) to the decode.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -26,7 +27,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from capyctl.domain.errors import CapyError, EdgeError
-from capyctl.domain.fields import DeltaVerifier, FieldRow
+from capyctl.domain.fields import FIELD_TABLE, DeltaVerifier, FieldRow
 from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
 from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, sse_of
 
@@ -40,14 +41,16 @@ class ToolCall(msgspec.Struct, gc=False):
     index: Index | None = None
 
 
-class Delta(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """Every key the field table knows; UNSET when not sent. Any other key fails the decode."""
-
-    role: Any = UNSET
-    content: Any = UNSET
-    reasoning: Any = UNSET
-    reasoning_content: Any = UNSET
-    tool_calls: list[ToolCall] | None | UnsetType = UNSET
+DELTA_KEYS = tuple(sorted(frozenset().union(*(row.delta for row in FIELD_TABLE))))  # every key the table knows
+TEXT_KEYS = tuple(key for key in DELTA_KEYS if key not in ("role", "tool_calls"))  # text when truthy
+_texts = operator.attrgetter(*TEXT_KEYS)
+# A delta: each key the field table knows, UNSET when not sent; any other key fails the decode. Made from the
+# table, so that a key added there is read here (and told to the C scan) with no second list to keep.
+Delta = msgspec.defstruct(
+    "Delta",
+    [(key, list[ToolCall] | None | UnsetType if key == "tool_calls" else Any, UNSET) for key in DELTA_KEYS],
+    forbid_unknown_fields=True, gc=False,
+)
 
 
 class Choice(msgspec.Struct, gc=False):
@@ -61,7 +64,6 @@ Head = msgspec.defstruct(
      *((name, Any, None) for name in OBJECT_NAMES)],
     gc=False,
 )
-DELTA_KEYS = Delta.__struct_fields__
 _decode_head = msgspec.json.Decoder(Head).decode
 _decode_heads = msgspec.json.Decoder(Head).decode_lines
 
@@ -245,7 +247,7 @@ class StreamCheck:
                     for call in calls:
                         if call.index is not None and call.index >= limit:
                             return None
-                if not text and (delta.content or delta.reasoning_content or delta.reasoning or calls):
+                if not text and (calls or any(_texts(delta))):
                     text = True
         return text
 
@@ -323,4 +325,4 @@ def _has_objects(head: Any) -> bool:
     return False
 
 
-__all__ = ["ChunkRules", "Refused", "StreamCheck", "OBJECT_NAMES"]
+__all__ = ["ChunkRules", "Refused", "StreamCheck", "OBJECT_NAMES", "DELTA_KEYS"]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from capyctl.domain.errors import EdgeError
-from capyctl.domain.relay_check import OBJECT_NAMES
+from capyctl.domain.relay_check import DELTA_KEYS, OBJECT_NAMES
 from capyctl.domain.streams import DONE, Chunks, Comment, StreamEvent, sse_of
 
 try:  # the scan in C, built with the package where a compiler was found; the check decodes without it
@@ -33,7 +33,7 @@ try:  # the scan in C, built with the package where a compiler was found; the ch
 except ImportError:  # pragma: no cover - a build without a C compiler
     _scan_run = _respell = None
 
-scan_run: Callable[[bytes, tuple[str, ...]], Any] | None = _scan_run
+scan_run: Callable[[bytes, tuple[str, ...], tuple[str, ...]], Any] | None = _scan_run
 DEFAULT_MAX_EVENT = 4 * 1024 * 1024
 _DONE = b"[DONE]"
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -110,7 +110,7 @@ class SseParser:
             return None
         scan = self._scan
         if scan is not None:
-            facts = scan(body, OBJECT_NAMES)
+            facts = scan(body, OBJECT_NAMES, DELTA_KEYS)
             if facts is None:
                 return None
             chunks = Chunks(body, None, facts, _respell)
