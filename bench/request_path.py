@@ -41,6 +41,14 @@ def _ask(base_url: str, key: str, stream: bool) -> None:
         raise SystemExit(f"the stream did not end with [DONE]:\n{answer.text[-500:]}")
 
 
+def _until(path: Path, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the server's tracer did not write {path} in {timeout} s")
+        time.sleep(0.02)
+
+
 def trace(stream: bool) -> dict[str, list[str]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "files.json"
@@ -52,12 +60,10 @@ def trace(stream: bool) -> dict[str, list[str]]:
                 _ask(capy.base_url, capy.api_key, stream)
             assert capy.process is not None
             capy.process.send_signal(signal.SIGUSR1)
-            time.sleep(0.5)  # the handler runs on the server's next bytecode; nothing else is sent meanwhile
+            _until(Path(str(out) + ".on"))
             _ask(capy.base_url, capy.api_key, stream)
             capy.process.send_signal(signal.SIGUSR2)
-            deadline = time.monotonic() + 10
-            while not out.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _until(out)
             seen = json.loads(out.read_text())
     calls: dict[str, list[str]] = {}
     for entry in seen:
