@@ -550,3 +550,18 @@ def test_documented_statuses_match_the_http_table() -> None:
     assert {m.group(1): int(m.group(2)) for m in found if m} == STATUS
     extra_section = text.split("\n## Extra fields\n")[1].split("\n## ")[0]
     assert set(re.findall(r"^\| `([\w-]+)` \|", extra_section, re.M)) <= set(STATUS)
+
+
+def test_the_streamed_request_path_names_every_file_a_request_runs_code_in() -> None:
+    """development.md's path of a streamed request names each file of src/ that has code run while one is
+    served (bench/request_path.py traces a real one through a real server), and names no file that is gone."""
+    page = (DOCS / "development.md").read_text()
+    section = page[page.index("## The path of a streamed request"):page.index("### Why CapyCTL serves HTTP itself")]
+    named = set(re.findall(r"`((?:adapters|services|domain)/[\w/]+\.py)`", section))
+    assert named and all((ROOT / "src" / "capyctl" / name).is_file() for name in named), named
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "request_path.py"), "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    traced = set(msgspec.json.decode(done.stdout.strip().splitlines()[-1]))
+    assert {"adapters/http/server.py", "adapters/engines/_wire.py", "domain/relay_check.py"} <= traced
+    assert traced - named == set(), f"files a streamed request runs code in that the page does not name: {traced - named}"
