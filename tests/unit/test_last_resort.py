@@ -17,13 +17,15 @@ from capyctl.adapters.http.front import FrontDoor
 from tests.fakes.asgi_door import AsgiDoor
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.domain.requests import RequestRecord
+from capyctl.domain.streams import DONE, Chunks, sse_of
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
+from tests.fakes.answers import ScriptedAnswer
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore, keyring_with
 
 KEY = "k" * 32
@@ -165,3 +167,29 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
     with anyio.fail_after(5), pytest.raises(EngineUnavailable):
         await service.complete(record, {"model": "m", "messages": []})
     assert controller.status.state is InstanceState.UNAVAILABLE  # the next request checks it again
+
+
+async def test_a_chunk_relayed_unread_that_cannot_be_assembled_is_an_edge_error() -> None:
+    """The check relays a field it does not read as sent (a number past float range, say); the non-streamed
+    answer, which decodes every chunk whole, must end in edge_error, not in a bug's 500."""
+    spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
+    engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
+    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), FakeClock(),
+                                    Events(FakeStore(), FakeClock()), row_for(engine.family, engine.version))
+    controller.want(Desired.RUN)
+    payload = b'{"model":"m","created":1e999,"choices":[{"index":0,"delta":{"content":"hi"}}]}'
+
+    class Session:
+        @asynccontextmanager
+        async def chat_stream(self, base_url: str, body: bytes):
+            async def batches():
+                yield [Chunks(sse_of([payload]), [payload]), DONE]
+
+            yield ScriptedAnswer(batches())
+
+    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller)
+    events = SimpleNamespace(selection=lambda *args: None)
+    service = ChatService(fleet, Session(), FakeClock(), events, ChatSettings())  # type: ignore[arg-type]
+    record = RequestRecord(id="r", deployment="m", stream=False)
+    with anyio.fail_after(5), pytest.raises(EdgeError, match="cannot assemble"):
+        await service.complete(record, {"model": "m", "messages": []})

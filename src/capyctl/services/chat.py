@@ -266,7 +266,11 @@ class ChatService(RequestService):
             raise failure_error(call.failure)
         assembler = Assembler(record.deployment, self._settings.max_tool_calls)
         for payload in payloads_of(b"".join(parts)):
-            assembler.add(_decode(payload))
+            try:
+                chunk = _decode(payload)
+            except (msgspec.DecodeError, RecursionError) as error:  # what the check relays unread (1e999)
+                raise EdgeError(f"the engine sent a chunk CapyCTL cannot assemble into an answer: {error}") from error
+            assembler.add(chunk)
         answer = assembler.result()
         answer["capyctl"] = {"metrics": call.metrics()}
         return answer
