@@ -396,6 +396,28 @@ async def test_an_event_past_the_limit_is_an_edge_error_and_closes_the_connectio
     assert carried(delivered) == [("data", at_limit[6:-2])]
 
 
+async def test_the_events_before_an_oversized_one_in_the_same_read_are_relayed_then_the_error() -> None:
+    """Nothing the engine sent whole is lost to the next event's fault, and the error comes at once (the
+    engine sends nothing more)."""
+    session = WireEngineSession(max_event=100)
+    delivered: list[StreamEvent] = []
+    good = b'data: {"x":1}\n\n'
+
+    def deliver(batch: list[StreamEvent]) -> Relayed:
+        delivered.extend(batch)
+        return Relayed.MORE
+
+    async with engine() as served:
+        with pytest.raises(EdgeError, match="larger than the limit of 100 bytes"):
+            async with session.chat_stream(served.url, b"{}") as answer:
+                peer = await served.peer()
+                await peer.send(chunk(good + good + b'data: {"x":"' + b"a" * 120 + b'"}\n\n'))
+                with anyio.fail_after(10):
+                    await answer.pump(deliver, anyio.sleep)
+        await peer.closed_by_client()
+    assert carried(delivered) == [("data", good[6:-2]), ("data", good[6:-2])]
+
+
 def framed(body: bytes, rng: random.Random) -> bytes:
     """``body`` as a chunked HTTP body, in chunks of random sizes, some sizes in upper case or extended."""
     out: list[bytes] = []

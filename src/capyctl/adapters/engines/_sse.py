@@ -49,7 +49,7 @@ def _payload(block: bytes) -> bytes | None:
 
 
 class SseParser:
-    __slots__ = ("_pending", "_size", "_cr", "_max", "_scan")
+    __slots__ = ("_pending", "_size", "_cr", "_max", "_scan", "failed")
 
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT, scan: bool = True) -> None:
         self._pending: list[bytes] = []  # the start of an event whose end has not arrived
@@ -57,9 +57,13 @@ class SseParser:
         self._cr = False  # the last read ended on a CR whose LF may be next
         self._max = max_event
         self._scan = scan_run if scan else None  # scan=False: the check decodes every read (the reference way)
+        self.failed: EdgeError | None = None  # an event past the limit: feed gave those before it; raised next
 
     def feed(self, data: bytes) -> list[StreamEvent]:
-        """The events whose end came in ``data``, in order; what follows the last one is held for the next."""
+        """The events whose end came in ``data``, in order; what follows the last one is held for the next.
+        Raises ``EdgeError`` for an event past the limit, once the events before it were given."""
+        if self.failed is not None:
+            raise self.failed
         if not self._pending and not self._cr and data.startswith(b"data: {") and data.endswith(b"\n\n"):
             plain = self._plain(data)
             if plain is not None:
@@ -73,20 +77,32 @@ class SseParser:
         if not data:
             return []
         blocks: list[bytes] = []
+        try:
+            self._split(data, blocks)
+        except EdgeError as error:  # an event past the limit: those before it still go out, then the error
+            if not blocks:
+                raise
+            self.failed = error
+        return _events(blocks)
+
+    def _split(self, data: bytes, blocks: list[bytes]) -> None:
+        """The whole events of ``data`` (LF line ends) appended to ``blocks``, each checked against the limit
+        before it is; what follows the last is held."""
         if self._pending:  # an event is under way: look for its end only around and after the seam
             seam = self._pending[-1].endswith(b"\n")
             if seam and data.startswith(b"\n"):  # the blank line straddles the seam
-                blocks.append(b"".join(self._pending)[:-1])
+                block = b"".join(self._pending)[:-1]
                 data = data[1:]
             else:
                 end = data.find(b"\n\n")
                 if end == -1:
                     self._hold(data)
-                    return []
-                blocks.append(b"".join(self._pending) + data[:end])
+                    return
+                block = b"".join(self._pending) + data[:end]
                 data = data[end + 2:]
             self._pending, self._size = [], 0
-            self._check(len(blocks[0]))
+            self._check(len(block))
+            blocks.append(block)
         start = 0
         while (end := data.find(b"\n\n", start)) != -1:
             if end - start > self._max:
@@ -95,7 +111,6 @@ class SseParser:
             start = end + 2
         if start < len(data):
             self._hold(data[start:] if start else data)
-        return _events(blocks)
 
     def _plain(self, data: bytes) -> list[StreamEvent] | None:
         """``feed``'s events for a read of whole plain events (``[DONE]`` may end it); None for any other."""
@@ -135,6 +150,8 @@ class SseParser:
 
     def close(self) -> list[StreamEvent]:
         """A last event the engine did not end with a blank line."""
+        if self.failed is not None:
+            raise self.failed
         block = b"".join(self._pending).strip(b"\n")
         self._pending, self._size = [], 0
         return _events([block]) if block else []

@@ -414,6 +414,8 @@ class _Stream:
                             return
                         if waiter.done():  # cut meanwhile
                             return
+                        if self._parser.failed is not None:  # the events before an oversized one went out
+                            raise self._parser.failed
                         full = full or said is Relayed.FULL
                 if full:
                     if conn.transport is not None:
