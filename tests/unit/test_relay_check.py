@@ -328,7 +328,7 @@ def test_the_check_relays_exactly_what_the_oracle_relays(way: str, reads: list[b
         assert out == relay("oracle", reads, *row, max_tool_calls, name)
 
 
-READ_KEYS = frozenset({"choices", "index", "delta", *DELTA_KEYS})
+READ_KEYS = frozenset({"model", "choices", "error", "index", "delta", *DELTA_KEYS})
 _decode_head = msgspec.json.Decoder(Head).decode
 
 
@@ -336,8 +336,9 @@ def read_unlike_the_oracle(reads: list[bytes]) -> str | None:
     """Why the check reads a chunk of ``reads`` otherwise than the oracle does, by design or as a known fault;
     None for most streams. The check decodes the fields it reads and skips the rest as msgspec skips a
     field it does not know: it takes a chunk whose unread fields hold what only a full decode refuses
-    (a number out of range; invalid UTF-8 it refuses as the oracle does), and it reads every value
-    of a repeated key (the oracle, a dict, the last alone), refusing one of the wrong type."""
+    (a number out of range; invalid UTF-8 it refuses as the oracle does); and where the oracle (a dict)
+    keeps the last value of a repeated key alone, the check refuses the repeat where it could hide a key
+    the row refuses or a tool call, and elsewhere reads every value, refusing one of the wrong type."""
     repeated = False
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -638,13 +639,18 @@ def test_invalid_utf8_in_a_field_the_check_does_not_read_is_an_edge_error(way: s
     assert relay(way, [read], "vllm", "0.32.0")["error"] == relay("oracle", [read], "vllm", "0.32.0")["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="a repeated delta is held to the row by its last value alone")
 @pytest.mark.parametrize("way", WAYS)
 def test_a_key_the_row_refuses_reaches_no_client_in_an_earlier_value_of_a_repeated_key(way: str) -> None:
     """A client that keeps the first value of a repeated key would read a delta key vLLM's row refuses."""
     for chunk in (b'{"choices":[{"index":0,"delta":{"reasoning_content":"x"},"delta":{"content":"a"}}]}',
                   b'{"choices":[{"index":0,"delta":{"reasoning_content":"x"}}],"choices":[]}',
                   b'{"choices":[{"index":0,"delta":{"tool_calls":[{"index":900,"index":0}]}}]}'):
-        assert relay(way, [b"data: " + chunk + b"\n\n"], "vllm", "0.32.0")["error"] is not None, chunk
+        error = relay(way, [b"data: " + chunk + b"\n\n"], "vllm", "0.32.0")["error"]
+        assert error is not None and error[:2] == ("EdgeError", "edge_error"), (chunk, error)
+        check = StreamCheck(ChunkRules(row_for("vllm", "0.32.0").row, "here"), Meter(Ticks()), NAME, Ticks())
+        with pytest.raises(Refused, match="repeats the key"):
+            check.check(Chunks(b"data: " + chunk + b"\n\n"))
+    spaced = b'{"choices":[{"index":0,"delta":{"content":"a"}}],"id":"x","id":"y"}'  # a key the check skips
+    assert relay(way, [b"data: " + spaced + b"\n\n"], "vllm", "0.32.0")["error"] is None
 
 

@@ -19,6 +19,7 @@ and leaves the rest (``facts`` None) to the decode.
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -71,13 +72,16 @@ _decode_heads = msgspec.json.Decoder(Head).decode_lines
 class ChunkRules:
     """What one engine version's field row asks of a chunk; made once per (family, version)."""
 
-    __slots__ = ("verifier", "refused", "refused_bits", "max_tool_calls")
+    __slots__ = ("verifier", "refused", "refused_bits", "max_tool_calls", "suspect")
 
     def __init__(self, row: FieldRow, where: str, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> None:
         self.verifier = DeltaVerifier(row.delta, where, max_tool_calls)
         self.refused = tuple(key for key in DELTA_KEYS if key not in row.delta)  # known keys the row refuses
         self.refused_bits = sum(1 << DELTA_KEYS.index(key) for key in self.refused)  # the C scan's bits of those
         self.max_tool_calls = max_tool_calls
+        # where a read spells one of these, a repeated key could hide it from the typed decode (which keeps a
+        # key's last value, where a client may keep its first): such a read is checked for repeats
+        self.suspect = (*(b'"%s"' % key.encode() for key in self.refused), b'"tool_calls"')
 
 
 class Refused(Exception):
@@ -130,6 +134,11 @@ class StreamCheck:
             return self._one_by_one(payloads)
         if len(heads) != len(payloads):  # a blank payload, which decode_lines skips
             return self._one_by_one(payloads)
+        for pattern in self._rules.suspect:  # (the C scan declines a read that repeats a key it reads)
+            if pattern in chunks.sse:
+                if any(_suspect(payload, self._rules.suspect) for payload in payloads):
+                    return self._one_by_one(payloads, heads)
+                break
         return self._take(chunks.sse, payloads, heads)
 
     def _scanned(self, chunks: Chunks, facts: tuple[Any, ...]) -> bytes | None:
@@ -185,9 +194,13 @@ class StreamCheck:
     def _one_by_one(self, payloads: list[bytes], heads: list[Any] | None = None) -> bytes:
         """``check`` chunk by chunk, where a read holds a refused chunk or the engine's error event."""
         out: list[bytes] = []
+        suspect = self._rules.suspect
         for i, payload in enumerate(payloads):
             if not payload.isascii() and not _utf8(payload):
                 raise Refused(sse_of(out), EdgeError("the engine sent an event that is not valid UTF-8"))
+            key = _suspect(payload, suspect)
+            if key is not None:
+                raise Refused(sse_of(out), EdgeError(f"the engine sent a chunk that repeats the key {key!r}"))
             try:
                 head = heads[i] if heads is not None else _decode_head(payload)
             except (msgspec.DecodeError, RecursionError) as exc:
@@ -307,6 +320,36 @@ class StreamCheck:
         obj = _decode_dict(payload)
         obj["model"] = self._name
         return _encode(obj)
+
+
+READ_KEYS = frozenset({"model", "choices", "error", "index", "delta", *DELTA_KEYS})  # the keys the check reads
+
+
+def _suspect(payload: bytes, suspect: tuple[bytes, ...]) -> str | None:
+    """A key the check reads that some object of ``payload`` sends twice, where ``payload`` spells one of
+    ``suspect`` (a slow look: only for such a chunk); None otherwise."""
+    for pattern in suspect:
+        if pattern in payload:
+            break
+    else:
+        return None
+    found: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        if not found and len(items) > 1:
+            seen: set[str] = set()
+            for key, _ in items:
+                if key in seen and key in READ_KEYS:
+                    found.append(key)
+                    break
+                seen.add(key)
+        return dict(items)
+
+    try:
+        json.loads(payload, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):  # what msgspec decoded and json cannot: no repeat it can name
+        return None
+    return found[0] if found else None
 
 
 def _utf8(data: bytes) -> bool:
