@@ -120,17 +120,29 @@ class CapyServer:
             raise AssertionError(f"capyctl did not stop within {timeout} s after SIGTERM:\n{self.log()}") from None
 
 
-def pid_alive(pid: int) -> bool:
+def started_at(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc's field 22): with the pid, names one process even
+    after the pid is reused. None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(") ", 1)[1].split()[19])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int, started: int | None = None) -> bool:
+    """The process ``pid`` runs (a zombie does not); with ``started`` (``started_at``), the one that started
+    then, not a later process given the same pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     try:  # a zombie is not alive
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
+            fields = stat.read().rsplit(") ", 1)[1].split()
     except FileNotFoundError:
         return False
-    return True
+    return fields[0] != "Z" and (started is None or int(fields[19]) == started)
 
 
 def engine_metric(port: int, name: str) -> float:

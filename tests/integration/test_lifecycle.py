@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, engine_metric, pid_alive
+from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, engine_metric, pid_alive, started_at
 
 HELLO = [{"role": "user", "content": "Hello"}]
 LONG = {"max_tokens": 1500, "ignore_eos": True, "messages": [{"role": "user", "content": "Count to 1000."}]}
@@ -154,9 +154,14 @@ def test_engine_log_files_are_per_launch(capy: CapyServer, llama: LlamaPaths, tm
 def test_no_orphan_engine_when_capyctl_is_killed(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
     deploy(capy, llama, tmp_path, "--wait")
     pid = status(capy)["instances"][0]["pid"]
+    started = started_at(pid)  # the engine's own start: a later process given the same pid is not it
+    assert started is not None
     capy.process.kill()  # SIGKILL: CapyCTL gets no chance to stop its engines itself
     capy.process.wait()
     deadline = time.monotonic() + 10
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid, started) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not pid_alive(pid), "the engine outlived CapyCTL"
+    if pid_alive(pid, started):
+        with open(f"/proc/{pid}/status") as proc:
+            state = [line for line in proc.read().splitlines() if line.startswith(("State", "SigCgt", "SigPnd"))]
+        raise AssertionError(f"the engine outlived CapyCTL: {state}")
