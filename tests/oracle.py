@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from capyctl.domain.errors import CapyError, EdgeError
 from capyctl.domain.fields import DeltaVerifier, FieldRow
 from capyctl.domain.metrics import Meter
-from capyctl.domain.relay_check import OBJECT_NAMES, Refused
+from capyctl.domain.relay_check import DELTA_KEYS, OBJECT_NAMES, TEXT_KEYS, Refused
 from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, sse_of
 
 TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
@@ -78,3 +79,41 @@ def has_text(obj: dict[str, Any]) -> bool:
         if any(delta.get(key) for key in TEXT_KEYS):
             return True
     return False
+
+
+# --- the Python reference of the C scan's facts (``_speedups/scan.c``) ---------------------------------
+
+
+def payload_spans(body: bytes) -> list[tuple[int, int]]:
+    """Where each payload of a read begins and ends in its bytes."""
+    spans, at = [], 6
+    for chunk in body[6:-2].split(b"\n\ndata: "):
+        spans.append((at, at + len(chunk)))
+        at += len(chunk) + 8  # its blank line and the next "data: "
+    return spans
+
+
+def facts_of(heads: list[Any], body: bytes) -> tuple[Any, ...]:
+    """The scan's facts but the last, worked out from decoded heads the way the check reads them."""
+    keys, top, texts, objects = 0, -1, [], []
+    spans = payload_spans(body)
+    for i, head in enumerate(heads):
+        text = False
+        for choice in head.choices or ():
+            delta = choice.delta
+            if delta is None:
+                continue
+            for bit, key in enumerate(DELTA_KEYS):
+                if getattr(delta, key) is not UNSET:
+                    keys |= 1 << bit
+            for call in delta.tool_calls or ():
+                if call.index is not None:
+                    top = max(top, call.index)
+            text = text or bool(delta.tool_calls) or any(getattr(delta, key) for key in TEXT_KEYS)
+        texts.append(text)
+        if any(getattr(head, name) is not None for name in OBJECT_NAMES):
+            objects += spans[i]
+    models = {msgspec.json.encode(head.model) if head.model is not UNSET else None for head in heads}
+    assert len(models) == 1  # the scan accepts only a model every chunk sends alike (or none sends)
+    return (len(heads), models.pop(), keys, top, sum(texts), texts.index(True) if True in texts else -1,
+            tuple(objects))

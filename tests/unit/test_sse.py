@@ -9,16 +9,22 @@ payload (``payload_list``), each comment and each [DONE], in order.
 
 from __future__ import annotations
 
+import array
 import random
+import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from capyctl.adapters.engines._sse import SseParser
+from capyctl.adapters.engines._sse import SseParser, scan_run
 from capyctl.domain.errors import EdgeError
+from capyctl.domain.relay_check import Head
 from capyctl.domain.streams import DONE, Chunks, Comment, Done, StreamEvent, payloads_of, respell
+from tests.oracle import facts_of
 
+_decode_head = msgspec.json.Decoder(Head).decode
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
 RECORDED = ["vllm/0.32.0/chat_stream_usage.sse", "vllm/0.32.0/chat_stream_tools.sse",
             "llamacpp/0.6.0/adv_split_utf8.sse", "llamacpp/0.6.0/adv_error_midstream.sse",
@@ -348,7 +354,7 @@ def test_a_read_of_whole_plain_events_takes_the_fast_way(read: bytes) -> None:
         parser, reference = Watched(), GeneralOnly()
         assert shape(parser.feed(before)) == shape(reference.feed(before))
         assert shape(parser.feed(read)) == shape(reference.feed(read))
-        assert True not in parser.fast
+        assert parser.fast == []  # the fast way was not even tried
 
 
 def test_without_the_c_scan_the_fast_way_holds_no_facts() -> None:
@@ -357,37 +363,36 @@ def test_without_the_c_scan_the_fast_way_holds_no_facts() -> None:
     assert isinstance(chunks, Chunks) and chunks.facts is None and chunks.respell is None
 
 
-def c_scan() -> Any:
-    try:
-        from capyctl._speedups import scan
-    except ImportError:
-        pytest.skip("the C scan (capyctl._speedups.scan) is not built on this machine")
-    return scan
-
-
-def test_the_c_scans_facts_of_a_plain_read_are_what_its_payloads_say() -> None:
-    scan = c_scan()
+def test_a_plain_reads_facts_are_what_its_payloads_say_and_the_c_scans_where_it_is_built() -> None:
+    """The facts the check works from, as the Python reference works them out of the typed decode (run
+    everywhere), are what the payloads say; where the C scan was built (``test_layers`` holds that to the
+    compiler) the parser hands on exactly those, with model positions the Python respell takes too, and
+    where it was not, none."""
     read = (RECORDINGS / "vllm/0.32.0/chat_stream_usage.sse").read_bytes()
     events = SseParser().feed(read)
-    plain = SseParser(scan=False).feed(read)
-    assert shape(events) == shape(plain)
+    assert shape(events) == shape(SseParser(scan=False).feed(read))
     chunks = events[0]
-    assert isinstance(chunks, Chunks) and chunks.facts is not None and chunks.respell is scan.respell
-    count, model, _keys, top_index, text_count, first_text, _objects, positions = chunks.facts
+    assert isinstance(chunks, Chunks)
     payloads = chunks.payload_list()
+    reference = facts_of([_decode_head(p) for p in payloads], chunks.sse)
+    count, model, _keys, top_index, text_count, first_text, _objects = reference
     assert count == len(payloads) == read.count(b"data: {")
     assert model == b'"tiny-llama"' and top_index == -1
     texts = [i for i, payload in enumerate(payloads) if b'"content":"' in payload and b'"content":""' not in payload]
     assert (text_count, first_text) == (len(texts), texts[0])
-    assert positions is not None and len(positions) == 4 * count  # each chunk's model token, once
-    renamed = chunks.respell(chunks.sse, positions, model, b'"other"')
-    assert renamed == respell(chunks.sse, positions, model, b'"other"')  # the C way and the Python reference
+    at = [found.start() + 8 for found in re.finditer(rb'"model":"tiny-llama"', chunks.sse)]
+    assert len(at) == count
+    renamed = respell(chunks.sse, array.array("I", at).tobytes(), model, b'"other"')
     assert renamed == chunks.sse.replace(b'"model":"tiny-llama"', b'"model":"other"')
+    if scan_run is None:
+        assert chunks.facts is None and chunks.respell is None
+    else:
+        assert chunks.facts[:7] == reference and array.array("I", chunks.facts[7]).tolist() == at
+        assert chunks.respell(chunks.sse, chunks.facts[7], model, b'"other"') == renamed
 
 
 def test_a_read_the_c_scan_will_not_vouch_for_is_parsed_the_general_way() -> None:
-    c_scan()
     read = b'data: {"model":"m","choices":[]}\n\ndata: {"error":{"code":500,"message":"x"}}\n\n'
     events = SseParser().feed(read)
     assert shape(events) == shape(GeneralOnly().feed(read)) == shape(SseParser(scan=False).feed(read))
-    assert all(e.facts is None for e in events if isinstance(e, Chunks))
+    assert all(e.facts is None for e in events if isinstance(e, Chunks))  # an error event: the decode answers
