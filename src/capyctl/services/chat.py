@@ -355,8 +355,8 @@ class EngineCall:
         check, record = self._check, self._record
         if len(batch) == 1 and type(batch[0]) is Chunks:  # the most usual batch
             data = check.check(batch[0])  # type: ignore[arg-type]
-            if not record.answered and (self._meter.first_text_at is not None or check.failure is not None):
-                record.engine_answered()
+            if not record.answered:
+                self._note_answer()
             return data
         parts: list[bytes] = []
         for event in batch:
@@ -365,8 +365,8 @@ class EngineCall:
                     parts.append(check.check(event))
                 except Refused as refused:
                     raise Refused(b"".join(parts) + refused.sent, refused.error) from refused.error.__cause__
-                if not record.answered and (self._meter.first_text_at is not None or check.failure is not None):
-                    record.engine_answered()
+                if not record.answered:
+                    self._note_answer()
             elif type(event) is Comment:
                 parts += (event.raw, b"\n\n")  # type: ignore[union-attr]
             else:  # Done
@@ -376,6 +376,11 @@ class EngineCall:
                 self.last = b"".join(parts)
                 return self.last
         return b"".join(parts)
+
+    def _note_answer(self) -> None:
+        """The record told that the engine answered, once its first text or its own error came."""
+        if self._meter.first_text_at is not None or self._check.failure is not None:
+            self._record.engine_answered()
 
     def metrics(self) -> dict[str, dict[str, Any]]:
         return self._meter.figures(self._row)
