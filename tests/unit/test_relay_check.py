@@ -337,8 +337,8 @@ def read_unlike_the_oracle(reads: list[bytes]) -> str | None:
     None for most streams. The check decodes the fields it reads and skips the rest as msgspec skips a
     field it does not know: it takes a chunk whose unread fields hold what only a full decode refuses
     (a number out of range; invalid UTF-8 it refuses as the oracle does); and where the oracle (a dict)
-    keeps the last value of a repeated key alone, the check refuses the repeat where it could hide a key
-    the row refuses or a tool call, and elsewhere reads every value, refusing one of the wrong type."""
+    keeps the last value of a repeated key alone, the check reads every value, refusing one of the wrong
+    type, a key the row refuses or a tool call past the limit."""
     repeated = False
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -623,10 +623,22 @@ def test_the_structs_know_every_key_the_field_table_and_the_meter_name() -> None
 
 
 def test_refused_keys_are_what_each_row_leaves_out() -> None:
+    """Each row's decode takes the keys the row allows and fails on every other known key; the C scan's bits
+    name the same refused keys."""
     for row in FIELD_TABLE:
-        rules = ChunkRules(row, "here")
-        assert set(rules.refused) == set(DELTA_KEYS) - row.delta
-        assert rules.refused_bits == sum(1 << DELTA_KEYS.index(key) for key in rules.refused)
+        rules = ChunkRules(row, "here", max_tool_calls=8)
+        for i, key in enumerate(DELTA_KEYS):
+            chunk = b'{"choices":[{"index":0,"delta":{"%s":null}}]}' % key.encode()
+            if key in row.delta:
+                assert rules.decode(chunk).choices[0].delta is not None
+                assert not rules.refused_bits & 1 << i
+            else:
+                with pytest.raises(msgspec.ValidationError, match=key):
+                    rules.decode(chunk)
+                assert rules.refused_bits & 1 << i
+        rules.decode(b'{"choices":[{"delta":{"tool_calls":[{"index":7}]}}]}')
+        with pytest.raises(msgspec.ValidationError, match="tool_calls"):
+            rules.decode(b'{"choices":[{"delta":{"tool_calls":[{"index":8}]}}]}')
 
 
 # --- known faults, each to be fixed in src/ (these then pass: remove the marker) --------------------------------
@@ -648,7 +660,7 @@ def test_a_key_the_row_refuses_reaches_no_client_in_an_earlier_value_of_a_repeat
         error = relay(way, [b"data: " + chunk + b"\n\n"], "vllm", "0.32.0")["error"]
         assert error is not None and error[:2] == ("EdgeError", "edge_error"), (chunk, error)
         check = StreamCheck(ChunkRules(row_for("vllm", "0.32.0").row, "here"), Meter(Ticks()), NAME, Ticks())
-        with pytest.raises(Refused, match="repeats the key"):
+        with pytest.raises(Refused, match=r"reasoning_content|\.index"):  # msgspec names what it refused
             check.check(Chunks(b"data: " + chunk + b"\n\n"))
     spaced = b'{"choices":[{"index":0,"delta":{"content":"a"}}],"id":"x","id":"y"}'  # a key the check skips
     assert relay(way, [b"data: " + spaced + b"\n\n"], "vllm", "0.32.0")["error"] is None

@@ -9,7 +9,11 @@ against the engine version's field row, its text), the tool-call indexes
 structs below; every other field is skipped as JSON and relayed byte for
 byte, unread. A delta key outside those the field table knows, or a read
 field of the wrong type, fails the typed decode, and the chunk is refused;
-its error is told by ``fields.DeltaVerifier`` over the chunk's dict.
+its error is told by ``fields.DeltaVerifier`` over the chunk's dict. Each
+engine version decodes into structs of its own (``ChunkRules``): a delta key
+its row refuses and a tool-call index at the limit fail that decode too, in
+every value of a repeated key (msgspec checks each as it reads it), so no
+repeat can hide one from the check.
 
 Where the engine adapter ran the C scan over a read (``Chunks.facts``, see
 ``_speedups/scan.c``), the check works from its facts instead of decoding;
@@ -19,7 +23,6 @@ and leaves the rest (``facts`` None) to the decode.
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -44,7 +47,8 @@ class ToolCall(msgspec.Struct, gc=False):
 
 DELTA_KEYS = tuple(sorted(frozenset().union(*(row.delta for row in FIELD_TABLE))))  # every key the table knows
 TEXT_KEYS = tuple(key for key in DELTA_KEYS if key not in ("role", "tool_calls"))  # text when truthy
-_texts = operator.attrgetter(*TEXT_KEYS)
+_objects = operator.attrgetter(*OBJECT_NAMES)
+_NO_OBJECTS = (None,) * len(OBJECT_NAMES)
 # A delta: each key the field table knows, UNSET when not sent; any other key fails the decode. Made from the
 # table, so that a key added there is read here (and told to the C scan) with no second list to keep.
 Delta = msgspec.defstruct(
@@ -64,24 +68,39 @@ Head = msgspec.defstruct(
     [("model", Any, UNSET), ("choices", list[Choice] | None | UnsetType, UNSET), ("error", Any, UNSET),
      *((name, Any, None) for name in OBJECT_NAMES)],
     gc=False,
-)
+)  # any chunk's head, every key the table knows allowed: what the C scan answers for
 _decode_head = msgspec.json.Decoder(Head).decode
-_decode_heads = msgspec.json.Decoder(Head).decode_lines
+
+
+def _row_head(allowed: frozenset[str], max_tool_calls: int) -> Any:
+    """The head of one row's chunks: its delta holds only the keys the row allows (any other fails the decode),
+    its tool-call indexes are below ``max_tool_calls``."""
+    call = msgspec.defstruct("ToolCall", [("index", Annotated[int, msgspec.Meta(ge=0, lt=max_tool_calls)] | None,
+                                           None)], gc=False)
+    delta = msgspec.defstruct(
+        "Delta", [(key, list[call] | None | UnsetType if key == "tool_calls" else Any, UNSET)  # type: ignore[valid-type]
+                  for key in DELTA_KEYS if key in allowed], forbid_unknown_fields=True, gc=False)
+    choice = msgspec.defstruct("Choice", [("index", Index | None, None), ("delta", delta | None, None)], gc=False)
+    return msgspec.defstruct(
+        "Head", [("model", Any, UNSET), ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]
+                 ("error", Any, UNSET), *((name, Any, None) for name in OBJECT_NAMES)], gc=False)
 
 
 class ChunkRules:
     """What one engine version's field row asks of a chunk; made once per (family, version)."""
 
-    __slots__ = ("verifier", "refused", "refused_bits", "max_tool_calls", "suspect")
+    __slots__ = ("verifier", "refused_bits", "max_tool_calls", "decode", "decode_lines", "texts")
 
     def __init__(self, row: FieldRow, where: str, max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS) -> None:
         self.verifier = DeltaVerifier(row.delta, where, max_tool_calls)
-        self.refused = tuple(key for key in DELTA_KEYS if key not in row.delta)  # known keys the row refuses
-        self.refused_bits = sum(1 << DELTA_KEYS.index(key) for key in self.refused)  # the C scan's bits of those
+        # the C scan's bits of the known keys the row refuses
+        self.refused_bits = sum(1 << i for i, key in enumerate(DELTA_KEYS) if key not in row.delta)
         self.max_tool_calls = max_tool_calls
-        # where a read spells one of these, a repeated key could hide it from the typed decode (which keeps a
-        # key's last value, where a client may keep its first): such a read is checked for repeats
-        self.suspect = (*(b'"%s"' % key.encode() for key in self.refused), b'"tool_calls"')
+        decoder = msgspec.json.Decoder(_row_head(row.delta, max_tool_calls))
+        self.decode, self.decode_lines = decoder.decode, decoder.decode_lines
+        texts = [key for key in DELTA_KEYS if key in row.delta and key != "role"]  # text (or a call) when truthy
+        self.texts: Callable[[Any], tuple[Any, ...]] = (
+            operator.attrgetter(*texts) if len(texts) > 1 else lambda delta: tuple(getattr(delta, k) for k in texts))
 
 
 class Refused(Exception):
@@ -108,7 +127,7 @@ class StreamCheck:
     stream then ends without metrics.
     """
 
-    __slots__ = ("_rules", "_meter", "_now", "_name", "_token", "_replacement", "failure")
+    __slots__ = ("_rules", "_meter", "_now", "_name", "_token", "_replacement", "_sent", "_pattern", "failure")
 
     def __init__(self, rules: ChunkRules, meter: Meter, name: str, now: Callable[[], float]) -> None:
         self._rules = rules
@@ -117,6 +136,8 @@ class StreamCheck:
         self._name = name
         self._token = _encode(name)
         self._replacement = b'"model":' + self._token
+        self._sent: Any = _NONE  # the last model name the engine sent, and its pattern (an engine sends one)
+        self._pattern = b""
         self.failure: dict[str, Any] | None = None
 
     def check(self, chunks: Chunks) -> bytes:
@@ -128,17 +149,13 @@ class StreamCheck:
         payloads = chunks.payload_list()
         if not chunks.sse.isascii() and not _utf8(chunks.sse):  # msgspec skips unread fields unchecked
             return self._one_by_one(payloads)
+        rules = self._rules
         try:
-            heads = [_decode_head(payloads[0])] if len(payloads) == 1 else _decode_heads(b"\n".join(payloads))
+            heads = [rules.decode(payloads[0])] if len(payloads) == 1 else rules.decode_lines(b"\n".join(payloads))
         except (msgspec.DecodeError, RecursionError):
             return self._one_by_one(payloads)
         if len(heads) != len(payloads):  # a blank payload, which decode_lines skips
             return self._one_by_one(payloads)
-        for pattern in self._rules.suspect:  # (the C scan declines a read that repeats a key it reads)
-            if pattern in chunks.sse:
-                if any(_suspect(payload, self._rules.suspect) for payload in payloads):
-                    return self._one_by_one(payloads, heads)
-                break
         return self._take(chunks.sse, payloads, heads)
 
     def _scanned(self, chunks: Chunks, facts: tuple[Any, ...]) -> bytes | None:
@@ -153,24 +170,21 @@ class StreamCheck:
                 sse = chunks.respell(sse, positions, model, self._token)
             else:
                 sse = self._rename_alike(sse, b'"model":' + model, count) or self._rename(
-                    chunks.payload_list(), [_decode_head(p) for p in chunks.payload_list()])
+                    chunks.payload_list(), [rules.decode(p) for p in chunks.payload_list()])
         self._metered(text_count, first_text, count)
         for i in range(0, len(objects), 2):  # (begin, end) of each payload that carries an engine object
             self._keep(_decode_head(chunks.sse[objects[i]:objects[i + 1]]))
         return sse
 
     def _take(self, sse: bytes, payloads: list[bytes], heads: list[Any]) -> bytes:
-        """``check`` over decoded heads: all of them at once when none is refused or a failure event."""
+        """``check`` over decoded heads: all of them at once when none is the engine's error event."""
         texts = 0
         first_text = -1
         model: Any = _NONE
         for i, head in enumerate(heads):
             if head.error is not UNSET and head.choices is UNSET:
                 return self._one_by_one(payloads, heads)  # the engine's error event: untouched, unmetered
-            text = self._text(head)
-            if text is None:
-                return self._one_by_one(payloads, heads)
-            if text:
+            if head.choices and self._text(head.choices):
                 texts += 1
                 if first_text < 0:
                     first_text = i
@@ -180,29 +194,27 @@ class StreamCheck:
         if model is not _NONE and model != self._name:
             renamed = None
             if type(model) is str:
-                renamed = self._rename_alike(sse, b'"model":' + _encode(model), len(heads))
+                if model != self._sent:
+                    self._sent, self._pattern = model, b'"model":' + _encode(model)
+                renamed = self._rename_alike(sse, self._pattern, len(heads))
             try:
                 sse = renamed or self._rename(payloads, heads)
             except (msgspec.DecodeError, RecursionError):  # a chunk to write anew that has no dict: refused
                 return self._one_by_one(payloads, heads)
         self._metered(texts, first_text, len(heads))
         for head in heads:
-            if _has_objects(head):
+            if _objects(head) != _NO_OBJECTS:
                 self._keep(head)
         return sse
 
     def _one_by_one(self, payloads: list[bytes], heads: list[Any] | None = None) -> bytes:
         """``check`` chunk by chunk, where a read holds a refused chunk or the engine's error event."""
         out: list[bytes] = []
-        suspect = self._rules.suspect
         for i, payload in enumerate(payloads):
             if not payload.isascii() and not _utf8(payload):
                 raise Refused(sse_of(out), EdgeError("the engine sent an event that is not valid UTF-8"))
-            key = _suspect(payload, suspect)
-            if key is not None:
-                raise Refused(sse_of(out), EdgeError(f"the engine sent a chunk that repeats the key {key!r}"))
             try:
-                head = heads[i] if heads is not None else _decode_head(payload)
+                head = heads[i] if heads is not None else self._rules.decode(payload)
             except (msgspec.DecodeError, RecursionError) as exc:
                 raise Refused(sse_of(out), self._why(payload, exc)) from exc
             if head.error is not UNSET and head.choices is UNSET:
@@ -213,23 +225,22 @@ class StreamCheck:
                 self.failure = error if isinstance(error, dict) else {"message": str(error)}
                 out.append(payload)
                 continue
-            text = self._text(head)
-            if text is None:
-                raise Refused(sse_of(out), self._why(payload, None))
             sent = head.model
             if sent is not UNSET and sent != self._name:
                 try:
                     payload = self._splice(payload, sent)
                 except (msgspec.DecodeError, RecursionError) as exc:
                     raise Refused(sse_of(out), self._why(payload, exc)) from exc
+            text = bool(head.choices) and self._text(head.choices)
             self._metered(1 if text else 0, 0 if text else -1, 1)
-            if _has_objects(head):
+            if _objects(head) != _NO_OBJECTS:
                 self._keep(head)
             out.append(payload)
         return sse_of(out)
 
-    def _why(self, payload: bytes, exc: Exception | None) -> CapyError:
-        """The error a refused chunk ends the stream with: the verifier's, over the chunk's dict."""
+    def _why(self, payload: bytes, exc: Exception) -> CapyError:
+        """The error a refused chunk ends the stream with: the verifier's, over the chunk's dict, or the decode's
+        (a chunk whose dict passes: an index past 64 bits, a refused key in an earlier value of a repeated key)."""
         try:
             obj = _decode_dict(payload)
         except msgspec.DecodeError as error:
@@ -240,29 +251,16 @@ class StreamCheck:
             self._rules.verifier.verify(obj)
         except CapyError as error:
             return error
-        return EdgeError(f"the engine sent a chunk CapyCTL cannot read: {exc}")  # e.g. an index past 64 bits
+        return EdgeError(f"the engine sent a chunk CapyCTL cannot read: {exc}")
 
-    def _text(self, head: Any) -> bool | None:
-        """Whether the chunk carries generated text; None when it is refused (a delta key the row refuses,
-        a tool-call index at the limit)."""
-        text = False
-        if head.choices:
-            refused, limit = self._rules.refused, self._rules.max_tool_calls
-            for choice in head.choices:
-                delta = choice.delta
-                if delta is None:
-                    continue
-                for key in refused:
-                    if getattr(delta, key) is not UNSET:
-                        return None
-                calls = delta.tool_calls
-                if calls:
-                    for call in calls:
-                        if call.index is not None and call.index >= limit:
-                            return None
-                if not text and (calls or any(_texts(delta))):
-                    text = True
-        return text
+    def _text(self, choices: list[Any]) -> bool:
+        """Whether a chunk's choices carry generated text (or a tool call)."""
+        texts = self._rules.texts
+        for choice in choices:
+            delta = choice.delta
+            if delta is not None and any(texts(delta)):
+                return True
+        return False
 
     def _metered(self, texts: int, first_text: int, count: int) -> None:
         """The meter told of ``count`` chunks, ``texts`` of them with text (the first at ``first_text``): the
@@ -279,8 +277,7 @@ class StreamCheck:
 
     def _keep(self, head: Any) -> None:
         seen = self._meter.seen
-        for name in OBJECT_NAMES:
-            value = getattr(head, name)
+        for name, value in zip(OBJECT_NAMES, _objects(head)):
             if value is not None:
                 seen[name] = value
 
@@ -293,11 +290,12 @@ class StreamCheck:
         occurrences begins an event: as many as there are chunks means every chunk begins with it, and holds
         the pattern first where the prefix does. As many patterns as chunks means that is each one's only one.
         """
-        if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):
-            return None
-        end = sse.find(pattern, 0, sse.find(b"\n"))
-        if end == -1 or sse.count(sse[:end + len(pattern)]) != count:
-            return None
+        if count > 1:
+            if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):
+                return None
+            end = sse.find(pattern, 0, sse.find(b"\n"))
+            if end == -1 or sse.count(sse[:end + len(pattern)]) != count:
+                return None
         parts = sse.split(pattern)
         return self._replacement.join(parts) if len(parts) == count + 1 else None
 
@@ -322,50 +320,12 @@ class StreamCheck:
         return _encode(obj)
 
 
-READ_KEYS = frozenset({"model", "choices", "error", "index", "delta", *DELTA_KEYS})  # the keys the check reads
-
-
-def _suspect(payload: bytes, suspect: tuple[bytes, ...]) -> str | None:
-    """A key the check reads that some object of ``payload`` sends twice, where ``payload`` spells one of
-    ``suspect`` (a slow look: only for such a chunk); None otherwise."""
-    for pattern in suspect:
-        if pattern in payload:
-            break
-    else:
-        return None
-    found: list[str] = []
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        if not found and len(items) > 1:
-            seen: set[str] = set()
-            for key, _ in items:
-                if key in seen and key in READ_KEYS:
-                    found.append(key)
-                    break
-                seen.add(key)
-        return dict(items)
-
-    try:
-        json.loads(payload, object_pairs_hook=pairs)
-    except (ValueError, RecursionError):  # what msgspec decoded and json cannot: no repeat it can name
-        return None
-    return found[0] if found else None
-
-
 def _utf8(data: bytes) -> bool:
     try:
         data.decode()
     except UnicodeDecodeError:
         return False
     return True
-
-
-def _has_objects(head: Any) -> bool:
-    """The chunk carries an engine object the meter keeps."""
-    for name in OBJECT_NAMES:
-        if getattr(head, name) is not None:
-            return True
-    return False
 
 
 __all__ = ["ChunkRules", "Refused", "StreamCheck", "OBJECT_NAMES", "DELTA_KEYS"]
