@@ -70,7 +70,9 @@ def test_deployment_files_name_the_line_of_a_bad_key() -> None:
 def test_the_schema_has_every_key_and_refuses_unknown_ones() -> None:
     out = schema()
     defs = out["$defs"]
-    assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits", "memory", "switching", "idle"}
+    assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits", "memory", "switching", "idle",
+                                                       "records"}
+    assert set(defs["RecordsConfig"]["properties"]) == {"max_count", "max_age", "buffer"}
     assert set(defs["DeviceConfig"]["properties"]) == {"name", "capacity", "reserve"}
     assert set(defs["SwitchingConfig"]["properties"]) == {"admission_window", "drain_timeout"}
     assert set(defs["QueueConfig"]["properties"]) == {"request_deadline", "stream_idle_timeout", "max_open",

@@ -19,6 +19,7 @@ from capyctl.domain.deployments import Strict
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import Limits
 from capyctl.domain.memory import Device, Idle
+from capyctl.domain.request_rows import RecordSettings, Retention
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.domain.units import Duration, DurationOrZero, Size, SizeOrZero, seconds, size
 
@@ -76,6 +77,14 @@ class IdleConfig(Strict):
     stop_after: Duration | None = None
 
 
+class RecordsConfig(Strict):
+    """The request records (docs/observability.md, "Request records"): how many are kept, for how long."""
+
+    max_count: Count = 100_000  # rows kept at most; the oldest go first
+    max_age: Duration = "168h"  # a row older than this is deleted (7 days)
+    buffer: Count = 10_000  # rows waiting to be written at most; past it a row is dropped and counted
+
+
 class ServerConfig(Strict):
     """The whole file. Every key is optional; an empty file is the defaults."""
 
@@ -85,6 +94,7 @@ class ServerConfig(Strict):
     memory: MemoryConfig = MemoryConfig()
     switching: SwitchingConfig = SwitchingConfig()
     idle: IdleConfig = IdleConfig()
+    records: RecordsConfig = RecordsConfig()
 
 
 class Switching(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +113,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     devices: tuple[Device, ...] | Literal["auto"] = ()
     switching: Switching = Switching()
     idle: Idle = Idle()
+    records: RecordSettings = RecordSettings()
 
 
 def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
@@ -141,6 +152,11 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
         idle=Idle(
             park_after=None if config.idle.park_after is None else seconds(config.idle.park_after, "idle.park_after"),
             stop_after=None if config.idle.stop_after is None else seconds(config.idle.stop_after, "idle.stop_after"),
+        ),
+        records=RecordSettings(
+            retention=Retention(max_count=config.records.max_count,
+                                max_age=seconds(config.records.max_age, "records.max_age")),
+            buffer=config.records.buffer,
         ),
     )
 

@@ -16,6 +16,7 @@ from capyctl.domain.engines import EngineInstall
 from capyctl.domain.keys import ApiKey
 from capyctl.domain.lifecycle import Launched
 from capyctl.domain.memory import Residency
+from capyctl.domain.request_rows import Entry, RequestRow, Retention, RowFilter
 from capyctl.domain.streams import Relayed, StreamEvent
 
 
@@ -53,6 +54,22 @@ class KeyStore(Protocol):
     def note_key_use(self, key_id: str, day: str, used: int, last_used: float | None) -> None: ...
     def get_meta(self, name: str) -> str | None: ...
     def set_meta(self, name: str, value: str) -> None: ...
+
+
+class RequestStore(Protocol):
+    """Durable request records (``domain/request_rows``). Every call is blocking and may be slow or raise
+    (a full disk): CapyCTL calls them from a worker thread, never on a request's path."""
+
+    def add_requests(self, entries: list[Entry]) -> None:
+        """Write rows and settlements in one go, in order (a settlement updates a row written before it)."""
+
+    def prune_requests(self, retention: Retention, now: float) -> None:
+        """Delete what ``retention`` no longer keeps at wall time ``now``."""
+
+    def list_requests(self, where: RowFilter) -> list[RequestRow]:
+        """The rows ``where`` picks, newest first."""
+
+    def get_request(self, request_id: str) -> RequestRow | None: ...
 
 
 class ProcessHandle(Protocol):

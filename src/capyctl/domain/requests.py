@@ -41,6 +41,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     cause: CancelCause | None = None
     key: str | None = None  # the name of the API key it came with (never its secret)
     salt_bound: bool = False  # that key binds a cache salt: it is the key's, not the client's
+    waited: float | None = None  # seconds it waited in line for its deployment (None: it did not wait)
 
     def sent(self, instance: int) -> None:
         self.instance = instance

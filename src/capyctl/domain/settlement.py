@@ -22,6 +22,11 @@ ENGINE_IDLE = "engine_idle"
 ENGINE_STOP = "engine_stop"
 
 
+def rule_for(answered: bool) -> str:
+    """What settles a cut request: the engine's idle report once it had answered, else its stop."""
+    return ENGINE_IDLE if answered else ENGINE_STOP
+
+
 class Cut(msgspec.Struct, frozen=True):
     request: str
     rule: str
@@ -41,7 +46,7 @@ class Ledger:
         self._cuts: list[Cut] = []
 
     def cut(self, request: str, answered: bool, at: float) -> Cut:
-        entry = Cut(request, ENGINE_IDLE if answered else ENGINE_STOP, at)
+        entry = Cut(request, rule_for(answered), at)
         self._cuts.append(entry)
         return entry
 

@@ -29,6 +29,7 @@ from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.adapters.process.ports import free_port
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.adapters.storage.state_dir import StateDir
+from capyctl.domain.request_rows import RecordSettings
 from capyctl.services.admission import AdmissionService
 from capyctl.services.canary import Canary
 from capyctl.services.chat import ChatService, ChatSettings
@@ -37,6 +38,7 @@ from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
+from capyctl.services.request_log import RequestLog
 from capyctl.services.switching import Switchboard
 
 
@@ -73,6 +75,13 @@ def listening_stats(fleet: Fleet, admission: AdmissionService, events: Events) -
     stats = RequestStats(fleet, admission)
     events.listen(stats.event)
     return stats
+
+
+def request_records(store: SqliteStore, clock: SystemClock, settings: RecordSettings, events: Events) -> RequestLog:
+    """The request records, told by the events of each cut request that is settled."""
+    records = RequestLog(store, clock, settings)
+    events.on_settled(records.settle)
+    return records
 
 
 class Container(containers.DeclarativeContainer):
@@ -133,6 +142,8 @@ class Container(containers.DeclarativeContainer):
         DecisionService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
         admission=admission, keys=keyring,
     )
+    request_log = providers.Singleton(request_records, store=store, clock=clock, settings=config.records,
+                                      events=events)
     chat_handler = providers.Singleton(
         FrontDoor,
         endpoints=providers.List(
@@ -142,4 +153,5 @@ class Container(containers.DeclarativeContainer):
         keys=keyring,
         max_body=config.max_body,
         stats=request_stats,
+        records=request_log,
     )

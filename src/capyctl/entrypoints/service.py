@@ -41,7 +41,7 @@ def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container
          "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls,
          "queue_limits": settings.queue,
          "devices": read_devices() if settings.devices == "auto" else settings.devices,
-         "switching": settings.switching, "idle": settings.idle}
+         "switching": settings.switching, "idle": settings.idle, "records": settings.records}
     )
     return container
 
@@ -85,8 +85,9 @@ async def _serve(
     inference = HttpServer(  # the door's own paths are its handlers; the rest goes to the ASGI app
         {path: door.serve for path in door.endpoints},
         create_inference_app(fleet, container.clock(), keys, stats, container.admission()), limits, stats.client_cut)
-    manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys), limits,
-                         stats.client_cut)
+    records = container.request_log()
+    manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys, records=records),
+                         limits, stats.client_cut)
     stopping = anyio.Event()
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
@@ -97,6 +98,7 @@ async def _serve(
         watcher.start_soon(_stop_on_signal, stopping)
         async with anyio.create_task_group() as tg:
             await tg.start(fleet.run)
+            await tg.start(records.run)  # writes the request records off the requests' path
             state.write_management(management_url)
             host, port = inference_sock.getsockname()[:2]
             where = (f"the key named default in {state.root / CREDENTIALS}" if state.read_api_key()

@@ -97,8 +97,11 @@ class AdmissionService:
                         raise self._not_waiting(runner, name, record.id)
                 raise self._refusal(decision, name)
             arrived = self._clock.monotonic()
-            await self._wait(runner, record, wait)
-            self.on_wait(name, self._clock.monotonic() - arrived)
+            try:
+                await self._wait(runner, record, wait)
+            finally:  # (a wait that ended in a refusal is a wait too, for the request's record)
+                record.waited = self._clock.monotonic() - arrived
+            self.on_wait(name, record.waited)
         return self._clock.monotonic()
 
     def _leave(self, runner: Schedulable, name: str, began: float) -> None:

@@ -34,10 +34,20 @@ class Events:
         self._clock = clock
         self._routine = routine
         self._listeners: list[Callable[[str | None, str, dict[str, Any]], None]] = []
+        self._settled: list[Callable[[str, str, float], None]] = []
 
     def listen(self, listener: Callable[[str | None, str, dict[str, Any]], None]) -> None:
         """Also hand each event to ``listener`` (metrics count parks, wakes, switches this way)."""
         self._listeners.append(listener)
+
+    def on_settled(self, listener: Callable[[str, str, float], None]) -> None:
+        """Also tell ``listener`` of each settled cut request: its CapyCTL ID, the rule and the seconds (the
+        request records are updated this way; the stored event carries no request ID)."""
+        self._settled.append(listener)
+
+    def settled(self, request_id: str, rule: str, seconds: float) -> None:
+        for listener in self._settled:
+            listener(request_id, rule, seconds)
 
     def emit(self, deployment: str | None, kind: str, **detail: Any) -> None:
         self._store.add_event(self._clock.wall(), deployment, kind, detail)

@@ -66,3 +66,4 @@ class Settlement:
         for entry in settled:
             self._events.emit(self._name, "request_settled", instance=0, rule=entry.rule,
                               seconds=round(entry.seconds, 3))
+            self._events.settled(entry.request, entry.rule, entry.seconds)

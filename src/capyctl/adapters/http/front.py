@@ -23,6 +23,7 @@ from capyctl.adapters.http.errors import error_body, retry_after, sse_error_even
 from capyctl.adapters.http.exchange import Exchange, find_header, header_values
 from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.prometheus import RequestStats
+from capyctl.adapters.http.request_rows import finished_row, refused_row
 from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
@@ -37,6 +38,7 @@ from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_cal
 from capyctl.services.chat import RequestService
 from capyctl.services.context import caller_request_id
 from capyctl.services.keys import Keyring
+from capyctl.services.request_log import RequestLog
 
 log = logging.getLogger("capyctl.chat")
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
@@ -71,14 +73,22 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 
 class Outcome:
-    """How one request ended, for Prometheus and for errors sent after a cut."""
+    """How one request ended, for Prometheus, its record and errors sent after a cut."""
 
-    __slots__ = ("code", "ttft_ms", "started")
+    __slots__ = ("code", "ttft_ms", "started", "status", "figures", "usage")
 
     def __init__(self) -> None:
         self.code = "client_gone"
         self.ttft_ms: float | None = None
         self.started = False  # a stream's 200 and headers were sent
+        self.status: int | None = None  # the status answered, where it is known here
+        self.figures: dict[str, Any] | None = None  # the answer's capyctl.metrics
+        self.usage: dict[str, Any] | None = None  # the answer's usage, as the engine reported it
+
+    def measured(self, figures: dict[str, Any], usage: Any) -> None:
+        """An answer's figures (``capyctl.metrics``) and the engine's ``usage``, for its record."""
+        self.figures, self.usage = figures, usage if isinstance(usage, dict) else None
+        self.ttft_ms = figures.get("ttft_ms", {}).get("value")
 
 
 _TIMEOUTS = {
@@ -100,11 +110,12 @@ async def send_one_answer(
         answer = await answering
     except CapyError as error:
         record.phase = Phase.FAILED
-        outcome.code = error.code
-        await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
+        outcome.code, outcome.status = error.code, status_of(error)
+        await exchange.json(outcome.status, error_body(error), headers + retry_after(error))
         return
     record.phase = Phase.DONE
-    outcome.code, outcome.ttft_ms = "ok", answer["capyctl"]["metrics"].get("ttft_ms", {}).get("value")
+    outcome.code = "ok"
+    outcome.measured(answer["capyctl"]["metrics"], answer.get("usage"))
     await exchange.json(200, _encode(answer), headers)
 
 
@@ -133,11 +144,13 @@ class FrontDoor:
     and deadline watcher, the cut requests' settlement and the outcome counters. The endpoint for the
     path does the rest."""
 
-    def __init__(self, endpoints: list[Endpoint], keys: Keyring, max_body: int, stats: RequestStats) -> None:
+    def __init__(self, endpoints: list[Endpoint], keys: Keyring, max_body: int, stats: RequestStats,
+                 records: RequestLog | None = None) -> None:
         self.endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._keys = keys
         self._max_body = max_body
         self._stats = stats
+        self._records = records  # each request's row, as it ends (appended to a buffer: no I/O here)
 
     def serve(self, exchange: Exchange) -> Awaitable[None]:
         """The request's front, done at once as its last byte arrives (the checks, then the endpoint's
@@ -150,6 +163,8 @@ class FrontDoor:
             front = self._front(exchange, request_id, headers)
         except CapyError as error:
             self._stats.refused(error.code)
+            if self._records is not None:
+                self._records.add(refused_row(request_id, error, exchange.path, self._records.wall()))
             return exchange.json(status_of(error), error_body(error), headers + retry_after(error))
         except Exception:
             log.exception("request %s: internal error", request_id)
@@ -228,6 +243,9 @@ class FrontDoor:
             self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
+        if self._records is not None:
+            self._records.add(finished_row(record, outcome, endpoint.path, self._records.wall(),
+                                           (service.now() - front.received_at) * 1000))
 
 
 class Front:

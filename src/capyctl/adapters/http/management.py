@@ -19,11 +19,13 @@ from litestar.params import Dependency
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
+from capyctl.adapters.http.records_api import HANDLERS as RECORD_HANDLERS
 from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, devices_view, engine_view, key_view
 from capyctl.domain.errors import InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
+from capyctl.services.request_log import RequestLog
 
 KeysDep = Annotated[Keyring, Dependency(skip_validation=True)]
 _KEY_FIELDS = ("name", "daily_limit", "models", "cache_salt")
@@ -143,7 +145,8 @@ def revoke_key(keys: KeysDep, name: str) -> dict[str, Any]:
     return {"revoked": key.name, "id": key.id}
 
 
-def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Keyring) -> Callable[..., Any]:
+def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Keyring,
+                          records: RequestLog | None = None) -> Callable[..., Any]:
     return with_request_ids(Litestar(
         route_handlers=[
             list_engines,
@@ -162,12 +165,14 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Ke
             list_keys,
             get_key,
             revoke_key,
+            *(RECORD_HANDLERS if records is not None else ()),
         ],
         guards=[require_admin],
         dependencies={
             "fleet": Provide(lambda: fleet, sync_to_thread=False),
             "clock": Provide(lambda: clock, sync_to_thread=False),
             "keys": Provide(lambda: keys, sync_to_thread=False),
+            "records": Provide(lambda: records, sync_to_thread=False),
         },
         exception_handlers=error_handlers(),
         openapi_config=None,

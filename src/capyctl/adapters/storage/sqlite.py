@@ -1,4 +1,4 @@
-"""SQLite store for engines, deployments, events and API keys.
+"""SQLite store for engines, deployments, events, API keys and request records.
 
 Rows hold msgspec-encoded JSON so the schema follows the domain types.
 Engine and deployment calls are short and run on the caller's thread.
@@ -30,7 +30,8 @@ import msgspec
 from capyctl.domain.deployments import Deployment
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.keys import ApiKey
-from capyctl.domain.ports import Store
+from capyctl.domain.ports import RequestStore, Store
+from capyctl.domain.request_rows import Entry, RequestRow, Retention, RowFilter, Settle, settled
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS engines (name TEXT PRIMARY KEY, body BLOB NOT NULL);
@@ -51,6 +52,18 @@ CREATE TABLE IF NOT EXISTS key_usage (
     key_id TEXT NOT NULL, day TEXT NOT NULL, used INTEGER NOT NULL, PRIMARY KEY (key_id, day)
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS requests (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    at REAL NOT NULL,
+    deployment TEXT,
+    key TEXT,
+    code TEXT NOT NULL,
+    status INTEGER,
+    body BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_by_time ON requests (at);
+CREATE INDEX IF NOT EXISTS requests_by_deployment ON requests (deployment, seq);
 """
 KEY_USAGE_DAYS = 31  # days of per-key counts kept
 MAX_EVENTS = 100_000  # stored events kept at most; the oldest go first
@@ -66,9 +79,11 @@ _engine = msgspec.json.Decoder(EngineInstall)
 _deployment = msgspec.json.Decoder(Deployment)
 _detail = msgspec.json.Decoder(dict[str, Any])
 _key = msgspec.json.Decoder(ApiKey)
+_row = msgspec.json.Decoder(RequestRow)
+_INSERT_REQUEST = "INSERT OR IGNORE INTO requests (id, at, deployment, key, code, status, body) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
-class SqliteStore(Store):
+class SqliteStore(Store, RequestStore):
     def __init__(self, path: Path, max_events: int = MAX_EVENTS, max_event_age: float = MAX_EVENT_AGE) -> None:
         path.touch(mode=0o600)  # API key digests and request events: for CapyCTL's user only (so are WAL files)
         path.chmod(0o600)
@@ -228,3 +243,46 @@ class SqliteStore(Store):
 
     def set_meta(self, name: str, value: str) -> None:
         self._execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
+
+    # --- request records ------------------------------------------------------------------------------
+    def add_requests(self, entries: list[Entry]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                for entry in entries:
+                    if isinstance(entry, Settle):
+                        self._settle(entry)
+                    else:
+                        self._db.execute(_INSERT_REQUEST, (entry.id, entry.at, entry.deployment, entry.key,
+                                                           entry.code, entry.status, _encode(entry)))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _settle(self, entry: Settle) -> None:
+        found = self._db.execute("SELECT body FROM requests WHERE id = ?", (entry.id,)).fetchone()
+        if found is not None:  # (a row already gone by retention stays gone)
+            self._db.execute("UPDATE requests SET body = ? WHERE id = ?",
+                             (_encode(settled(_row.decode(found[0]), entry)), entry.id))
+
+    def prune_requests(self, retention: Retention, now: float) -> None:
+        self._execute("DELETE FROM requests WHERE seq <= (SELECT MAX(seq) FROM requests) - ? OR at < ?",
+                      (retention.max_count, retention.oldest_kept(now)))
+
+    def list_requests(self, where: RowFilter) -> list[RequestRow]:
+        query, args = "SELECT body FROM requests WHERE 1", []
+        for column, value in (("deployment", where.deployment), ("key", where.key), ("code", where.code),
+                              ("status", where.status)):
+            if value is not None:
+                query += f" AND {column} = ?"
+                args.append(value)
+        if where.since is not None:
+            query += " AND at >= ?"
+            args.append(where.since)
+        rows = self._execute(query + " ORDER BY seq DESC LIMIT ?", [*args, where.limit])
+        return [_row.decode(r[0]) for r in rows]
+
+    def get_request(self, request_id: str) -> RequestRow | None:
+        rows = self._execute("SELECT body FROM requests WHERE id = ?", (request_id,))
+        return _row.decode(rows[0][0]) if rows else None

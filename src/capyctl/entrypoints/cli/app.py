@@ -5,7 +5,7 @@ talks to that server's management API, found through the state directory.
 Each module below registers its commands on the apps of ``common``.
 """
 
-from capyctl.entrypoints.cli import deployments, engines, keys, server  # noqa: F401 - they register the commands
+from capyctl.entrypoints.cli import deployments, engines, keys, requests, server  # noqa: F401 - they register the commands
 from capyctl.entrypoints.cli.common import app
 
 

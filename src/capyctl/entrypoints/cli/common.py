@@ -55,7 +55,7 @@ park_app = _typer("Park a deployment: its engine sleeps (or stops, for restart_o
                   "or `capyctl start deployment` wakes it.")
 delete_app = _typer("Delete a deployment (stops its engine first).")
 status_app = _typer("Show a deployment's state and instances.")
-list_app = _typer("List deployments, engines, devices or API keys.")
+list_app = _typer("List deployments, engines, devices, API keys or request records.")
 create_app = _typer("Create a named API key.")
 revoke_app = _typer("Revoke a named API key (its next request is refused).")
 engine_app = _typer("Register, list and remove engine installations.")

@@ -148,9 +148,11 @@ def config_check(
                    "client_body_timeout_s": limits.body_timeout, "max_connections": limits.max_connections,
                    "max_event_size_bytes": limits.max_event, "max_tool_calls": limits.max_tool_calls},
         "memory": {"devices": devices},
+        "records": {"max_count": settings.records.retention.max_count,
+                    "max_age_s": settings.records.retention.max_age, "buffer": settings.records.buffer},
     }
     lines = [f"{file}: valid", f"  default_model  {settings.default_model or '-'}"]
-    for section in ("queue", "limits"):
+    for section in ("queue", "limits", "records"):
         lines += [f"  {section}.{key}  {value}" for key, value in view[section].items()]  # type: ignore[attr-defined]
     lines += ["  memory.devices  auto"] if devices == "auto" else [
         f"  memory.devices.{d['name']}  capacity_bytes {d['capacity_bytes']}  reserve_bytes {d['reserve_bytes']}"
