@@ -52,7 +52,8 @@ def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_i
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=30,
                       json={"model": "chat", "messages": HELLO, "stream": True},
                       headers=server.headers(**{"X-Request-Id": CALLER + "-s"})) as streamed:
-        assert streamed.status_code == 200 and b"data: [DONE]" in streamed.read()
+        relayed = streamed.read()
+        assert streamed.status_code == 200 and b"data: [DONE]" in relayed
     unknown = chat(server, server.headers(**{"X-Request-Id": CALLER + "-u"}), model="nope")
     assert unknown.status_code == 404
     bad_key = chat(server, {"authorization": "Bearer not-a-key", "X-Request-Id": CALLER + "-k"})
@@ -79,6 +80,12 @@ def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_i
     stream = rows[streamed.headers["x-capyctl-request-id"]]
     assert (stream["code"], stream["status"], stream["stream"], stream["deployment"]) == ("ok", 200, True, "chat")
     assert stream["ttft_ms"] is not None and stream["ttft_ms"] > 0
+    line = re.search(rb"^: x-capyctl-metrics (.*)$", relayed, re.M)  # the stream's own metrics line
+    assert line is not None
+    said = msgspec.json.decode(line.group(1))
+    assert stream["ttft_ms"] == said["ttft_ms"]["value"]
+    assert stream["decode_tokens_per_second"] == said["decode_tokens_per_second"]["value"]
+    assert (stream["prompt_tokens"], stream["completion_tokens"]) == (37, 200)  # the stream's usage chunk
 
     refused = rows[unknown.headers["x-capyctl-request-id"]]
     assert (refused["code"], refused["status"], refused["deployment"], refused["key"], refused["instance"]) == (
@@ -91,6 +98,29 @@ def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_i
     assert one.status_code == 200 and one.json() == answer
     for path in server.state_dir.glob("capyctl.db*"):  # the database and its WAL
         assert CALLER.encode() not in path.read_bytes(), path.name
+
+
+def test_a_stream_the_client_left_is_recorded_cut_then_settled(server: CapyServer) -> None:
+    """The client hangs up after the first text: the row says so (cause, and the engine_idle rule, since the
+    engine had answered), and once the engine reports itself idle, after how long it was settled."""
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=30, headers=server.headers(),
+                      json={"model": "chat", "messages": HELLO, "stream": True, "replay_interval_ms": 50}) as r:
+        ours = r.headers["x-capyctl-request-id"]
+        for line in r.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # the first text came: leave (10 s of stream were still to come)
+    deadline = time.monotonic() + 20
+    while True:
+        row = management(server, "/requests/" + ours)
+        if row.status_code == 200 and row.json()["settled_s"] is not None:
+            break
+        assert time.monotonic() < deadline, row.text
+        time.sleep(0.1)
+    got = row.json()
+    assert (got["code"], got["status"], got["stream"], got["cause"], got["settlement"]) == (
+        "client_gone", 200, True, "client_gone", "engine_idle")
+    assert got["ttft_ms"] is None and got["settled_s"] >= 0  # (its answer never ended: no figures)
+    assert got["total_ms"] < 5000
 
 
 def test_filters_on_the_cli_and_the_api(server: CapyServer) -> None:
