@@ -63,6 +63,7 @@ class Usage(msgspec.Struct, kw_only=True):
     used: int = 0
     pending: int = 0
     last_used: float | None = None
+    refused: int = 0  # calls refused today at the daily limit (kept in memory: a restart counts afresh)
 
 
 try:  # CPython's own SHA-256 module: the same digest, without OpenSSL's per-call algorithm lookup, whose
@@ -227,5 +228,6 @@ def take(key: ApiKey, usage: Usage, wall: float) -> None:
     """Let one call of ``key`` in (a place under way), or refuse it with 429 daily_limit."""
     limit = key.daily_limit
     if limit is not None and usage.used + usage.pending >= limit:
+        usage.refused += 1
         raise DailyLimit(key.name, limit, usage.used + usage.pending, seconds_to_midnight(wall))
     usage.pending += 1

@@ -18,6 +18,7 @@ from pathlib import Path
 import anyio
 
 from capyctl import __version__
+from capyctl.adapters.dashboard import with_dashboard
 from capyctl.adapters.http.inference import create_inference_app
 from capyctl.adapters.http.management import create_management_app
 from capyctl.adapters.http.server import HttpServer
@@ -92,6 +93,10 @@ async def _serve(
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])
+    manager.fallback = with_dashboard(  # the dashboard beside the management API, on its listener
+        manager.fallback, fleet=fleet, admission=container.admission(), keys=keys, store=container.store(),
+        events=container.events(), clock=container.clock(), admin_token=admin_token, log_root=state.root / "logs",
+        listening=management_sock.getsockname()[:2], stopping=stopping)
     # The signal watcher outlives the engines' shutdown, so a second Ctrl-C
     # cannot kill CapyCTL halfway through stopping them.
     async with anyio.create_task_group() as watcher:

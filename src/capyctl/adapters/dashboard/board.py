@@ -1,0 +1,169 @@
+"""The dashboard's reads: each page's data, from the same services the management API reads.
+
+``Board.snapshot(page)`` gives a page's fragments by name (what the live
+stream compares and sends); the page itself renders the same fragments.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from capyctl.adapters.dashboard.live import Hub
+from capyctl.adapters.dashboard.views import Card, bars, card
+from capyctl.domain.deployments import NAME_PATTERN, InstanceState
+from capyctl.domain.ports import Clock, Store
+from capyctl.services.admission import AdmissionService
+from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring
+
+PAGES = ("fleet", "memory", "keys", "events")
+LOG_NAME = re.compile(r"(\d{1,16})-(\d{1,9})\.log")  # <wall ms>-<launch>.log, as local_engines names them
+PER_DEPLOYMENT = 50  # events kept per deployment on the timeline
+_SCAN = 1000  # events read from the store at a time
+
+
+class KeyRow(msgspec.Struct, frozen=True):
+    name: str
+    used_today: int
+    daily_limit: int | None
+    under_way: int
+    refused_today: int
+    last_used: float | None
+    models: tuple[str, ...] | None
+
+
+class Entry(msgspec.Struct, frozen=True):
+    id: int
+    at: float
+    kind: str
+    detail: str  # its fields, as "key=value" words
+    log: str | None  # the launch's log file in effect then (its name under logs/<deployment>/)
+
+
+class Timeline:
+    """The newest events per deployment (None: the server's own), read from the store by ID as they come."""
+
+    def __init__(self, store: Store, log_root: Path) -> None:
+        self._store = store
+        self._log_root = log_root
+        self._after = 0
+        self._seeded = False
+        self._seeding = anyio.Lock()
+        self.by_deployment: dict[str | None, deque[Entry]] = {}
+
+    async def ensure_seeded(self) -> None:
+        """The first read goes through the whole stored table, off the event loop (it may hold 100,000)."""
+        async with self._seeding:
+            if not self._seeded:
+                await anyio.to_thread.run_sync(self._read, 100)
+                self._seeded = True
+
+    def refresh(self) -> None:
+        """What was stored since the last read (on the loop: a few rows, by the primary key)."""
+        if self._seeded:
+            self._read(10)
+
+    def _read(self, rounds: int) -> None:
+        logs: dict[str, list[tuple[int, str]]] = {}
+        for _ in range(rounds):
+            rows = self._store.list_events(None, self._after, _SCAN)
+            for row in rows:
+                self._add(row, logs)
+            if len(rows) < _SCAN:
+                return
+            self._after = rows[-1]["id"]
+
+    def _add(self, row: dict[str, Any], logs: dict[str, list[tuple[int, str]]]) -> None:
+        self._after = max(self._after, row["id"])
+        name = row["deployment"]
+        detail = " ".join(f"{k}={v}" for k, v in row["detail"].items())
+        log = None
+        if name is not None:
+            if name not in logs:
+                logs[name] = self._launch_logs(name)
+            at_ms = int(row["at"] * 1000)
+            began = [file for start, file in logs[name] if start <= at_ms]
+            log = began[-1] if began else None
+        entries = self.by_deployment.setdefault(name, deque(maxlen=PER_DEPLOYMENT))
+        entries.append(Entry(row["id"], row["at"], row["kind"], detail, log))
+
+    def _launch_logs(self, deployment: str) -> list[tuple[int, str]]:
+        """The deployment's launch logs, oldest first, by the wall time in their names."""
+        if not NAME_PATTERN.fullmatch(deployment):
+            return []
+        try:
+            names = [p.name for p in (self._log_root / deployment).iterdir()]
+        except OSError:
+            return []
+        found = [(int(m.group(1)), n) for n in names if (m := LOG_NAME.fullmatch(n))]
+        return sorted(found)
+
+    def view(self, deployment: str | None = None) -> tuple[tuple[str | None, tuple[Entry, ...]], ...]:
+        """Deployments by name (the server's own events last), each with its events newest first."""
+        names = sorted((n for n in self.by_deployment if n is not None), key=str)
+        if deployment is not None:
+            names = [n for n in names if n == deployment]
+        groups = [(n, tuple(reversed(self.by_deployment[n]))) for n in names]
+        if deployment is None and None in self.by_deployment:
+            groups.append((None, tuple(reversed(self.by_deployment[None]))))
+        return tuple(groups)
+
+
+class Board:
+    def __init__(self, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store, clock: Clock,
+                 hub: Hub, log_root: Path) -> None:
+        self.fleet = fleet
+        self.admission = admission
+        self.keys = keys
+        self.clock = clock
+        self.hub = hub
+        self.log_root = log_root
+        self.timeline = Timeline(store, log_root)
+        self._timeline_version = -1
+
+    def since(self, name: str, state: str, ready_at: float | None, started_at: float | None) -> float | None:
+        """When the deployment's current state began: from its last state change seen here, else what its
+        status tells (ready since, starting since), else unknown."""
+        seen = self.hub.since.get(name)
+        if seen is not None and seen[0] == state:
+            return seen[1]
+        if state == InstanceState.READY:
+            return ready_at
+        if state == InstanceState.STARTING:
+            return started_at
+        return None
+
+    def cards(self) -> list[Card]:
+        out, now = [], self.clock.wall()
+        for c in self.fleet.controllers():
+            status = c.status
+            since = self.since(c.name, str(status.state), status.ready_at, status.started_at)
+            out.append(card(c, self.admission, since, now))
+        return out
+
+    def key_rows(self) -> tuple[KeyRow, ...]:
+        return tuple(
+            KeyRow(key.name, usage.used, key.daily_limit, usage.pending, usage.refused, usage.last_used,
+                   tuple(key.models) if key.models is not None else None)
+            for key, usage in self.keys.keys()
+        )
+
+    def snapshot(self, page: str, deployment: str | None = None) -> dict[str, Any]:
+        """A page's fragments by name, each with the data it shows."""
+        if page == "fleet":
+            cards = self.cards()
+            return {"cards": tuple(c.name for c in cards), **{f"card-{c.name}": c for c in cards}}
+        if page == "memory":
+            return {"memory": tuple(bars(self.fleet.room, self.fleet.controllers()))}
+        if page == "keys":
+            return {"keys": self.key_rows()}
+        if self._timeline_version != self.hub.version:
+            self._timeline_version = self.hub.version
+            self.timeline.refresh()
+        return {"events": self.timeline.view(deployment)}

@@ -1,0 +1,318 @@
+"""The web dashboard in a real headless Chromium (Debian's package, driven by Playwright; never a browser
+download), against a real CapyCTL managing two stand-in vLLM 0.32.0 engines on one accounted device.
+
+Each test records every request its pages make and checks that none left the dashboard's origin, and
+that the browser reported no Content-Security-Policy violation. The screenshots in docs/images/ are
+taken here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
+
+from tests.fakes.standin_venv import make_standin_venv
+from tests.integration.harness import CapyServer
+
+pytestmark = pytest.mark.integration
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+PAGES = ["/ui/", "/ui/memory", "/ui/keys", "/ui/events"]
+
+
+class World:
+    """CapyCTL with a 7 GiB device (0.5 GiB reserved) and two host_backed stand-in vLLM deployments of
+    4 GiB awake, 1 GiB parked: alpha and beta cannot both be awake."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        config = tmp / "server.yaml"
+        config.write_text("memory:\n  devices:\n    - name: gpu0\n      capacity: 7GiB\n      reserve: 512MiB\n"
+                          "switching:\n  admission_window: 300ms\n")
+        self.server = CapyServer(tmp / "state", "--config", str(config))
+
+    @property
+    def origin(self) -> str:
+        return f"http://127.0.0.1:{self.server.management_port}"
+
+    def deploy(self, name: str) -> None:
+        path = self.tmp / f"{name}.yaml"
+        path.write_bytes(msgspec.yaml.encode({
+            "name": name, "engine": "vllm", "model": str(self.tmp / "model"), "residency": "host_backed",
+            "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
+            "engine_config": {"env": {"STANDIN_LOAD_S": "0.2"}},
+        }))
+        self.server.cli("deploy", "model", "--file", str(path))
+
+    def sign_in_url(self) -> str:
+        done = self.server.cli("dashboard")
+        lines = done.stdout.splitlines()
+        assert len(lines) == 1, done.stdout  # the link alone, on one line
+        assert re.fullmatch(re.escape(self.origin) + r"/ui/sign-in/[A-Za-z0-9_-]{40,}", lines[0]), lines[0]
+        return lines[0]
+
+    def state(self, name: str) -> str:
+        return str(self.server.cli_json("status", "deployment", name)["state"])
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        out = self.server.cli("events", "--json").stdout
+        return [e for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip())
+                if e["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    (tmp / "model").mkdir()
+    world = World(tmp)
+    world.server.start()
+    try:
+        world.server.cli("engine", "add", str(make_standin_venv(tmp / "vllm-venv", "vllm", "0.32.0")), "--name", "vllm")
+        world.deploy("alpha")
+        world.deploy("beta")
+        yield world
+    finally:
+        world.server.stop()
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    assert CHROMIUM.exists(), "Debian's chromium is missing: scripts/test installs it (apt-get install -y chromium)"
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+class Watched:
+    """A browser context whose every request and every CSP complaint is recorded."""
+
+    def __init__(self, browser: Browser) -> None:
+        self.context: BrowserContext = browser.new_context(viewport={"width": 1200, "height": 800})
+        self.requests: list[str] = []
+        self.csp: list[str] = []
+        self.context.on("request", lambda request: self.requests.append(request.url))
+        self.context.on("console", lambda message: self.csp.append(message.text)
+                        if "Content Security Policy" in message.text else None)
+
+    def page(self) -> Page:
+        page = self.context.new_page()
+        page.on("console", lambda message: self.csp.append(message.text)
+                if "Content Security Policy" in message.text else None)
+        return page
+
+    def check(self, origin: str) -> None:
+        assert self.requests, "no request was recorded"
+        strays = [url for url in self.requests if not url.startswith(origin + "/")]
+        assert not strays, f"requests left the dashboard's origin: {strays}"
+        assert not self.csp, f"Content-Security-Policy violations: {self.csp}"
+
+
+@pytest.fixture
+def signed_in(browser: Browser, world: World) -> Iterator[tuple[Watched, Page]]:
+    """A browser context signed in with the one-time link `capyctl dashboard` printed, on the fleet page."""
+    watched = Watched(browser)
+    try:
+        page = watched.page()
+        response = page.goto(world.sign_in_url())
+        assert response is not None and response.status == 200 and page.url == world.origin + "/ui/"
+        expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
+        yield watched, page
+        watched.check(world.origin)
+    finally:
+        watched.context.close()
+
+
+def shoot(page: Page, name: str) -> None:
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(IMAGES / f"dashboard-{name}.png"), full_page=True)
+
+
+def card_state(page: Page, name: str) -> Any:
+    return page.locator(f'article[data-deployment="{name}"] .card-body')
+
+
+def test_the_fleet_shows_both_deployments_and_a_cli_stop_turns_a_card_stopped_live(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    _, page = signed_in
+    world.server.cli("start", "deployment", "beta", "--wait")
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "ready", timeout=3000)
+    names = page.locator("article.card").evaluate_all("cards => cards.map(c => c.dataset.deployment)")
+    assert names == ["alpha", "beta"]
+    expect(page.locator('article[data-deployment="beta"]')).to_contain_text("vllm 0.32.0")
+    page.evaluate("window.capyctlMarker = 'no reload'")  # a reload would lose it
+    shoot(page, "fleet")
+    world.server.cli("stop", "deployment", "beta")
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "stopped", timeout=3000)
+    assert page.evaluate("window.capyctlMarker") == "no reload"
+    expect(page.locator('article[data-deployment="beta"]')).to_contain_text("stopped by an operator")
+    expect(page.locator('article[data-deployment="beta"] button[data-action="stop"]')).to_be_disabled()
+
+
+def test_the_park_button_confirmed_parks_the_engine_and_the_memory_bar_shows_it_parked(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, page = signed_in
+    world.server.cli("start", "deployment", "alpha", "--wait")
+    expect(card_state(page, "alpha")).to_have_attribute("data-state", "ready", timeout=3000)
+    page.locator('article[data-deployment="alpha"] a[data-action="park"]').click()
+    expect(page.locator("h1")).to_have_text("Park alpha?")
+    expect(page.locator(".consequences")).to_contain_text("It frees 3.00 GiB on gpu0")
+    expect(page.locator(".consequences")).to_contain_text("0 request(s) in flight")
+    shoot(page, "confirm")
+    page.locator('button[data-confirm="park"]').click()
+    page.wait_for_url(world.origin + "/ui/")
+    expect(card_state(page, "alpha")).to_have_attribute("data-state", "parked", timeout=3000)
+    assert world.state("alpha") == "parked"
+    world.server.cli("start", "deployment", "beta", "--wait")  # fits beside alpha's parked 1 GiB
+    page.goto(world.origin + "/ui/memory")
+    parked = page.locator('svg.bar rect.seg[data-deployment="alpha"]')
+    expect(parked).to_have_attribute("data-kind", "parked")
+    expect(page.locator('svg.bar rect.seg[data-deployment="beta"]')).to_have_attribute("data-kind", "awake")
+    expect(page.locator('table.legend tr[data-deployment="alpha"]')).to_contain_text("1.00 GiB")
+    expect(page.locator('table.legend tr.free-row')).to_contain_text("1.50 GiB")
+    shoot(page, "memory")
+    actions = [e for e in world.events("dashboard_action") if e["detail"].get("action") == "park"]
+    assert actions and re.fullmatch(r"[0-9a-f]{8}", actions[-1]["detail"]["session"]), actions
+    session_cookie = next(c["value"] for c in watched.context.cookies() if c["name"] == "capyctl_session")
+    assert session_cookie not in world.server.cli("events", "--json").stdout
+    assert session_cookie not in world.server.log()
+
+
+def cut_connections(port: int) -> None:
+    """Drop every TCP connection to ``port`` at once, both ends (as a network failure would), with iproute2."""
+    done = subprocess.run(["ss", "-K", "-t", "state", "established", f"( sport = :{port} or dport = :{port} )"],
+                          capture_output=True, text=True, timeout=10)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_dropped_stream_is_reported_and_the_page_catches_up_when_it_returns(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    _, page = signed_in
+    world.server.cli("stop", "deployment", "beta")
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "stopped", timeout=3000)
+    page.route("**/ui/stream*", lambda route: route.abort())  # the way back stays closed for now
+    cut_connections(world.server.management_port)
+    expect(page.locator("#live")).to_have_attribute("data-state", "dropped", timeout=5000)
+    expect(page.locator("#live")).to_contain_text("live updates lost")
+    world.server.cli("start", "deployment", "beta", "--wait")  # a change the page cannot see yet
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "stopped")
+    page.unroute("**/ui/stream*")
+    expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=10000)
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "ready", timeout=3000)
+
+
+def test_keys_and_events_pages(world: World, signed_in: tuple[Watched, Page]) -> None:
+    _, page = signed_in
+    world.server.cli("create", "key", "team-a", "--daily-limit", "100")
+    page.goto(world.origin + "/ui/keys")
+    row = page.locator('tr[data-key="team-a"]')
+    expect(row).to_contain_text("100")
+    secret_shape = re.compile(r"sk-|capy-")
+    assert not secret_shape.search(page.content())
+    shoot(page, "keys")
+    page.goto(world.origin + "/ui/events?deployment=alpha")
+    expect(page.locator('section.timeline[data-deployment="alpha"] li[data-kind="state_changed"]').first).to_be_visible()
+    world.server.cli("stop", "deployment", "alpha")
+    expect(page.locator('li[data-kind="operator_stop"]').first).to_be_visible(timeout=3000)
+    log_link = page.locator('li[data-kind="state_changed"] a', has_text="log").first
+    shoot(page, "events")
+    log_link.click()
+    expect(page.locator("h1")).to_contain_text("Log of alpha")
+    expect(page.locator("pre.log")).not_to_be_empty()
+
+
+def test_without_a_session_every_page_and_the_stream_are_refused(world: World, browser: Browser) -> None:
+    watched = Watched(browser)
+    try:
+        page = watched.page()
+        for path in [*PAGES, "/ui/deployments/alpha/park", "/ui/events?deployment=alpha"]:
+            response = page.goto(world.origin + path)
+            assert response is not None and response.status == 401, path
+            expect(page.locator("form.signin")).to_be_visible()
+        shoot(page, "sign-in")
+        for page_name in ("fleet", "memory", "keys", "events"):
+            refused = watched.context.request.get(f"{world.origin}/ui/stream?page={page_name}")
+            assert refused.status == 401, page_name
+            assert refused.json()["error"]["code"] == "sign_in_needed"
+        posted = watched.context.request.post(world.origin + "/ui/deployments/alpha/start", form={"csrf": "x"})
+        assert posted.status == 401
+        api_key = watched.context.request.post(world.origin + "/ui/sign-in", form={"token": world.server.api_key})
+        assert api_key.status == 401 and "not this server" in api_key.text()
+        assert not [c for c in watched.context.cookies() if c["name"] == "capyctl_session"]
+        watched.check(world.origin)
+    finally:
+        watched.context.close()
+
+
+def test_a_post_without_the_csrf_token_is_refused(world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, _ = signed_in
+    before = len(world.events("dashboard_action"))
+    for form in ({}, {"csrf": "not-the-token"}):
+        refused = watched.context.request.post(world.origin + "/ui/deployments/beta/stop", form=form)
+        assert refused.status == 403, refused.text()
+        assert "CSRF" in refused.text()
+    assert len(world.events("dashboard_action")) == before  # the refusal came before anything was done
+
+
+def test_a_sign_in_link_works_once(world: World, browser: Browser) -> None:
+    url = world.sign_in_url()
+    first, second = Watched(browser), Watched(browser)
+    try:
+        page = first.page()
+        response = page.goto(url)
+        assert response is not None and response.status == 200 and page.url.endswith("/ui/")
+        again = second.page()
+        reused = again.goto(url)
+        assert reused is not None and reused.status == 401
+        expect(again.locator(".error")).to_contain_text("used already or has expired")
+        second.check(world.origin)
+    finally:
+        first.context.close()
+        second.context.close()
+
+
+def test_the_admin_token_signs_in_and_sign_out_ends_the_session(world: World, browser: Browser) -> None:
+    watched = Watched(browser)
+    try:
+        page = watched.page()
+        page.goto(world.origin + "/ui/sign-in")
+        token = (world.server.state_dir / "identity" / "admin-token").read_text().strip()
+        page.fill('input[name="token"]', token)
+        page.click('form.signin button[type="submit"]')
+        page.wait_for_url(world.origin + "/ui/")
+        cookie = next(c for c in watched.context.cookies() if c["name"] == "capyctl_session")
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["value"] != token
+        page.click("form.signout button")
+        page.wait_for_url(world.origin + "/ui/sign-in")
+        assert page.goto(world.origin + "/ui/").status == 401  # type: ignore[union-attr]
+        watched.check(world.origin)
+    finally:
+        watched.context.close()
+
+
+def test_the_management_api_keeps_the_admin_token_and_other_hosts_are_refused(world: World) -> None:
+    token = (world.server.state_dir / "identity" / "admin-token").read_text().strip()
+    api = httpx.get(world.origin + "/deployments", headers={"authorization": f"Bearer {token}"})
+    assert api.status_code == 200 and {d["name"] for d in api.json()} == {"alpha", "beta"}
+    rebound = httpx.get(world.origin + "/ui/", headers={"host": f"attacker.example:{world.server.management_port}"})
+    assert rebound.status_code == 421 and rebound.json()["error"]["code"] == "wrong_host"
+    page = httpx.get(world.origin + "/ui/sign-in")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
