@@ -15,6 +15,7 @@ otherwise); every POST of a session needs its CSRF token (403 otherwise).
 
 from __future__ import annotations
 
+import hmac
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,8 +26,10 @@ from urllib.parse import quote
 import anyio
 import jinja2
 from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
 from litestar.datastructures import Cookie, State
 from litestar.exceptions import HTTPException
+from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Redirect, ServerSentEvent
 
 from capyctl.adapters.dashboard.assets import load_assets
@@ -36,11 +39,9 @@ from capyctl.adapters.dashboard.security import guarded
 from capyctl.adapters.dashboard.sessions import Session, Sessions, SignIns, admin_token_ok
 from capyctl.adapters.dashboard.views import ACTIONS, consequences, card
 from capyctl.adapters.http.asgi import REQUEST_ID_KEY, with_request_ids
-from capyctl.adapters.http.errors import status_of
-from capyctl.adapters.http.inference import capy_error_response
-from capyctl.adapters.http.management import require_admin
+from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.deployments import NAME_PATTERN
-from capyctl.domain.errors import CapyError, InternalError, InvalidRequest, NotFound
+from capyctl.domain.errors import CapyError, InternalError, InvalidRequest, NotFound, Unauthorized
 from capyctl.domain.memory import gib
 from capyctl.services.events import Events
 
@@ -140,6 +141,14 @@ def _page(request: Request[Any, Any, Any], template: str, page: str, live: bool 
 
 
 # --- sign-in ------------------------------------------------------------------------------------------
+def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """The management API's own check (``Authorization: Bearer <admin token>``, constant time)."""
+    token: str = connection.app.state.admin_token
+    given = connection.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {token}".encode()):
+        raise Unauthorized()
+
+
 @post("/ui/sign-ins", guards=[require_admin], status_code=201, sync_to_thread=False)
 def issue_sign_in(request: Request[Any, Any, Any]) -> dict[str, Any]:
     """For ``capyctl dashboard`` (admin token): a sign-in link good once, for a minute."""
@@ -321,9 +330,7 @@ def _wants_html(request: Request[Any, Any, Any]) -> bool:
 def error_page(request: Request[Any, Any, Any], error: CapyError) -> Response[Any]:
     status = STATUS.get(error.code) or status_of(error)
     if not _wants_html(request):
-        response = capy_error_response(request, error)
-        response.status_code = status
-        return response
+        return Response(envelope(error), status_code=status, headers=NO_STORE)
     if isinstance(error, SignInNeeded):
         return _html(request, "signin.html", 401, page="sign in", session=None, live=None, message=None)
     session = _dash(request).sessions.get(request.cookies.get(COOKIE, ""))

@@ -1,0 +1,251 @@
+"""The dashboard's parts on fakes: sign-in links and sessions on a clock the test moves; the view data
+(cards, the memory picture, what a switch would do) on a real fleet, switchboard and admission with fake
+engine processes in virtual time; the live stream's diffing and its bounded mark."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from capyctl.adapters.dashboard.board import Board, Timeline
+from capyctl.adapters.dashboard.live import Feed, Hub, stream
+from capyctl.adapters.dashboard.sessions import LINK_TTL, MAX_SESSIONS, SESSION_IDLE, Sessions, SignIns, admin_token_ok
+from capyctl.adapters.dashboard.views import consequences
+from capyctl.domain.config import Switching
+from capyctl.domain.engines import EngineFamily, EngineInstall
+from capyctl.domain.errors import DailyLimit
+from capyctl.domain.memory import Device
+from capyctl.domain.requests import RequestRecord
+from capyctl.domain.scheduling import QueueLimits
+from capyctl.services.admission import AdmissionService
+from capyctl.services.controllers import ControllerSettings
+from capyctl.services.events import Events
+from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring
+from capyctl.services.switching import Switchboard
+from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeProcessControl, FakeStore, VirtualClock, virtual_time
+
+GiB = 2**30
+SETTINGS = ControllerSettings(startup_timeout=60, stop_grace=0.1, poll_interval=0.01, max_start_failures=3)
+
+
+# --- sign-in links and sessions ------------------------------------------------------------------------
+def test_a_sign_in_link_works_once_and_only_within_its_minute() -> None:
+    clock = FakeClock()
+    links = SignIns(clock)
+    used, late, unknown = links.issue(), links.issue(), "x" * 43
+    clock.now += LINK_TTL - 0.1
+    assert links.redeem(used) is True
+    assert links.redeem(used) is False  # once
+    clock.now += 0.1
+    assert links.redeem(late) is False  # 60 s after it was issued
+    assert links.redeem(unknown) is False
+
+
+def test_a_session_is_known_by_its_id_only_and_checks_its_csrf_token() -> None:
+    clock = FakeClock()
+    sessions = Sessions(clock)
+    session_id, session = sessions.open("one-time link")
+    assert sessions.get(session_id) is session
+    assert sessions.get(session_id + "x") is None and sessions.get("") is None and sessions.get(None) is None
+    assert session.csrf_ok(session.csrf)
+    assert not session.csrf_ok(None) and not session.csrf_ok("") and not session.csrf_ok(session.csrf[:-1])
+    assert session.label not in session_id and session.csrf != session_id
+    sessions.close(session_id)
+    assert sessions.get(session_id) is None
+
+
+def test_a_session_ends_when_idle_and_the_least_recently_used_goes_first_when_full() -> None:
+    clock = FakeClock()
+    sessions = Sessions(clock)
+    idle_id, _ = sessions.open("admin token")
+    clock.now += SESSION_IDLE
+    assert sessions.get(idle_id) is None
+    ids = [sessions.open("admin token")[0] for _ in range(MAX_SESSIONS)]
+    clock.now += 1
+    for session_id in ids[1:]:
+        assert sessions.get(session_id) is not None  # used: ids[0] is now the least recently used
+    newest, _ = sessions.open("admin token")
+    assert sessions.get(ids[0]) is None and sessions.get(newest) is not None and len(sessions) == MAX_SESSIONS
+
+
+def test_only_the_admin_token_signs_in() -> None:
+    assert admin_token_ok(" tok3n\n", "tok3n")
+    assert not admin_token_ok("capy-abc.secret", "tok3n") and not admin_token_ok("", "tok3n")
+
+
+# --- the live stream ----------------------------------------------------------------------------------
+async def test_any_number_of_changes_while_a_stream_is_busy_leave_one_mark() -> None:
+    hub = Hub(lambda: 5.0)
+    with hub.feed() as feed:
+        for _ in range(10_000):
+            hub.event("a", "state_changed", {"state": "ready"})
+        with anyio.fail_after(1):
+            await feed.wait(60)  # the mark is there: at once
+        with anyio.move_on_after(0.05) as waited:
+            await feed.wait(60)  # and only one
+        assert waited.cancelled_caught
+    assert hub.streams == 0 and hub.since["a"] == ("ready", 5.0)
+
+
+async def test_a_stream_sends_everything_first_then_only_what_changed_and_ends_with_the_session() -> None:
+    snapshots = iter([{"a": 1, "b": 2}, {"a": 1, "b": 3}, {"a": 1, "b": 3, "c": 4}])
+    alive = iter([True, True, True, False])
+    feed = Feed()
+    feed.offer()
+    sent = []
+    async for message in stream(feed, lambda: next(snapshots), lambda name, now: f"{name}={now[name]}",
+                                lambda: next(alive), anyio.Event()):
+        feed.offer()  # as if every event came at once
+        sent.append((message.event, message.data))
+    assert sent == [(None, None), ("a", "a=1"), ("b", "b=2"), ("b", "b=3"), ("c", "c=4"),
+                    ("signed-out", "signed out")]
+
+
+# --- view data on a real fleet with fake engines, in virtual time -----------------------------------------------
+class ParkingAdapter(FakeEngineAdapter):
+    family = "vllm"
+
+    def probe(self, path: Path) -> tuple[str, str]:
+        return "0.32.0", "vllm 0.32.0"
+
+
+class World:
+    """A 2.5 GiB device; deployments of 1 GiB awake, 0.25 GiB parked (host_backed, a vLLM family fake)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.store = FakeStore()
+        self.store.put_engine(EngineInstall(name="e", family=EngineFamily.VLLM, path="/venv", version="0.32.0",
+                                            version_text=""))
+        self.model = tmp_path / "model"
+        self.model.mkdir()
+        self.clock = VirtualClock()
+        self.events = Events(self.store, self.clock)
+        self.admission = AdmissionService(QueueLimits(), self.clock, 1800.0)
+        self.room = Switchboard([Device(name="gpu0", capacity=int(2.5 * GiB))],
+                                Switching(admission_window=0.5, drain_timeout=30), self.admission, self.clock,
+                                self.events)
+        ports = itertools.count(7000)
+        self.fleet = Fleet(self.store, {"vllm": ParkingAdapter()}, FakeProcessControl(), self.clock,  # type: ignore[dict-item]
+                           self.events, lambda: next(ports), tmp_path / "logs", SETTINGS, self.room)
+        self.room.bind(self.fleet.controllers)
+        self.keys = Keyring(self.store, self.clock, self.events)
+        self.hub = Hub(self.clock.wall)
+        self.events.listen(self.hub.event)
+        self.board = Board(self.fleet, self.admission, self.keys, self.store, self.clock, self.hub, tmp_path / "logs")
+        self.ids = itertools.count()
+
+    async def deploy(self, name: str, memory: str = "1GiB") -> None:
+        await self.fleet.apply({"name": name, "engine": "e", "model": str(self.model), "residency": "host_backed",
+                                "resources": {"memory": memory, "parked_memory": "256MiB"}}, activate=False)
+
+    async def request(self, name: str) -> None:
+        controller = self.fleet.resolve(name)
+        record = RequestRecord(id=f"{name}-{next(self.ids)}", deployment=name, stream=False)
+        async with self.admission.admit(controller, record, None):
+            await controller.route(1800)
+            await anyio.sleep(0.1)
+
+    def card(self, name: str) -> Any:
+        return self.board.snapshot("fleet")[f"card-{name}"]
+
+    def memory(self) -> Any:
+        (bar,) = self.board.snapshot("memory")["memory"]
+        return bar
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return virtual_time()
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    w = World(tmp_path)
+    async with anyio.create_task_group() as tg:
+        await tg.start(w.fleet.run)
+        yield w
+        tg.cancel_scope.cancel()
+
+
+def allowed(card: Any) -> dict[str, bool]:
+    return {a.name: a.allowed for a in card.actions}
+
+
+async def test_cards_show_state_since_when_queues_and_only_the_legal_actions(world: World) -> None:
+    await world.deploy("a")
+    await world.deploy("b")
+    assert allowed(world.card("a")) == {"start": True, "stop": True, "park": False}
+    await world.request("a")
+    a = world.card("a")
+    assert (a.state, a.engine, a.engine_version, a.in_flight, a.waiting) == ("ready", "vllm", "0.32.0", 0, 0)
+    assert a.since is not None and a.since <= world.clock.wall() and a.pid is not None
+    assert allowed(a) == {"start": False, "stop": True, "park": True}
+    await world.fleet.stop("b")
+    b = world.card("b")
+    assert b.operator_stopped and allowed(b) == {"start": True, "stop": False, "park": False}
+    assert b.action("park").why_not == "an operator stopped it"
+
+
+async def test_the_memory_picture_and_what_a_switch_would_do_come_from_the_domains_plan(world: World) -> None:
+    for name in ("a", "b", "c"):
+        await world.deploy(name)
+    await world.deploy("huge", memory="3GiB")
+    await world.request("a")
+    await anyio.sleep(5)
+    await world.request("b")  # a is now the least recently used
+    bar = world.memory()
+    assert [(s.deployment, s.kind, s.size) for s in bar.segments] == [("a", "awake", GiB), ("b", "awake", GiB)]
+    assert bar.free == GiB // 2 and [s.start_pct for s in bar.segments] == [0.0, 40.0]
+    outlooks = {o.deployment: o for o in bar.outlooks}
+    assert outlooks["c"].verdict == "switch"
+    assert outlooks["c"].victims == (("a", "park", GiB - GiB // 4),)  # parking a leaves room: no need to stop it
+    assert outlooks["huge"].verdict == "never"
+    lines = consequences("park", world.fleet.get("a"), world.admission, world.fleet.room, world.fleet.controllers())
+    assert "It frees 0.75 GiB on gpu0." in lines
+
+    await world.fleet.park("a")
+    bar = world.memory()
+    assert [(s.deployment, s.kind, s.size) for s in bar.segments] == [("a", "parked", GiB // 4), ("b", "awake", GiB)]
+    assert {o.deployment: o.verdict for o in bar.outlooks} == {"c": "fits", "huge": "never"}
+    assert allowed(world.card("a")) == {"start": True, "stop": True, "park": False}
+
+
+async def test_keys_show_calls_limits_and_refusals_never_a_secret(world: World) -> None:
+    key, secret = world.keys.create("team", daily_limit=1)
+    world.keys.let_in(key, "r1")
+    world.keys.admitted("r1")
+    for request in ("r2", "r3"):
+        with pytest.raises(DailyLimit):
+            world.keys.let_in(key, request)
+    (row,) = [r for r in world.board.key_rows() if r.name == "team"]
+    assert (row.used_today, row.daily_limit, row.refused_today, row.under_way) == (1, 1, 2, 0)
+    assert secret not in repr(world.board.snapshot("keys")) and key.digest not in repr(world.board.snapshot("keys"))
+
+
+async def test_the_timeline_groups_events_by_deployment_with_the_launch_log_in_effect(world: World,
+                                                                                     tmp_path: Path) -> None:
+    logs = tmp_path / "logs" / "a"
+    logs.mkdir(parents=True)
+    (logs / "1000000000-1.log").write_text("first launch\n")
+    (logs / "1000002000-2.log").write_text("second launch\n")
+    world.store.events.clear()
+    for at, deployment, kind in [(999_999.0, "a", "deployment_created"), (1_000_001.0, "a", "state_changed"),
+                                 (1_000_003.0, "a", "engine_crashed"), (1_000_001.5, None, "key_created")]:
+        world.store.add_event(at, deployment, kind, {"n": 1})
+    timeline = Timeline(world.store, tmp_path / "logs")
+    await timeline.ensure_seeded()
+    (a, a_events), (server, server_events) = timeline.view()
+    assert (a, server) == ("a", None)
+    assert [(e.kind, e.log) for e in a_events] == [("engine_crashed", "1000002000-2.log"),
+                                                    ("state_changed", "1000000000-1.log"),
+                                                    ("deployment_created", None)]
+    assert [e.kind for e in server_events] == ["key_created"] and a_events[0].detail == "n=1"
+    world.store.add_event(1_000_004.0, "a", "operator_start", {})
+    timeline.refresh()
+    assert timeline.view("a")[0][1][0].kind == "operator_start"
