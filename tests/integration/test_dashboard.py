@@ -9,7 +9,9 @@ taken here.
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -316,3 +318,45 @@ def test_the_management_api_keeps_the_admin_token_and_other_hosts_are_refused(wo
     page = httpx.get(world.origin + "/ui/sign-in")
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+
+
+def test_a_stalled_browser_never_delays_inference(world: World) -> None:
+    """A stream whose reader never reads holds its data in its own socket; chat requests meanwhile are
+    answered as usual, and the dashboard still answers other browsers."""
+    cookies = httpx.get(world.sign_in_url(), follow_redirects=False).cookies
+    world.server.cli("start", "deployment", "alpha", "--wait")
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+    try:
+        stalled.connect(("127.0.0.1", world.server.management_port))
+        stalled.sendall(f"GET /ui/stream?page=keys HTTP/1.1\r\nHost: 127.0.0.1:{world.server.management_port}\r\n"
+                        f"Cookie: capyctl_session={cookies['capyctl_session']}\r\n\r\n".encode())
+        local_port = stalled.getsockname()[1]
+        question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        waited = []
+        deadline = time.monotonic() + 60
+        while not backlog(world.server.management_port, local_port):  # each answer counts on the keys page
+            assert time.monotonic() < deadline, "the stalled stream never filled its socket"
+            began = time.monotonic()
+            answer = httpx.post(world.server.base_url + "/v1/chat/completions", headers=world.server.headers(),
+                                json=question, timeout=30)
+            waited.append(time.monotonic() - began)
+            assert answer.status_code == 200, answer.text
+        for _ in range(20):  # and with the socket full, the same
+            began = time.monotonic()
+            answer = httpx.post(world.server.base_url + "/v1/chat/completions", headers=world.server.headers(),
+                                json=question, timeout=30)
+            waited.append(time.monotonic() - began)
+            assert answer.status_code == 200, answer.text
+        assert backlog(world.server.management_port, local_port), "the stream is not stalled any more"
+        assert max(waited) < 5, waited
+        assert httpx.get(world.origin + "/ui/", cookies=cookies).status_code == 200
+    finally:
+        stalled.close()
+
+
+def backlog(server_port: int, client_port: int) -> bool:
+    """Whether the server's end of that connection holds bytes the client has not taken (ss's Send-Q)."""
+    done = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{server_port} and dport = :{client_port} )"],
+                          capture_output=True, text=True, timeout=10)
+    return any(int(line.split()[1]) > 0 for line in done.stdout.splitlines() if line.split())

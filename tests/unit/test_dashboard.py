@@ -225,6 +225,8 @@ async def test_keys_show_calls_limits_and_refusals_never_a_secret(world: World) 
             world.keys.let_in(key, request)
     (row,) = [r for r in world.board.key_rows() if r.name == "team"]
     assert (row.used_today, row.daily_limit, row.refused_today, row.under_way) == (1, 1, 2, 0)
+    assert [e["detail"] for e in world.store.events if e["kind"] == "daily_limit_reached"] == [
+        {"key": "team", "daily_limit": 1}]  # the first refusal of the day only
     assert secret not in repr(world.board.snapshot("keys")) and key.digest not in repr(world.board.snapshot("keys"))
 
 
@@ -236,7 +238,8 @@ async def test_the_timeline_groups_events_by_deployment_with_the_launch_log_in_e
     (logs / "1000002000-2.log").write_text("second launch\n")
     world.store.events.clear()
     for at, deployment, kind in [(999_999.0, "a", "deployment_created"), (1_000_001.0, "a", "state_changed"),
-                                 (1_000_003.0, "a", "engine_crashed"), (1_000_001.5, None, "key_created")]:
+                                 (1_000_003.0, "a", "engine_crashed"), (1_000_001.5, None, "key_created"),
+                                 (1_000_003.5, "a", "router_selection")]:  # per request: left out
         world.store.add_event(at, deployment, kind, {"n": 1})
     timeline = Timeline(world.store, tmp_path / "logs")
     await timeline.ensure_seeded()

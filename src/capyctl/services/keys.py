@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 
-from capyctl.domain.errors import AlreadyExists, KeyNotFound
+from capyctl.domain.errors import AlreadyExists, DailyLimit, KeyNotFound
 from capyctl.domain.keys import (
     DEFAULT_NAME,
     ID_ALPHABET,
@@ -119,7 +119,13 @@ class Keyring:
     def let_in(self, key: ApiKey, request_id: str) -> None:
         """Take a place for this call today, or raise 429 daily_limit (nothing taken)."""
         wall = self._clock.wall()
-        take(key, self._today(key.id, wall), wall)
+        usage = self._today(key.id, wall)
+        try:
+            take(key, usage, wall)
+        except DailyLimit:
+            if usage.refused == 1:  # the first refusal of the day is an event; the rest are only counted
+                self._events.emit(None, "daily_limit_reached", key=key.name, daily_limit=key.daily_limit)
+            raise
         self._letting[request_id] = key.id
 
     def admitted(self, request_id: str) -> None:

@@ -311,7 +311,7 @@ async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment:
                                         dash.stopping):
                 yield message
 
-    return ServerSentEvent(messages(), headers={**NO_STORE, "x-accel-buffering": "no"})
+    return ServerSentEvent(messages())  # Litestar adds cache-control: no-cache and x-accel-buffering: no
 
 
 @get("/ui/static/{path:path}", sync_to_thread=False)

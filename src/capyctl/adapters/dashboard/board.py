@@ -25,6 +25,7 @@ from capyctl.services.keys import Keyring
 PAGES = ("fleet", "memory", "keys", "events")
 LOG_NAME = re.compile(r"(\d{1,16})-(\d{1,9})\.log")  # <wall ms>-<launch>.log, as local_engines names them
 PER_DEPLOYMENT = 50  # events kept per deployment on the timeline
+PER_REQUEST = frozenset({"router_selection"})  # one per request: the requests' own records show them, not here
 _SCAN = 1000  # events read from the store at a time
 
 
@@ -81,6 +82,8 @@ class Timeline:
 
     def _add(self, row: dict[str, Any], logs: dict[str, list[tuple[int, str]]]) -> None:
         self._after = max(self._after, row["id"])
+        if row["kind"] in PER_REQUEST:
+            return
         name = row["deployment"]
         detail = " ".join(f"{k}={v}" for k, v in row["detail"].items())
         log = None
