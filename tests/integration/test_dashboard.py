@@ -284,6 +284,7 @@ def test_a_sign_in_link_works_once(world: World, browser: Browser) -> None:
         reused = again.goto(url)
         assert reused is not None and reused.status == 401
         expect(again.locator(".error")).to_contain_text("used already or has expired")
+        assert url.rsplit("/", 1)[1] not in world.server.log()
         second.check(world.origin)
     finally:
         first.context.close()
