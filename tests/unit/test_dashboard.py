@@ -14,6 +14,7 @@ import pytest
 
 from capyctl.adapters.dashboard.board import Board, Timeline
 from capyctl.adapters.dashboard.live import Feed, Hub, stream
+from capyctl.adapters.dashboard.security import host_ok, served_names
 from capyctl.adapters.dashboard.sessions import LINK_TTL, MAX_SESSIONS, SESSION_IDLE, Sessions, SignIns, admin_token_ok
 from capyctl.adapters.dashboard.views import consequences
 from capyctl.domain.config import Switching
@@ -77,6 +78,17 @@ def test_a_session_ends_when_idle_and_the_least_recently_used_goes_first_when_fu
 def test_only_the_admin_token_signs_in() -> None:
     assert admin_token_ok(" tok3n\n", "tok3n")
     assert not admin_token_ok("capy-abc.secret", "tok3n") and not admin_token_ok("", "tok3n")
+
+
+def test_the_host_must_name_this_listener_by_address_localhost_or_its_configured_name() -> None:
+    names = served_names("cap.internal")
+    for host in ("127.0.0.1:7443", "localhost:7443", "LOCALHOST:7443", "[::1]:7443", "10.1.2.3:7443",
+                 "cap.internal:7443"):
+        assert host_ok(host, 7443, names), host
+    for host in ("127.0.0.1:7444", "127.0.0.1", "evil.example:7443", "127.0.0.1.nip.io:7443", "",
+                 "localhost.:7443"):
+        assert not host_ok(host, 7443, names), host
+    assert served_names("0.0.0.0") == {"localhost"} and "[fd00::1]" in served_names("fd00::1")
 
 
 # --- the live stream ----------------------------------------------------------------------------------
@@ -190,6 +202,22 @@ async def test_cards_show_state_since_when_queues_and_only_the_legal_actions(wor
     b = world.card("b")
     assert b.operator_stopped and allowed(b) == {"start": True, "stop": False, "park": False}
     assert b.action("park").why_not == "an operator stopped it"
+
+
+async def test_a_start_under_way_shows_its_elapsed_time_against_the_measured_usual(world: World) -> None:
+    await world.deploy("a")
+    await world.request("a")  # the first start is measured
+    measured = world.fleet.get("a").status.cold_starts
+    assert len(measured) == 1
+    await world.fleet.stop("a")
+    adapter = world.fleet.get("a").adapter
+    adapter.healthy = False  # type: ignore[attr-defined]  # the next start does not get ready
+    await world.fleet.start("a")
+    await anyio.sleep(3)
+    progress = world.card("a").progress
+    assert progress is not None and (progress.what, progress.usual) == ("start", round(measured[0], 1))
+    assert 2.9 <= progress.elapsed <= 3.1
+    adapter.healthy = True  # type: ignore[attr-defined]
 
 
 async def test_the_memory_picture_and_what_a_switch_would_do_come_from_the_domains_plan(world: World) -> None:

@@ -18,7 +18,7 @@ import anyio
 from capyctl.adapters.dashboard.app import build_dashboard, create_dashboard_app
 from capyctl.adapters.dashboard.board import Board
 from capyctl.adapters.dashboard.live import Hub
-from capyctl.adapters.dashboard.security import mount, served_hosts
+from capyctl.adapters.dashboard.security import mount, served_names
 from capyctl.domain.ports import Clock, Store
 from capyctl.services.admission import AdmissionService
 from capyctl.services.events import Events
@@ -34,7 +34,7 @@ def with_dashboard(management: Any, *, fleet: Fleet, admission: AdmissionService
     board = Board(fleet, admission, keys, store, clock, Hub(clock.wall), log_root)
     link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
     dashboard = build_dashboard(board, events, admin_token, f"http://{link_host}:{port}", stopping)
-    return mount(management, create_dashboard_app(dashboard, served_hosts(host, port)))
+    return mount(management, create_dashboard_app(dashboard, port, served_names(host)))
 
 
 __all__ = ["with_dashboard"]

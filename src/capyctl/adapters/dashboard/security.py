@@ -2,7 +2,9 @@
 
 A page on another site that makes a browser resolve its own name to
 127.0.0.1 reaches this listener with that name in ``Host``: such a request
-is refused before any handler sees it (421). Every answer, error pages and
+is refused before any handler sees it (421). Only IP addresses (which no
+DNS answer can rebind), ``localhost`` and the configured address pass, with
+the listener's port. Every answer, error pages and
 static files included, carries a Content-Security-Policy that allows
 scripts, styles and connections from this origin only and no inline script,
 and says never to frame the page nor to send a Referer (a sign-in link must
@@ -11,7 +13,8 @@ not leak through one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import ipaddress
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,30 +32,45 @@ HEADERS: list[tuple[bytes, bytes]] = [
 PREFIX = "/ui"  # the dashboard's paths; "/" sends a browser there
 
 
-def served_hosts(host: str, port: int) -> frozenset[str]:
-    """The ``Host`` values a browser sends for this listener: loopback by address or name, and the configured
-    host (an IPv6 one in brackets)."""
-    names = {"127.0.0.1", "localhost", "[::1]"}
+def served_names(host: str) -> frozenset[str]:
+    """The host names a browser may use for this listener besides IP addresses: localhost and the
+    configured one."""
+    names = {"localhost"}
     if host not in ("", "0.0.0.0", "::"):
-        names.add(f"[{host}]" if ":" in host else host)
-    return frozenset(f"{name}:{port}".lower() for name in names)
+        names.add(f"[{host}]" if ":" in host else host.lower())
+    return frozenset(names)
+
+
+def host_ok(header: str, port: int, names: frozenset[str]) -> bool:
+    """Whether ``Host`` names this listener: its port, and an IP address (which no DNS answer can rebind)
+    or one of ``names``."""
+    host, colon, given_port = header.lower().rpartition(":")
+    if not colon or given_port != str(port):
+        return False
+    if host in names:
+        return True
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(literal)
+    except ValueError:
+        return False
+    return True
 
 
 def is_dashboard(path: str) -> bool:
     return path == "/" or path == PREFIX or path.startswith(PREFIX + "/")
 
 
-def guarded(app: Callable[..., Any], hosts: Iterable[str]) -> Callable[..., Any]:
+def guarded(app: Callable[..., Any], port: int, names: frozenset[str]) -> Callable[..., Any]:
     """``app`` behind the Host check, with the security headers on every answer."""
-    allowed = frozenset(hosts)
 
     async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        host = next((v.decode("latin-1").lower() for k, v in scope["headers"] if k == b"host"), "")
-        if host not in allowed:
-            await _refuse_host(send, host, allowed)
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+        if not host_ok(host, port, names):
+            await _refuse_host(send, host, port)
             return
 
         async def with_headers(message: dict[str, Any]) -> None:
@@ -65,11 +83,12 @@ def guarded(app: Callable[..., Any], hosts: Iterable[str]) -> Callable[..., Any]
     return wrapped
 
 
-async def _refuse_host(send: Any, host: str, allowed: frozenset[str]) -> None:
+async def _refuse_host(send: Any, host: str, port: int) -> None:
     body = msgspec.json.encode({"error": {
         "code": "wrong_host", "type": "invalid_request_error",
         "message": f"the Host header {host!r} is not one this listener serves; open the dashboard as "
-                   f"http://{sorted(allowed)[0]}/ (a name that only resolves here is refused against DNS rebinding)",
+                   f"http://127.0.0.1:{port}/ (a name that is neither localhost, the configured address nor an IP "
+                   "address is refused, against DNS rebinding)",
     }})
     await send({"type": "http.response.start", "status": 421, "headers": [
         (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"cache-control", b"no-store"),
