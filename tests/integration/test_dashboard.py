@@ -314,6 +314,12 @@ def test_the_management_api_keeps_the_admin_token_and_other_hosts_are_refused(wo
     token = (world.server.state_dir / "identity" / "admin-token").read_text().strip()
     api = httpx.get(world.origin + "/deployments", headers={"authorization": f"Bearer {token}"})
     assert api.status_code == 200 and {d["name"] for d in api.json()} == {"alpha", "beta"}
+    for accept in ("*/*", "application/json"):  # "/" is the dashboard's for browsers only
+        plain = httpx.get(world.origin + "/", headers={"accept": accept, "authorization": f"Bearer {token}"})
+        assert plain.status_code == 404 and plain.json()["error"]["code"] == "not_found"
+    for path, status in (("/ui/", 401), ("/ui/nowhere", 404), ("/ui/deployments/alpha/explode", 401)):
+        answer = httpx.get(world.origin + path)  # not a browser: CapyCTL's JSON error envelope
+        assert answer.status_code == status and "code" in answer.json()["error"], path
     rebound = httpx.get(world.origin + "/ui/", headers={"host": f"attacker.example:{world.server.management_port}"})
     assert rebound.status_code == 421 and rebound.json()["error"]["code"] == "wrong_host"
     page = httpx.get(world.origin + "/ui/sign-in")

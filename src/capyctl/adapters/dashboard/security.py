@@ -57,8 +57,12 @@ def host_ok(header: str, port: int, names: frozenset[str]) -> bool:
     return True
 
 
-def is_dashboard(path: str) -> bool:
-    return path == "/" or path == PREFIX or path.startswith(PREFIX + "/")
+def is_dashboard(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    """``/ui`` and below; ``/`` only for a browser (it accepts HTML): any other client gets the management
+    API's own answer there, as before the dashboard."""
+    if path == "/":
+        return any(k == b"accept" and b"text/html" in v for k, v in headers)
+    return path == PREFIX or path.startswith(PREFIX + "/")
 
 
 def guarded(app: Callable[..., Any], port: int, names: frozenset[str]) -> Callable[..., Any]:
@@ -97,11 +101,11 @@ async def _refuse_host(send: Any, host: str, port: int) -> None:
 
 
 def mount(management: Callable[..., Any], dashboard: Callable[..., Any]) -> Callable[..., Any]:
-    """One listener for both: the dashboard's paths (``/`` and ``/ui/...``) to the dashboard, every other
-    path to the management API, untouched (its admin token works exactly as without the dashboard)."""
+    """One listener for both: the dashboard's paths (``/ui/...``, and ``/`` for a browser) to the dashboard,
+    every other request to the management API, untouched (its admin token works exactly as before)."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and is_dashboard(scope.get("path", "")):
+        if scope["type"] == "http" and is_dashboard(scope.get("path", ""), scope["headers"]):
             await dashboard(scope, receive, send)
         else:
             await management(scope, receive, send)

@@ -12,7 +12,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Redirect
 
 from capyctl.adapters.dashboard.sessions import admin_token_ok
-from capyctl.adapters.dashboard.web import COOKIE, NO_STORE, checked, dash, html, log
+from capyctl.adapters.dashboard.web import COOKIE, NO_STORE, SignInRefused, checked, dash, html, log
 from capyctl.domain.errors import Unauthorized
 
 # --- sign-in ------------------------------------------------------------------------------------------
@@ -49,17 +49,15 @@ async def sign_in_with_token(request: Request[Any, Any, Any]) -> Response[str]:
     token = form.get("token")
     if isinstance(token, str) and admin_token_ok(token, dash(request).admin_token):
         return _signed_in(request, "admin token")
-    return html(request, "signin.html", 401, page="sign in", session=None, live=None,
-                 message="That is not this server's admin token (API keys do not sign in).")
+    raise SignInRefused("that is not this server's admin token (API keys do not sign in)")
 
 
 @get("/ui/sign-in/{token:str}", sync_to_thread=False)
 def sign_in_with_link(request: Request[Any, Any, Any], token: str) -> Response[str]:
     if dash(request).signins.redeem(token):
         return _signed_in(request, "one-time link")
-    return html(request, "signin.html", 401, page="sign in", session=None, live=None,
-                 message="This sign-in link was used already or has expired (a link works once, for 60 s): "
-                         "run `capyctl dashboard` again for a new one.")
+    raise SignInRefused("this sign-in link was used already or has expired (a link works once, for 60 s): "
+                        "run `capyctl dashboard` again for a new one")
 
 
 @post("/ui/sign-out", status_code=303)

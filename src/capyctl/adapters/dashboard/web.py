@@ -38,6 +38,10 @@ class SignInNeeded(CapyError):
     code = "sign_in_needed"
 
 
+class SignInRefused(CapyError):
+    code = "sign_in_refused"
+
+
 class CsrfRefused(CapyError):
     code = "csrf_refused"
 
@@ -50,7 +54,8 @@ class TooManyStreams(CapyError):
     code = "too_many_streams"
 
 
-STATUS = {"sign_in_needed": 401, "csrf_refused": 403, "action_not_allowed": 409, "too_many_streams": 503}
+STATUS = {"sign_in_needed": 401, "sign_in_refused": 401, "csrf_refused": 403, "action_not_allowed": 409,
+          "too_many_streams": 503}
 
 
 @dataclass
@@ -125,15 +130,17 @@ def page(request: Request[Any, Any, Any], template: str, page: str, live: bool =
 
 # --- errors -------------------------------------------------------------------------------------------
 def wants_html(request: Request[Any, Any, Any]) -> bool:
-    return request.url.path != "/ui/sign-ins" and request.url.path != "/ui/stream"
+    """A browser navigating (it accepts HTML) gets error pages; any other client CapyCTL's JSON envelope."""
+    return "text/html" in request.headers.get("accept", "")
 
 
 def error_page(request: Request[Any, Any, Any], error: CapyError) -> Response[Any]:
     status = STATUS.get(error.code) or status_of(error)
     if not wants_html(request):
         return Response(envelope(error), status_code=status, headers=NO_STORE)
-    if isinstance(error, SignInNeeded):
-        return html(request, "signin.html", 401, page="sign in", session=None, live=None, message=None)
+    if isinstance(error, SignInNeeded | SignInRefused):
+        message = error.message if isinstance(error, SignInRefused) else None
+        return html(request, "signin.html", 401, page="sign in", session=None, live=None, message=message)
     session = dash(request).sessions.get(request.cookies.get(COOKIE, ""))
     return html(request, "error.html", status, page="error", session=session, live=None, http_status=status,
                  title={401: "Sign in first", 403: "Refused", 404: "Not found", 409: "Not now"}.get(status, "Error"),
