@@ -367,3 +367,13 @@ def backlog(server_port: int, client_port: int) -> bool:
     done = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{server_port} and dport = :{client_port} )"],
                           capture_output=True, text=True, timeout=10)
     return any(int(line.split()[1]) > 0 for line in done.stdout.splitlines() if line.split())
+
+
+def test_capyctl_dashboard_json_and_without_a_server(world: World, tmp_path: Path) -> None:
+    link = world.server.cli_json("dashboard")
+    assert link["expires_in_s"] == 60 and link["url"].startswith(world.origin + "/ui/sign-in/")
+    assert httpx.get(link["url"], follow_redirects=False).status_code == 303  # a good link, once
+    nothing = CapyServer(tmp_path / "nothing")
+    done = nothing.cli("dashboard", "--json", check=False)
+    assert done.returncode == 3 and "capyctl start standalone" in done.stderr
+    assert msgspec.json.decode(done.stdout)["error"]["code"] == "server_not_running"
