@@ -197,6 +197,26 @@ def test_the_park_button_confirmed_parks_the_engine_and_the_memory_bar_shows_it_
     assert session_cookie not in world.server.log()
 
 
+def test_stop_and_start_through_the_dashboard(world: World, signed_in: tuple[Watched, Page]) -> None:
+    _, page = signed_in
+    world.server.cli("start", "deployment", "beta", "--wait")
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "ready", timeout=3000)
+    page.locator('article[data-deployment="beta"] a[data-action="stop"]').click()
+    expect(page.locator(".consequences")).to_contain_text("0 request(s) in flight are cut")
+    page.locator('button[data-confirm="stop"]').click()
+    page.wait_for_url(world.origin + "/ui/")
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "stopped", timeout=3000)
+    expect(page.locator('article[data-deployment="beta"] button[data-action="stop"]')).to_be_disabled()
+    assert world.server.cli_json("status", "deployment", "beta")["operator_stopped"] is True
+    page.locator('article[data-deployment="beta"] a[data-action="start"]').click()
+    expect(page.locator(".consequences")).to_contain_text("lifts the operator's stop")
+    page.locator('button[data-confirm="start"]').click()
+    page.wait_for_url(world.origin + "/ui/")
+    expect(card_state(page, "beta")).to_have_attribute("data-state", "ready", timeout=5000)
+    asked = [e["detail"]["action"] for e in world.events("dashboard_action")]
+    assert asked[-2:] == ["stop", "start"]
+
+
 def cut_connections(port: int) -> None:
     """Drop every TCP connection to ``port`` at once, both ends (as a network failure would), with iproute2."""
     done = subprocess.run(["ss", "-K", "-t", "state", "established", f"( sport = :{port} or dport = :{port} )"],

@@ -280,3 +280,16 @@ async def test_the_timeline_groups_events_by_deployment_with_the_launch_log_in_e
     world.store.add_event(1_000_004.0, "a", "operator_start", {})
     timeline.refresh()
     assert timeline.view("a")[0][1][0].kind == "operator_start"
+
+
+async def test_unsettled_cut_requests_are_marked_and_change_what_a_switch_would_do(world: World) -> None:
+    for name in ("a", "b", "c"):
+        await world.deploy(name)
+    await world.request("a")
+    await anyio.sleep(5)
+    await world.request("b")
+    world.fleet.get("a").cut(RequestRecord(id="cut-1", deployment="a", stream=True))  # cut before any output
+    bar = world.memory()
+    assert {s.deployment: s.unsettled for s in bar.segments} == {"a": 1, "b": 0}
+    (c,) = bar.outlooks
+    assert c.victims == (("a", "stop", GiB),)  # it may still run on the engine: only a stop settles it
