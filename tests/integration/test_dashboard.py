@@ -217,6 +217,29 @@ def test_stop_and_start_through_the_dashboard(world: World, signed_in: tuple[Wat
     assert asked[-2:] == ["stop", "start"]
 
 
+def test_a_deployment_added_or_deleted_appears_or_goes_without_a_reload(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    _, page = signed_in
+    page.evaluate("window.capyctlMarker = 'no reload'")
+    world.deploy("gamma")
+    try:
+        expect(card_state(page, "gamma")).to_have_attribute("data-state", "stopped", timeout=3000)
+    finally:
+        world.server.cli("delete", "deployment", "gamma")
+    expect(page.locator('article[data-deployment="gamma"]')).to_have_count(0, timeout=3000)
+    assert page.evaluate("window.capyctlMarker") == "no reload"
+
+
+def test_every_dashboard_answer_carries_the_security_headers(world: World) -> None:
+    answers = [httpx.get(world.origin + path) for path in ("/ui/sign-in", "/ui/", "/ui/nowhere",
+                                                            "/ui/static/app.css", "/ui/stream")]
+    answers.append(httpx.get(world.origin + "/ui/", headers={"host": "elsewhere.example"}))
+    for answer in answers:
+        csp = answer.headers.get("content-security-policy", "")
+        assert "script-src 'self'" in csp and "default-src 'none'" in csp, answer.request.url
+        assert answer.headers["referrer-policy"] == "no-referrer" and answer.headers["x-frame-options"] == "DENY"
+
+
 def cut_connections(port: int) -> None:
     """Drop every TCP connection to ``port`` at once, both ends (as a network failure would), with iproute2."""
     done = subprocess.run(["ss", "-K", "-t", "state", "established", f"( sport = :{port} or dport = :{port} )"],
