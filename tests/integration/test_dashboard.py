@@ -265,12 +265,21 @@ def test_a_dropped_stream_is_reported_and_the_page_catches_up_when_it_returns(
 
 def test_keys_and_events_pages(world: World, signed_in: tuple[Watched, Page]) -> None:
     _, page = signed_in
-    secret = world.server.cli("create", "key", "team-a", "--daily-limit", "100").stdout.strip()
+    secret = world.server.cli("create", "key", "team-a", "--daily-limit", "2").stdout.strip()
+    world.server.cli("start", "deployment", "alpha", "--wait")
     page.goto(world.origin + "/ui/keys")
     row = page.locator('tr[data-key="team-a"]')
-    expect(row).to_contain_text("100")
+    expect(row.locator("td").nth(1)).to_have_text("0")
+    question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    codes = [httpx.post(world.server.base_url + "/v1/chat/completions", json=question, timeout=30,
+                        headers={"authorization": f"Bearer {secret}"}).status_code for _ in range(4)]
+    assert codes == [200, 200, 429, 429]
+    expect(row.locator("td")).to_have_text(["team-a", "2", "2", "0", "2", re.compile(r"\d{4}-\d\d-\d\d .+ UTC"),
+                                            "all"], timeout=3000)  # live: calls, limit, under way, refused
     assert len(secret) > 20 and secret not in page.content() and secret[-30:] not in page.content()
     shoot(page, "keys")
+    page.goto(world.origin + "/ui/events")
+    expect(page.locator('section.timeline[data-deployment=""] li[data-kind="daily_limit_reached"]')).to_have_count(1)
     page.goto(world.origin + "/ui/events?deployment=alpha")
     expect(page.locator('section.timeline[data-deployment="alpha"] li[data-kind="state_changed"]').first).to_be_visible()
     world.server.cli("stop", "deployment", "alpha")
