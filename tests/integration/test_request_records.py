@@ -123,6 +123,16 @@ def test_a_stream_the_client_left_is_recorded_cut_then_settled(server: CapyServe
     assert got["total_ms"] < 5000
 
 
+
+def test_an_engine_refusal_before_a_stream_is_recorded_with_the_status_answered(server: CapyServer) -> None:
+    """vLLM refuses the request (400, its own error type as the code) before any stream began: the row says
+    the status and code the client got, though CapyCTL's error table does not know that code."""
+    refused = chat(server, stream=True, replay_case="chat_context_overflow")
+    assert refused.status_code == 400, refused.text
+    code = refused.json()["error"]["code"]
+    row = management(server, "/requests/" + refused.headers["x-capyctl-request-id"]).json()
+    assert (row["status"], row["code"], row["stream"], row["deployment"]) == (400, code, True, "chat")
+
 def test_filters_on_the_cli_and_the_api(server: CapyServer) -> None:
     assert chat(server).status_code == 200
     assert chat(server, model="missing").status_code == 404

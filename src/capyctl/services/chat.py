@@ -385,6 +385,11 @@ class EngineCall:
     def metrics(self) -> dict[str, dict[str, Any]]:
         return self._meter.figures(self._row)
 
+    @property
+    def usage(self) -> Any:
+        """The engine's ``usage`` object, when its stream carried one."""
+        return self._meter.seen.get("usage")
+
 
 def check_cache_salt(obj: dict[str, Any], family: str, bound_by: str | None = None) -> None:
     """SALT-1/SALT-2: a valid salt, and only for engines that partition their cache by it

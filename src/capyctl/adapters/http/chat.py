@@ -69,7 +69,7 @@ class ChatEndpoint:
             if failure is None:
                 record.phase = Phase.DONE
                 outcome.code = "ok"
-                outcome.ttft_ms = call.metrics().get("ttft_ms", {}).get("value")
+                outcome.measured(call.metrics(), call.usage)
             else:
                 record.phase = Phase.FAILED
                 outcome.code = failure_error(failure).code
@@ -77,7 +77,8 @@ class ChatEndpoint:
             record.phase = Phase.FAILED
             outcome.code = error.code
             if not outcome.started and not opened and error.code not in _STREAMED_REFUSALS:
-                await exchange.json(status_of(error), error_body(error), headers + retry_after(error))
+                outcome.status = status_of(error)
+                await exchange.json(outcome.status, error_body(error), headers + retry_after(error))
                 return
             if not outcome.started:  # the engine accepted the request: the client gets a stream with the error
                 outcome.started = True
