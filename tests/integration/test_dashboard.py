@@ -29,7 +29,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
-PAGES = ["/ui/", "/ui/memory", "/ui/keys", "/ui/events"]
+PAGES = ["/ui/", "/ui/memory", "/ui/requests", "/ui/keys", "/ui/events"]
 
 
 class World:
@@ -291,16 +291,95 @@ def test_keys_and_events_pages(world: World, signed_in: tuple[Watched, Page]) ->
     expect(page.locator("pre.log")).not_to_be_empty()
 
 
+def cell(value: Any, digits: int = 1) -> str:
+    """A record's figure as the requests table shows it: a dash when nobody measured it."""
+    if value is None:
+        return "–"
+    return str(value) if isinstance(value, int) else f"{value:.{digits}f}"
+
+
+def test_a_chat_request_appears_live_in_the_requests_table_and_filters_narrow_it(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, page = signed_in
+    world.server.cli("start", "deployment", "alpha", "--wait")
+    page.goto(world.origin + "/ui/requests")
+    expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
+    page.evaluate("window.capyctlMarker = 'no reload'")
+    question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    answer = httpx.post(world.server.base_url + "/v1/chat/completions", json=question, timeout=30,
+                        headers=world.server.headers())
+    assert answer.status_code == 200, answer.text
+    unknown = httpx.post(world.server.base_url + "/v1/chat/completions", json={**question, "model": "nope"},
+                         timeout=30, headers=world.server.headers())
+    assert unknown.status_code == 404
+    request_id, refused_id = answer.headers["x-capyctl-request-id"], unknown.headers["x-capyctl-request-id"]
+    row, refused = page.locator(f'tr[data-id="{request_id}"]'), page.locator(f'tr[data-id="{refused_id}"]')
+    expect(row).to_be_visible(timeout=3000)  # live: the page was not reloaded
+    expect(refused).to_be_visible(timeout=3000)
+    assert page.evaluate("window.capyctlMarker") == "no reload"
+    ttft = answer.json()["capyctl"]["metrics"]["ttft_ms"]["value"]
+    assert ttft > 0
+    record = next(r for r in world.server.cli_json("list", "requests") if r["id"] == request_id)
+    expect(row.locator("td")).to_have_text([
+        re.compile(r"\d{4}-\d\d-\d\d .+ UTC"), "default", "alpha", "200", "ok", cell(record["queue_wait_ms"]),
+        cell(record["queue_ms"]), cell(ttft), cell(record["decode_tokens_per_second"]),
+        cell(record["prompt_tokens"]), cell(record["cached_tokens"]), cell(record["completion_tokens"]), "–", "–"])
+    expect(refused.locator("td.ttft")).to_have_text("–")  # never measured: not 0
+    expect(refused.locator("td.code")).to_have_text("model_not_found")
+    shoot(page, "requests")
+
+    page.fill('form.filters input[name="deployment"]', "alpha")
+    page.click('form.filters button[type="submit"]')  # a plain GET form: its blank fields are no filter
+    page.wait_for_url(re.compile(r".*/ui/requests\?deployment=alpha&.*"))
+    expect(row).to_be_visible()
+    expect(refused).to_have_count(0)
+    deployments = page.locator("table.requests tbody tr").evaluate_all("rows => rows.map(r => r.dataset.deployment)")
+    assert deployments and set(deployments) == {"alpha"}, deployments
+    page.goto(world.origin + "/ui/requests?status=404")
+    expect(refused).to_be_visible()
+    expect(row).to_have_count(0)
+
+    page.goto(world.origin + "/ui/requests")
+    row.locator("td.at a").click()  # its detail
+    page.wait_for_url(world.origin + f"/ui/requests/{request_id}")
+    expect(page.locator("h1")).to_have_text(f"Request {request_id}")
+    expect(page.locator('tr[data-field="ttft_ms"] td')).to_have_text(f"{ttft:g}")
+    expect(page.locator('tr[data-field="deployment"] td')).to_have_text("alpha")
+    expect(page.locator('tr[data-field="cause"] td')).to_have_text("–")
+    shoot(page, "request")
+    page.goto(world.origin + "/ui/requests")
+    page.fill('form.find input[name="id"]', refused_id)  # the search box takes an ID
+    page.click('form.find button[type="submit"]')
+    page.wait_for_url(world.origin + f"/ui/requests/{refused_id}")
+    expect(page.locator('tr[data-field="code"] td')).to_have_text("model_not_found")
+    missing = page.goto(world.origin + "/ui/requests/01M933CJQKSSDYEE55TA4Z8SRH")
+    assert missing is not None and missing.status == 404
+    expect(page.locator(".error")).to_contain_text("no request record")
+
+
+def test_a_bad_requests_filter_is_refused_naming_the_parameter(world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, page = signed_in
+    for query, name in (("status=abc", "status"), ("since=soon", "since"), ("limit=0", "limit"),
+                        ("colour=red", "colour"), ("key=a&key=b", "key"), ("id=", "id")):
+        response = page.goto(f"{world.origin}/ui/requests?{query}")
+        assert response is not None and response.status == 400, query
+        expect(page.locator("h1")).to_have_text("Not understood")
+        expect(page.locator('.error[data-code="invalid_request"]')).to_have_text(re.compile(rf"^'?{name}'?[: ]"))
+    stream = watched.context.request.get(f"{world.origin}/ui/stream?page=requests&status=abc")
+    assert stream.status == 400 and stream.json()["error"]["param"] == "status"
+
+
 def test_without_a_session_every_page_and_the_stream_are_refused(world: World, browser: Browser) -> None:
     watched = Watched(browser)
     try:
         page = watched.page()
-        for path in [*PAGES, "/ui/deployments/alpha/park", "/ui/events?deployment=alpha"]:
+        for path in [*PAGES, "/ui/deployments/alpha/park", "/ui/events?deployment=alpha",
+                     "/ui/requests?deployment=alpha", "/ui/requests/01M933CJQKSSDYEE55TA4Z8SRH", "/ui/requests?id=x"]:
             response = page.goto(world.origin + path)
             assert response is not None and response.status == 401, path
             expect(page.locator("form.signin")).to_be_visible()
         shoot(page, "sign-in")
-        for page_name in ("fleet", "memory", "keys", "events"):
+        for page_name in ("fleet", "memory", "keys", "events", "requests"):
             refused = watched.context.request.get(f"{world.origin}/ui/stream?page={page_name}")
             assert refused.status == 401, page_name
             assert refused.json()["error"]["code"] == "sign_in_needed"

@@ -1,6 +1,7 @@
 """The dashboard's parts on fakes: sign-in links and sessions on a clock the test moves; the view data
 (cards, the memory picture, what a switch would do) on a real fleet, switchboard and admission with fake
-engine processes in virtual time; the live stream's diffing and its bounded mark."""
+engine processes in virtual time; the live stream's diffing and its bounded mark; the Requests page's
+filters, cells and live table on the request log with a store in memory."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 from capyctl.adapters.dashboard.board import Board, Timeline
 from capyctl.adapters.dashboard.live import Feed, Hub, stream
+from capyctl.adapters.dashboard.requests import ROWS, Table, chosen, fields, figure, page_filter, settlement
 from capyctl.adapters.dashboard.security import host_ok, served_names
 from capyctl.adapters.dashboard.sessions import LINK_TTL, MAX_SESSIONS, SESSION_IDLE, Sessions, SignIns, admin_token_ok
 from capyctl.adapters.dashboard.views import consequences
 from capyctl.domain.config import Switching
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import DailyLimit
+from capyctl.domain.errors import DailyLimit, InvalidRequest
 from capyctl.domain.memory import Device
+from capyctl.domain.request_rows import LIMIT_MOST, RequestRow, RowFilter
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
@@ -28,8 +32,10 @@ from capyctl.services.controllers import ControllerSettings
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
+from capyctl.services.request_log import RequestLog
 from capyctl.services.switching import Switchboard
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeProcessControl, FakeStore, VirtualClock, virtual_time
+from tests.fakes.request_store import FakeRequestStore
 
 GiB = 2**30
 SETTINGS = ControllerSettings(startup_timeout=60, stop_grace=0.1, poll_interval=0.01, max_start_failures=3)
@@ -117,6 +123,85 @@ async def test_a_stream_sends_everything_first_then_only_what_changed_and_ends_w
         sent.append((message.event, message.data))
     assert sent == [(None, None), ("a", "a=1"), ("b", "b=2"), ("b", "b=3"), ("c", "c=4"),
                     ("signed-out", "signed out")]
+
+
+async def test_a_stream_awaits_a_snapshot_read_off_the_loop() -> None:
+    reads = iter([{"requests": ("r1",)}, {"requests": ("r1",)}, {"requests": ("r2", "r1")}])
+    alive = iter([True, True, True, False])
+
+    async def snapshot() -> dict[str, Any]:
+        await anyio.sleep(0)
+        return next(reads)
+
+    feed = Feed()
+    sent = []
+    async for message in stream(feed, snapshot, lambda name, now: ",".join(now[name]), lambda: next(alive),
+                                anyio.Event()):
+        feed.offer()
+        sent.append((message.event, message.data))
+    assert sent == [(None, None), ("requests", "r1"), ("requests", "r2,r1"), ("signed-out", "signed out")]
+
+
+# --- the Requests page ----------------------------------------------------------------------------------
+def test_the_requests_form_drops_blank_fields_shows_200_rows_and_keeps_the_records_strictness() -> None:
+    blank = {"deployment": "", "key": " ", "status": "", "code": "", "since": ""}  # a form sent as it is
+    assert page_filter(blank, 1000.0) == RowFilter(limit=ROWS) and chosen(blank) == {}
+    given = {"deployment": "alpha", "key": "team", "status": "404", "code": "model_not_found", "since": "10m"}
+    assert page_filter(given, 1000.0) == RowFilter(deployment="alpha", key="team", status=404,
+                                                   code="model_not_found", since=400.0, limit=ROWS)
+    assert chosen({**given, "key": ""}) == {k: v for k, v in given.items() if k != "key"}
+    assert page_filter({"limit": "5"}, 0).limit == 5
+    for params, name in [({"status": "abc"}, "status"), ({"status": "700"}, "status"), ({"since": "soon"}, "since"),
+                         ({"limit": str(LIMIT_MOST + 1)}, "limit"), ({"limit": "0"}, "limit"),
+                         ({"colour": "red"}, "colour"), ({"colour": ""}, "colour")]:
+        with pytest.raises(InvalidRequest) as refused:
+            page_filter(params, 1000.0)
+        assert refused.value.extra["param"] == name and name in refused.value.message, params
+
+
+def test_a_figure_nobody_measured_is_a_dash_never_0() -> None:
+    assert [figure(None), figure(0), figure(0.0), figure(12.345), figure(37), figure(1.25, 2)] == [
+        "–", "0", "0.0", "12.3", "37", "1.25"]
+    cut = RequestRow(id="R1", at=1.0, api="chat", code="client_gone", cause="client_gone", settlement="engine_idle")
+    assert settlement(cut) == "engine_idle (unsettled)"
+    assert settlement(RequestRow(id="R1", at=1.0, api="chat", code="ok")) == "–"
+    done = msgspec.structs.replace(cut, settled_s=2.5)
+    assert settlement(done) == "engine_idle after 2.5 s"
+    shown = dict(fields(done))
+    assert list(shown) == list(RequestRow.__struct_fields__)  # every field, in the record's order
+    assert (shown["id"], shown["stream"], shown["ttft_ms"], shown["settled_s"], shown["at"]) == (
+        "R1", "no", "–", "2.5", "1.000 (1970-01-01 00:00:01 UTC)")
+
+
+class CountingStore(FakeRequestStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def list_requests(self, where: RowFilter) -> list[RequestRow]:
+        self.reads += 1
+        return super().list_requests(where)
+
+
+async def test_a_live_requests_table_reads_the_store_again_only_after_new_rows_were_stored() -> None:
+    store = CountingStore()
+    clock = FakeClock()
+    records = RequestLog(store, clock)
+    now = clock.wall()  # rows of now: older ones would be pruned by the records' retention
+    records.add(RequestRow(id="A1", at=now, api="chat", code="ok", deployment="alpha", ttft_ms=12.5))
+    records.add(RequestRow(id="B1", at=now + 1, api="chat", code="ok", deployment="beta"))
+    table = Table(records, RowFilter(deployment="alpha", limit=ROWS))
+    assert [r.id for r in await table.rows()] == ["A1"] and store.reads == 1
+    for _ in range(5):
+        assert [r.id for r in await table.rows()] == ["A1"]
+    assert store.reads == 1  # nothing new was stored: no read
+    records.add(RequestRow(id="A2", at=now + 2, api="chat", code="ok", deployment="alpha"))
+    assert [r.id for r in await table.rows()] == ["A1"] and store.reads == 1  # buffered, not stored yet
+    await records.flush()
+    assert [r.id for r in await table.rows()] == ["A2", "A1"] and store.reads == 2
+    records.settle("A1", "engine_idle", 1.5)  # a settlement changes a row too
+    await records.flush()
+    assert [r.settled_s for r in await table.rows()] == [None, 1.5]
 
 
 # --- view data on a real fleet with fake engines, in virtual time -----------------------------------------------

@@ -35,6 +35,7 @@ class RequestLog:
         self._buffer = RowBuffer(settings.buffer)
         self._writing = anyio.Lock()
         self.lost = 0  # entries taken from the buffer whose write failed
+        self.written = 0  # entries stored since the start: a reader that saw this count has seen them all
         self._dropped_told = 0  # ``dropped`` as the last log line told it
         self._pruned_at = -1e18
 
@@ -72,6 +73,7 @@ class RequestLog:
                 batch = self._buffer.take(self._settings.batch)
                 try:
                     await anyio.to_thread.run_sync(self._store.add_requests, batch)
+                    self.written += len(batch)
                 except Exception:
                     self.lost += len(batch)
                     log.exception("could not store %d request records (%d lost since the start)",

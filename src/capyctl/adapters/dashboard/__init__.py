@@ -3,8 +3,9 @@
 Modules: ``sessions`` (sign-in links, sessions, CSRF), ``security`` (the Host
 check, the security headers, the mount beside the management API),
 ``views`` (each page's data as structs), ``board`` (reading them from the
-services), ``live`` (one event stream per open page), ``assets`` (the
-static files, vendored ones pinned), ``app`` (the Litestar handlers).
+services), ``requests`` (the Requests page, from the request records),
+``live`` (one event stream per open page), ``assets`` (the static files,
+vendored ones pinned), ``app`` (the Litestar handlers).
 It reads what the CLI reads and never sits on an inference request's path.
 """
 
@@ -24,16 +25,17 @@ from capyctl.services.admission import AdmissionService
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
+from capyctl.services.request_log import RequestLog
 
 
 def with_dashboard(management: Any, *, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store,
                    events: Events, clock: Clock, admin_token: str, log_root: Path, listening: tuple[str, int],
-                   stopping: anyio.Event) -> Any:
+                   stopping: anyio.Event, records: RequestLog) -> Any:
     """The management API's ASGI app with the dashboard mounted beside it on the same listener."""
     host, port = listening
     board = Board(fleet, admission, keys, store, clock, Hub(clock.wall), log_root)
     link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
-    dashboard = build_dashboard(board, events, admin_token, f"http://{link_host}:{port}", stopping)
+    dashboard = build_dashboard(board, events, admin_token, f"http://{link_host}:{port}", stopping, records)
     return mount(management, create_dashboard_app(dashboard, port, served_names(host)))
 
 

@@ -6,13 +6,16 @@ Paths (all under ``/ui``; ``/`` redirects to the fleet):
 - ``GET /ui/sign-in`` and ``POST /ui/sign-in`` (the admin token), ``GET /ui/sign-in/{token}`` (the link),
   ``POST /ui/sign-out`` (module ``signin``);
 - ``GET /ui/``, ``/ui/memory``, ``/ui/keys``, ``/ui/events``, ``/ui/logs/{deployment}/{file}``: pages;
+- ``GET /ui/requests`` (filters: module ``requests``; ``?id=`` goes to the detail), ``/ui/requests/{id}``;
 - ``GET /ui/deployments/{name}/{action}``: what the action will do, and the form that does it (``POST``);
 - ``GET /ui/stream?page=...``: the page's live stream; ``GET /ui/static/...``: the assets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 from litestar import Litestar, Request, Response, get, post
@@ -23,6 +26,7 @@ from litestar.response import Redirect, ServerSentEvent
 from capyctl.adapters.dashboard.assets import load_assets
 from capyctl.adapters.dashboard.board import LOG_NAME, PAGES, Board
 from capyctl.adapters.dashboard.live import MAX_STREAMS, stream
+from capyctl.adapters.dashboard.requests import Table, chosen, fields, page_filter, query
 from capyctl.adapters.dashboard.security import guarded
 from capyctl.adapters.dashboard.sessions import Sessions, SignIns
 from capyctl.adapters.dashboard.signin import (
@@ -51,6 +55,7 @@ from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.domain.deployments import NAME_PATTERN
 from capyctl.domain.errors import CapyError, InvalidRequest, NotFound
 from capyctl.services.events import Events
+from capyctl.services.request_log import RequestLog
 
 LOG_TAIL = 64 * 1024  # bytes of a launch log shown
 
@@ -83,6 +88,33 @@ async def events_page(request: Request[Any, Any, Any], deployment: str | None = 
     await board.timeline.ensure_seeded()
     groups = board.snapshot("events", deployment)["events"]
     return page(request, "events.html", "events", groups=groups, deployment=deployment)
+
+
+@get("/ui/requests")
+async def requests_page(request: Request[Any, Any, Any]) -> Response[str]:
+    session_of(request)
+    parts = dash(request)
+    params = query(request.query_params.multi_items())
+    if "id" in params:  # the search box: a request by its X-CapyCTL-Request-Id
+        wanted = params["id"].strip()
+        if not wanted:
+            raise InvalidRequest("'id' must not be empty: give a request's X-CapyCTL-Request-Id", param="id")
+        return Redirect(f"/ui/requests/{quote(wanted, safe='')}", status_code=303, headers=NO_STORE)
+    rows = await parts.records.find(page_filter(params, parts.records.wall()))
+    board, form = parts.board, chosen(params)
+    return page(request, "requests.html", "requests", stream_params=form, rows=rows, form=form,
+                deployments=sorted(c.name for c in board.fleet.controllers()),
+                keys=sorted(key.name for key, _ in board.keys.keys()))
+
+
+@get("/ui/requests/{request_id:str}")
+async def request_page(request: Request[Any, Any, Any], request_id: str) -> Response[str]:
+    session_of(request)
+    row = await dash(request).records.get(request_id)
+    if row is None:
+        raise NotFound(f"no request record {request_id!r}: it is unknown, or older than the records keep",
+                       param="request_id")
+    return page(request, "request.html", "requests", live=False, row=row, fields=fields(row))
 
 
 @get("/ui/logs/{deployment:str}/{file:str}", sync_to_thread=False)
@@ -152,21 +184,29 @@ async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment:
     if page == "events":
         await board.timeline.ensure_seeded()
     env = parts.templates
+    read: Callable[[], Any] = lambda: board.snapshot(page, deployment)  # noqa: E731
+    if page == "requests":  # the records are read off the loop, and again only once new rows were stored
+        params = {k: v for k, v in query(request.query_params.multi_items()).items() if k != "page"}
+        table = Table(parts.records, page_filter(params, parts.records.wall()))
+
+        async def read_records() -> dict[str, Any]:
+            return {"requests": await table.rows()}
+        read = read_records
 
     def render(name: str, now: dict[str, Any]) -> str:
         if name == "cards":
             return env.get_template("_cards.html").render(cards=[now[f"card-{n}"] for n in now["cards"]])
         if name.startswith("card-"):
             return env.get_template("_card.html").render(c=now[name])
-        context = {"memory": {"bars": now.get("memory")}, "keys": {"keys": now.get("keys")},
+        context = {"memory": {"bars": now.get("memory")}, "requests": {"rows": now.get("requests")},
+                   "keys": {"keys": now.get("keys")},
                    "events": {"groups": now.get("events"), "deployment": deployment}}[name]
         return env.get_template(f"_{name}.html").render(**context)
 
     async def messages() -> Any:
         with hub.feed() as feed:
             alive = lambda: parts.sessions.get(session_id) is not None  # noqa: E731
-            async for message in stream(feed, lambda: board.snapshot(page, deployment), render, alive,
-                                        parts.stopping):
+            async for message in stream(feed, read, render, alive, parts.stopping):
                 yield message
 
     return ServerSentEvent(messages())  # Litestar adds cache-control: no-cache and x-accel-buffering: no
@@ -185,8 +225,8 @@ def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str])
     """The dashboard's ASGI application, behind the Host check and the security headers."""
     app = Litestar(
         route_handlers=[issue_sign_in, sign_in_page, sign_in_with_token, sign_in_with_link, sign_out, root,
-                        fleet_page, memory_page, keys_page, events_page, log_page, confirm_page, do_action, live,
-                        static],
+                        fleet_page, memory_page, requests_page, request_page, keys_page, events_page, log_page,
+                        confirm_page, do_action, live, static],
         exception_handlers={CapyError: error_page, HTTPException: http_error_page, Exception: unexpected_error_page},
         openapi_config=None,
         logging_config=None,
@@ -195,12 +235,13 @@ def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str])
     return with_request_ids(guarded(app, port, names))
 
 
-def build_dashboard(board: Board, events: Events, admin_token: str, base_url: str, stopping: anyio.Event) -> Dashboard:
+def build_dashboard(board: Board, events: Events, admin_token: str, base_url: str, stopping: anyio.Event,
+                    records: RequestLog) -> Dashboard:
     """The dashboard's parts; its hub listens to the events from here on."""
     events.listen(board.hub.event)
     return Dashboard(board=board, sessions=Sessions(board.clock), signins=SignIns(board.clock), events=events,
                      admin_token=admin_token, base_url=base_url, stopping=stopping, templates=templates(),
-                     assets=load_assets())
+                     assets=load_assets(), records=records)
 
 
 __all__ = ["Board", "Dashboard", "Hub", "build_dashboard", "create_dashboard_app"]

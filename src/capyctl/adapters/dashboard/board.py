@@ -22,7 +22,7 @@ from capyctl.services.admission import AdmissionService
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
 
-PAGES = ("fleet", "memory", "keys", "events")
+PAGES = ("fleet", "memory", "keys", "events", "requests")  # requests: read by app.live, from the records
 LOG_NAME = re.compile(r"(\d{1,16})-(\d{1,9})\.log")  # <wall ms>-<launch>.log, as local_engines names them
 PER_DEPLOYMENT = 50  # events kept per deployment on the timeline
 PER_REQUEST = frozenset({"router_selection"})  # one per request: the requests' own records show them, not here

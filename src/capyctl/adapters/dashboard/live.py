@@ -7,9 +7,9 @@ the browsers do. Each stream is its own task:
 
 1. on open, it sends every fragment of its page (so a page that lost its
    stream catches up as soon as the browser reconnects);
-2. then it waits for a mark or ``TICK`` seconds (queues and elapsed times
-   change without an event), reads the page's data again and sends the
-   fragments whose data changed, rendered afresh.
+2. then it waits for a mark or ``TICK`` seconds (queues, elapsed times and
+   request records change without an event), reads the page's data again
+   and sends the fragments whose data changed, rendered afresh.
 
 A stream's queue is bounded at one mark: any number of changes while the
 stream is busy, or while its browser does not read, collapse into that one
@@ -21,7 +21,7 @@ the session ends, when the server stops, or past ``MAX_STREAMS`` (refused).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -89,7 +89,7 @@ Snapshot = dict[str, Any]  # fragment name -> the data it shows
 
 async def stream(
     feed: Feed,
-    snapshot: Callable[[], Snapshot],
+    snapshot: Callable[[], Snapshot | Awaitable[Snapshot]],
     render: Callable[[str, Snapshot], str],
     alive: Callable[[], bool],
     stopping: anyio.Event,
@@ -103,6 +103,8 @@ async def stream(
             yield ServerSentEventMessage(event="signed-out", data="signed out")
             return
         now = snapshot()
+        if not isinstance(now, dict):  # a page whose data is read off the loop (the request records)
+            now = await now
         for name, data in now.items():
             if name not in sent or sent[name] != data:
                 yield ServerSentEventMessage(event=name, data=render(name, now))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import anyio
 import jinja2
@@ -21,12 +21,14 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from capyctl.adapters.dashboard.board import Board
+from capyctl.adapters.dashboard.requests import figure, settlement
 from capyctl.adapters.dashboard.sessions import Session, Sessions, SignIns
 from capyctl.adapters.http.asgi import REQUEST_ID_KEY
 from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.domain.errors import CapyError, InternalError, NotFound
 from capyctl.domain.memory import gib
 from capyctl.services.events import Events
+from capyctl.services.request_log import RequestLog
 
 log = logging.getLogger("capyctl.dashboard")
 COOKIE = "capyctl_session"
@@ -71,6 +73,7 @@ class Dashboard:
     stopping: anyio.Event
     templates: jinja2.Environment
     assets: dict[str, tuple[bytes, str]]
+    records: RequestLog
 
 
 def _stamp(wall: float) -> str:
@@ -81,6 +84,8 @@ def templates() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["gib"] = gib
+    env.filters["figure"] = figure
+    env.filters["settlement"] = settlement
     env.filters["stamp"] = _stamp
     env.filters["clock"] = lambda wall: datetime.fromtimestamp(wall, timezone.utc).strftime("%H:%M:%S UTC")
     env.filters["iso"] = lambda wall: datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds")
@@ -116,14 +121,17 @@ def html(request: Request[Any, Any, Any], template: str, status: int = 200, **co
     return Response(text, status_code=status, media_type=HTML, headers=NO_STORE)
 
 
-def page(request: Request[Any, Any, Any], template: str, page: str, live: bool = True, **context: Any) -> Response[str]:
-    """A page of a signed-in session; ``live``: with its event stream."""
+def page(request: Request[Any, Any, Any], template: str, page: str, live: bool = True,
+         stream_params: dict[str, str] | None = None, **context: Any) -> Response[str]:
+    """A page of a signed-in session; ``live``: with its event stream (``stream_params``: its query's filters)."""
     _, session = session_of(request)
     stream = None
     if live:
         stream = f"/ui/stream?page={page}"
         if context.get("deployment"):
             stream += f"&deployment={quote(context['deployment'])}"
+        if stream_params:
+            stream += "&" + urlencode(stream_params)
     return html(request, template, page=page, session=session, live=stream, **context)
 
 
@@ -143,7 +151,8 @@ def error_page(request: Request[Any, Any, Any], error: CapyError) -> Response[An
         return html(request, "signin.html", 401, page="sign in", session=None, live=None, message=message)
     session = dash(request).sessions.get(request.cookies.get(COOKIE, ""))
     return html(request, "error.html", status, page="error", session=session, live=None, http_status=status,
-                 title={401: "Sign in first", 403: "Refused", 404: "Not found", 409: "Not now"}.get(status, "Error"),
+                 title={400: "Not understood", 401: "Sign in first", 403: "Refused", 404: "Not found",
+                        409: "Not now"}.get(status, "Error"),
                  code=error.code, message=error.message)
 
 
