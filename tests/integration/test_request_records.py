@@ -133,6 +133,21 @@ def test_an_engine_refusal_before_a_stream_is_recorded_with_the_status_answered(
     row = management(server, "/requests/" + refused.headers["x-capyctl-request-id"]).json()
     assert (row["status"], row["code"], row["stream"], row["deployment"]) == (400, code, True, "chat")
 
+
+def test_a_refusal_at_the_daily_limit_is_recorded_with_its_key_and_model(server: CapyServer) -> None:
+    """The daily limit refuses at the front door, after the key and the model were read: the row names both."""
+    secret = server.cli("create", "key", "one-a-day", "--daily-limit", "1").stdout.strip()
+    headers = {"authorization": f"Bearer {secret}"}
+    assert chat(server, headers).status_code == 200
+    refused = chat(server, headers)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "daily_limit"
+    row = management(server, "/requests/" + refused.headers["x-capyctl-request-id"]).json()
+    assert (row["code"], row["status"], row["key"], row["deployment"], row["instance"]) == (
+        "daily_limit", 429, "one-a-day", "chat", None)
+    bad = chat(server, headers, model=7)  # refused before any model was read: the key alone is named
+    row = management(server, "/requests/" + bad.headers["x-capyctl-request-id"]).json()
+    assert (row["status"], row["key"], row["deployment"]) == (400, "one-a-day", None)
+
 def test_filters_on_the_cli_and_the_api(server: CapyServer) -> None:
     assert chat(server).status_code == 200
     assert chat(server, model="missing").status_code == 404

@@ -57,3 +57,10 @@ def test_a_refusal_at_the_front_has_its_code_and_status_only() -> None:
     got = refused_row("01REF", InvalidRequest("bad", param="X-Request-Id"), "/v1/chat/completions", 9.0)
     assert (got.id, got.code, got.status, got.deployment, got.key) == ("01REF", "invalid_request", 400, None, None)
     assert refused_row("01Q", QueueFull("m", "64 waiting", 5), "/v1/chat/completions", 9.0).status == 429
+
+
+def test_a_refused_row_names_the_key_and_model_the_front_had_read() -> None:
+    got = refused_row("01D", QueueFull("m", "64 waiting", 5), "/v1/chat/completions", 9.0, "team-a", "m" * 500)
+    assert (got.key, got.instance, got.code) == ("team-a", None, "queue_full")
+    assert got.deployment is not None and got.deployment.startswith("m") and len(got.deployment) < 500  # clipped
+    assert (refused_row("01E", QueueFull("m", "x", 5), "/v1/systemone", 9.0).key,) == (None,)

@@ -159,12 +159,13 @@ class FrontDoor:
         gets the last resort's answer with the request ID."""
         request_id = new_request_id()
         headers: Headers = [NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
+        named: list[str] = []  # the key's name and the model, as far as the front read them (for a refusal's row)
         try:
-            front = self._front(exchange, request_id, headers)
+            front = self._front(exchange, request_id, headers, named)
         except CapyError as error:
             self._stats.refused(error.code)
             if self._records is not None:
-                self._records.add(refused_row(request_id, error, exchange.path, self._records.wall()))
+                self._records.add(refused_row(request_id, error, exchange.path, self._records.wall(), *named))
             return exchange.json(status_of(error), error_body(error), headers + retry_after(error))
         except Exception:
             log.exception("request %s: internal error", request_id)
@@ -187,27 +188,31 @@ class FrontDoor:
             raise MethodNotAllowed(f"{exchange.method} is not allowed on {endpoint.path}; use POST")
         return self._keys.authenticate(find_header(exchange.headers, b"authorization"))
 
-    def _body(self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str) -> tuple[dict[str, Any], str, bool]:
-        """The body decoded and its target read, the key's scope and salt applied, and the key's place for the
-        day taken (``let_in``, last: given back by ``done``)."""
+    def _body(self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str, named: list[str]
+              ) -> tuple[dict[str, Any], str, bool]:
+        """The body decoded and its target read (into ``named``), the key's scope and salt applied, and the key's
+        place for the day taken (``let_in``, last: given back by ``done``)."""
         obj = decode_body(body)
         model, stream = endpoint.target(obj)
+        named.append(model)
         check_scope(key, model, endpoint.service.names)
         bind_salt(key, obj)
         self._keys.let_in(key, request_id)
         return obj, model, stream
 
-    def _front(self, exchange: Exchange, request_id: str, headers: Headers) -> Front:
-        """The checks of the front, in order, then the endpoint's ``start``; raises what is to be answered."""
+    def _front(self, exchange: Exchange, request_id: str, headers: Headers, named: list[str]) -> Front:
+        """The checks of the front, in order, then the endpoint's ``start``; raises what is to be answered.
+        ``named`` gets the key's name once it is known, then the model's."""
         endpoint = self.endpoints[exchange.path]
         key = self._key(exchange, endpoint)
+        named.append(key.name)
         caller_values = header_values(exchange.headers, b"x-request-id")
         if caller_values:  # handed back as given, once it is known to be valid
             caller = check_caller_id(caller_values)
             headers.append((b"x-request-id", str(caller).encode()))
             caller_request_id.set(caller)  # (the request's task runs in the context this runs in)
         wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
-        obj, model, stream = self._body(endpoint, key, exchange.body, request_id)
+        obj, model, stream = self._body(endpoint, key, exchange.body, request_id, named)
         record = _record(request_id, model, stream, key)
         front = Front(endpoint, key, wait, obj, record, endpoint.service.now(), self._keys)
         try:

@@ -54,9 +54,12 @@ def finished_row(record: RequestRecord, outcome: Ended, path: str, at: float, to
     )
 
 
-def refused_row(request_id: str, error: CapyError, path: str, at: float) -> RequestRow:
-    """The row of a request refused at the front, before it had a record (key, body, headers, daily limit)."""
-    return RequestRow(id=request_id, at=at, api=APIS.get(path, path), code=error.code, status=status_of(error))
+def refused_row(request_id: str, error: CapyError, path: str, at: float, key: str | None = None,
+                deployment: str | None = None) -> RequestRow:
+    """The row of a request refused at the front, before it had a record (key, body, headers, daily limit), with
+    the key's name and the model named, where the front had read them before it refused."""
+    return RequestRow(id=request_id, at=at, api=APIS.get(path, path), code=error.code, status=status_of(error),
+                      key=key, deployment=None if deployment is None else clip_name(deployment))
 
 
 def _value(figures: dict[str, Any], name: str, default: Any = None) -> Any:
