@@ -29,7 +29,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
-PAGES = ["/ui/", "/ui/memory", "/ui/requests", "/ui/keys", "/ui/events"]
+PAGES = ["/ui/", "/ui/memory", "/ui/requests", "/ui/charts", "/ui/keys", "/ui/events"]
 
 
 class World:
@@ -369,6 +369,59 @@ def test_a_bad_requests_filter_is_refused_naming_the_parameter(world: World, sig
     assert stream.status == 400 and stream.json()["error"]["param"] == "status"
 
 
+def test_the_charts_page_draws_a_deployments_requests_with_its_park_and_wake_marked(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, page = signed_in
+    world.server.cli("start", "deployment", "alpha", "--wait")
+    assert world.server.cli_json("park", "deployment", "alpha")["state"] == "parked"
+    world.server.cli("start", "deployment", "alpha", "--wait")  # its wake
+    question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    answer = httpx.post(world.server.base_url + "/v1/chat/completions", json=question, timeout=30,
+                        headers=world.server.headers())
+    assert answer.status_code == 200, answer.text
+    source = world.origin + "/ui/charts/data?window=15m&deployment=alpha"
+    deadline, data = time.monotonic() + 5, {}
+    while time.monotonic() < deadline:  # the record is written off the request's path: poll, bounded
+        got = watched.context.request.get(source)
+        assert got.status == 200 and got.headers["content-type"].startswith("application/json")
+        data = got.json()
+        if data["deployments"] and max(data["deployments"][0]["series"]["requests_per_second"]) > 0:
+            break
+        time.sleep(0.1)
+    (alpha,) = data["deployments"]
+    assert alpha["name"] == "alpha" and alpha["requests"] >= 1 and data["window"] == "15m"
+    assert max(alpha["series"]["requests_per_second"]) > 0 and max(v or 0 for v in alpha["series"]["ttft_p50_ms"]) > 0
+    assert len(data["times"]) == len(alpha["series"]["requests_per_second"]) == 30
+    expected = {(kind, round(e["at"], 3)) for kind in ("parked", "woken", "switch_completed")
+                for e in world.events(kind) if e["deployment"] == "alpha" and data["start"] <= e["at"] < data["end"]}
+    assert {(m["event"], round(m["at"], 3)) for m in alpha["marks"]} == expected
+    assert {"park", "wake"} <= {m["kind"] for m in alpha["marks"]}
+
+    page.goto(world.origin + "/ui/charts?window=15m")
+    expect(page.locator("nav a[aria-current=page]")).to_have_text("Charts")
+    expect(page.locator("#charts")).to_have_attribute("data-state", "drawn", timeout=5000)
+    section = page.locator('section.chart[data-deployment="alpha"]')
+    expect(section).to_have_attribute("data-drawn", "4")
+    expect(section.locator(".uplot .u-title")).to_have_text(
+        ["TTFT (ms)", "Decode (tokens/s)", "Requests per second", "CapyCTL's wait in line (ms)"])
+    expect(section.locator("canvas")).to_have_count(4)
+    expect(section.locator('ul.marks li[data-kind="park"]').first).to_contain_text("parked")
+    expect(section.locator('ul.marks li[data-kind="wake"]').first).to_contain_text("woken")
+    expect(page.locator('section.chart[data-deployment="beta"]')).to_have_attribute("data-drawn", "4")
+    shoot(page, "charts")
+    page.goto(world.origin + "/ui/charts?window=1h&deployment=alpha")
+    expect(page.locator("section.chart")).to_have_count(1)
+    expect(page.locator('select[name="window"]')).to_have_value("1h")
+
+    for query, name in (("window=2h", "window"), ("colour=red", "colour"), ("window=1h&window=24h", "window")):
+        response = page.goto(f"{world.origin}/ui/charts?{query}")
+        assert response is not None and response.status == 400, query
+        expect(page.locator("h1")).to_have_text("Not understood")
+        expect(page.locator('.error[data-code="invalid_request"]')).to_have_text(re.compile(rf"^'?{name}'?[: ]"))
+    refused = watched.context.request.get(world.origin + "/ui/charts/data?window=2h")
+    assert refused.status == 400 and refused.json()["error"]["param"] == "window"
+
+
 def test_without_a_session_every_page_and_the_stream_are_refused(world: World, browser: Browser) -> None:
     watched = Watched(browser)
     try:
@@ -379,6 +432,8 @@ def test_without_a_session_every_page_and_the_stream_are_refused(world: World, b
             assert response is not None and response.status == 401, path
             expect(page.locator("form.signin")).to_be_visible()
         shoot(page, "sign-in")
+        data = watched.context.request.get(world.origin + "/ui/charts/data?window=15m")
+        assert data.status == 401 and data.json()["error"]["code"] == "sign_in_needed"
         for page_name in ("fleet", "memory", "keys", "events", "requests"):
             refused = watched.context.request.get(f"{world.origin}/ui/stream?page={page_name}")
             assert refused.status == 401, page_name

@@ -1,7 +1,8 @@
 """The dashboard's parts on fakes: sign-in links and sessions on a clock the test moves; the view data
 (cards, the memory picture, what a switch would do) on a real fleet, switchboard and admission with fake
 engine processes in virtual time; the live stream's diffing and its bounded mark; the Requests page's
-filters, cells and live table on the request log with a store in memory."""
+filters, cells and live table on the request log with a store in memory; the Charts page's data from the
+same log and the timeline's marks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import anyio
 import msgspec
 import pytest
 
-from capyctl.adapters.dashboard.board import Board, Timeline
+from capyctl.adapters.dashboard.board import MARKED, PER_DEPLOYMENT, Board, Timeline
+from capyctl.adapters.dashboard.charts import MARKS, SERIES, WINDOW, charts, read_params
 from capyctl.adapters.dashboard.live import Feed, Hub, stream
 from capyctl.adapters.dashboard.requests import ROWS, Table, chosen, fields, figure, page_filter, settlement
 from capyctl.adapters.dashboard.security import host_ok, served_names
@@ -171,6 +173,65 @@ def test_a_figure_nobody_measured_is_a_dash_never_0() -> None:
     assert list(shown) == list(RequestRow.__struct_fields__)  # every field, in the record's order
     assert (shown["id"], shown["stream"], shown["ttft_ms"], shown["settled_s"], shown["at"]) == (
         "R1", "no", "–", "2.5", "1.000 (1970-01-01 00:00:01 UTC)")
+
+
+# --- the Charts page -------------------------------------------------------------------------------------
+def test_the_charts_query_takes_a_known_window_and_a_deployment_and_names_a_bad_parameter() -> None:
+    assert read_params({}) == (WINDOW, None) == read_params({"window": " ", "deployment": ""})
+    assert read_params({"window": "15m", "deployment": "alpha"}) == ("15m", "alpha")
+    assert read_params({"window": "24h"}) == ("24h", None)
+    for params, name in [({"window": "2h"}, "window"), ({"window": "15M"}, "window"), ({"colour": "red"}, "colour")]:
+        with pytest.raises(InvalidRequest) as refused:
+            read_params(params)
+        assert refused.value.extra["param"] == name and name in refused.value.message, params
+
+
+async def test_charts_show_each_deployments_figures_per_bucket_with_its_parks_wakes_and_switches_marked(
+        tmp_path: Path) -> None:
+    clock = FakeClock()
+    records = RequestLog(FakeRequestStore(), clock)
+    now = clock.wall()
+    records.add(RequestRow(id="A1", at=now, api="chat", code="ok", deployment="alpha", ttft_ms=40.0,
+                           decode_tokens_per_second=90.0, queue_wait_ms=5.0))
+    records.add(RequestRow(id="A2", at=now, api="chat", code="engine_error", deployment="alpha"))
+    await records.flush()
+    store = FakeStore()
+    for at, kind in [(now - 120, "parked"), (now - 60, "woken"), (now - 30, "switch_completed"),
+                     (now - 20, "state_changed"), (now - 7200, "parked")]:  # not a mark; before the window
+        store.add_event(at, "alpha", kind, {"seconds": 1.5})
+    timeline = Timeline(store, tmp_path)
+    await timeline.ensure_seeded()
+    shown = charts("15m", await records.chart("15m"), ["beta", "alpha"], timeline.marks, now)
+    assert (shown.window, shown.bucket_seconds, len(shown.times)) == ("15m", 30, 30)
+    assert shown.start == shown.times[0] and shown.end == shown.times[-1] + 30 and shown.start <= now < shown.end
+    alpha, beta = shown.deployments  # by name; beta has no records: empty buckets, not a missing chart
+    assert (alpha.name, alpha.requests, alpha.errors, beta.name, beta.requests) == ("alpha", 2, 1, "beta", 0)
+    assert set(alpha.series) == set(SERIES) and all(len(v) == 30 for v in alpha.series.values())
+    assert alpha.series["requests_per_second"][-1] == round(2 / 30, 4) and alpha.series["errors"][-1] == 1
+    assert alpha.series["ttft_p50_ms"][-1] == 40.0 and alpha.series["queue_wait_p95_ms"][-1] == 5.0
+    assert alpha.series["ttft_p50_ms"][:-1] == [None] * 29  # nobody measured one there: no figure, never 0
+    assert beta.series["requests_per_second"] == [0.0] * 30 and beta.series["ttft_p95_ms"] == [None] * 30
+    assert [(m.kind, m.event, m.at) for m in alpha.marks] == [
+        ("park", "parked", now - 120), ("wake", "woken", now - 60), ("switch", "switch_completed", now - 30)]
+    assert alpha.marks[0].detail == "seconds=1.5" and beta.marks == []
+    assert set(MARKS) == MARKED
+    encoded = msgspec.json.decode(msgspec.json.encode(shown))  # as GET /ui/charts/data answers it
+    assert encoded["deployments"][0]["series"]["requests_per_second"][-1] > 0
+    only = charts("1h", await records.chart("1h", "beta"), ["beta"], timeline.marks, now)
+    assert [d.name for d in only.deployments] == ["beta"] and len(only.times) == 60
+
+
+async def test_the_timeline_keeps_the_marks_apart_from_busier_events(tmp_path: Path) -> None:
+    store = FakeStore()
+    store.add_event(1000.0, "alpha", "parked", {})
+    for i in range(PER_DEPLOYMENT + 10):
+        store.add_event(1001.0 + i, "alpha", "request_cut", {})
+    timeline = Timeline(store, tmp_path)
+    await timeline.ensure_seeded()
+    assert "parked" not in [e.kind for e in timeline.by_deployment["alpha"]]  # pushed off the events page
+    store.add_event(2000.0, "alpha", "woken", {})
+    timeline.refresh()
+    assert [e.kind for e in timeline.marks["alpha"]] == ["parked", "woken"]
 
 
 class CountingStore(FakeRequestStore):

@@ -13,6 +13,7 @@ from capyctl.adapters.dashboard.assets import STATIC, load_assets
 VENDOR = STATIC / "vendor"
 TEMPLATES = STATIC.parent / "templates"
 MANIFEST = json.loads((VENDOR / "MANIFEST.json").read_text())
+LICENCES = {"0BSD": r"Zero.Clause BSD|BSD Zero Clause", "MIT": r"^The MIT License"}  # the only ones allowed here
 
 
 def sha256(path: Path) -> str:
@@ -26,7 +27,8 @@ def test_every_vendored_file_matches_its_pinned_checksum_and_licence() -> None:
         assert sha256(VENDOR / entry["licence_file"]) == entry["licence_sha256"], entry["licence_file"]
         assert entry["version"] in entry["file"], "a vendored file's name carries its version"
         licence = (VENDOR / entry["licence_file"]).read_text()
-        assert entry["licence"] == "0BSD" and re.search(r"Zero.Clause BSD|BSD Zero Clause", licence), entry["licence_file"]
+        assert entry["licence"] in LICENCES, entry["file"]
+        assert re.search(LICENCES[entry["licence"]], licence), entry["licence_file"]
 
 
 def test_the_vendor_folder_holds_nothing_the_manifest_does_not_name() -> None:
@@ -50,4 +52,14 @@ def test_pages_load_only_this_servers_assets_and_hold_no_inline_script_or_style(
 def test_the_base_page_loads_htmx_and_its_sse_extension_as_pinned() -> None:
     base = (TEMPLATES / "base.html").read_text()
     for entry in MANIFEST["files"]:
-        assert f"/ui/static/vendor/{entry['file']}" in base
+        if entry["package"].startswith("htmx"):
+            assert f"/ui/static/vendor/{entry['file']}" in base
+
+
+def test_the_charts_page_loads_uplot_as_pinned_and_no_other_page_does() -> None:
+    uplot = [f"/ui/static/vendor/{e['file']}" for e in MANIFEST["files"] if e["package"] == "uplot"]
+    assert len(uplot) == 2, "uPlot's script and its stylesheet"
+    for template in TEMPLATES.glob("*.html"):
+        text = template.read_text()
+        for url in uplot:
+            assert (url in text) == (template.name == "charts.html"), (template.name, url)

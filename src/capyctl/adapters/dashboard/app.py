@@ -7,6 +7,7 @@ Paths (all under ``/ui``; ``/`` redirects to the fleet):
   ``POST /ui/sign-out`` (module ``signin``);
 - ``GET /ui/``, ``/ui/memory``, ``/ui/keys``, ``/ui/events``, ``/ui/logs/{deployment}/{file}``: pages;
 - ``GET /ui/requests`` (filters: module ``requests``; ``?id=`` goes to the detail), ``/ui/requests/{id}``;
+- ``GET /ui/charts?window=15m|1h|24h&deployment=`` (module ``charts``), its data as JSON ``/ui/charts/data``;
 - ``GET /ui/deployments/{name}/{action}``: what the action will do, and the form that does it (``POST``);
 - ``GET /ui/stream?page=...``: the page's live stream; ``GET /ui/static/...``: the assets.
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import anyio
+import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
@@ -25,6 +27,7 @@ from litestar.response import Redirect, ServerSentEvent
 
 from capyctl.adapters.dashboard.assets import load_assets
 from capyctl.adapters.dashboard.board import LOG_NAME, PAGES, Board
+from capyctl.adapters.dashboard.charts import Charts, charts, read_params
 from capyctl.adapters.dashboard.live import MAX_STREAMS, stream
 from capyctl.adapters.dashboard.requests import Table, chosen, fields, page_filter, query
 from capyctl.adapters.dashboard.security import guarded
@@ -54,6 +57,7 @@ from capyctl.adapters.dashboard.web import (
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.domain.deployments import NAME_PATTERN
 from capyctl.domain.errors import CapyError, InvalidRequest, NotFound
+from capyctl.domain.request_charts import WINDOWS
 from capyctl.services.events import Events
 from capyctl.services.request_log import RequestLog
 
@@ -115,6 +119,33 @@ async def request_page(request: Request[Any, Any, Any], request_id: str) -> Resp
         raise NotFound(f"no request record {request_id!r}: it is unknown, or older than the records keep",
                        param="request_id")
     return page(request, "request.html", "requests", live=False, row=row, fields=fields(row))
+
+
+async def _charts(request: Request[Any, Any, Any]) -> tuple[Charts, str | None]:
+    session_of(request)
+    parts = dash(request)
+    window, deployment = read_params(query(request.query_params.multi_items()))
+    board = parts.board
+    await board.timeline.ensure_seeded()
+    board.timeline.refresh()  # the marks stored since the last read (a few rows, by their IDs)
+    await parts.records.flush()  # the figures of the requests answered just now too
+    buckets = await parts.records.chart(window, deployment)
+    names = [c.name for c in board.fleet.controllers() if deployment in (None, c.name)]
+    return charts(window, buckets, names, board.timeline.marks, parts.records.wall()), deployment
+
+
+@get("/ui/charts")
+async def charts_page(request: Request[Any, Any, Any]) -> Response[str]:
+    shown, deployment = await _charts(request)
+    source = "/ui/charts/data?" + urlencode({"window": shown.window, **({"deployment": deployment} if deployment else {})})
+    return page(request, "charts.html", "charts", live=False, charts=shown, chosen=deployment, source=source,
+                windows=list(WINDOWS), deployments=sorted(c.name for c in dash(request).board.fleet.controllers()))
+
+
+@get("/ui/charts/data")
+async def charts_data(request: Request[Any, Any, Any]) -> Response[bytes]:
+    shown, _ = await _charts(request)
+    return Response(msgspec.json.encode(shown), media_type="application/json", headers=NO_STORE)
 
 
 @get("/ui/logs/{deployment:str}/{file:str}", sync_to_thread=False)
@@ -225,7 +256,7 @@ def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str])
     """The dashboard's ASGI application, behind the Host check and the security headers."""
     app = Litestar(
         route_handlers=[issue_sign_in, sign_in_page, sign_in_with_token, sign_in_with_link, sign_out, root,
-                        fleet_page, memory_page, requests_page, request_page, keys_page, events_page, log_page,
+                        fleet_page, memory_page, requests_page, request_page, charts_page, charts_data, keys_page, events_page, log_page,
                         confirm_page, do_action, live, static],
         exception_handlers={CapyError: error_page, HTTPException: http_error_page, Exception: unexpected_error_page},
         openapi_config=None,

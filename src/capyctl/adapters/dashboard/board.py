@@ -25,6 +25,8 @@ from capyctl.services.keys import Keyring
 PAGES = ("fleet", "memory", "keys", "events", "requests")  # requests: read by app.live, from the records
 LOG_NAME = re.compile(r"(\d{1,16})-(\d{1,9})\.log")  # <wall ms>-<launch>.log, as local_engines names them
 PER_DEPLOYMENT = 50  # events kept per deployment on the timeline
+PER_MARKS = 500  # parks, wakes and switches kept per deployment for the charts' time axis
+MARKED = frozenset({"parked", "woken", "switch_completed"})  # the events the charts mark
 PER_REQUEST = frozenset({"router_selection"})  # one per request: the requests' own records show them, not here
 _SCAN = 1000  # events read from the store at a time
 
@@ -57,6 +59,7 @@ class Timeline:
         self._seeded = False
         self._seeding = anyio.Lock()
         self.by_deployment: dict[str | None, deque[Entry]] = {}
+        self.marks: dict[str, deque[Entry]] = {}  # MARKED events only, kept apart so busier kinds never push them out
 
     async def ensure_seeded(self) -> None:
         """The first read goes through the whole stored table, off the event loop (it may hold 100,000)."""
@@ -93,8 +96,10 @@ class Timeline:
             at_ms = int(row["at"] * 1000)
             began = [file for start, file in logs[name] if start <= at_ms]
             log = began[-1] if began else None
-        entries = self.by_deployment.setdefault(name, deque(maxlen=PER_DEPLOYMENT))
-        entries.append(Entry(row["id"], row["at"], row["kind"], detail, log))
+        entry = Entry(row["id"], row["at"], row["kind"], detail, log)
+        self.by_deployment.setdefault(name, deque(maxlen=PER_DEPLOYMENT)).append(entry)
+        if name is not None and entry.kind in MARKED:
+            self.marks.setdefault(name, deque(maxlen=PER_MARKS)).append(entry)
 
     def _launch_logs(self, deployment: str) -> list[tuple[int, str]]:
         """The deployment's launch logs, oldest first, by the wall time in their names."""
