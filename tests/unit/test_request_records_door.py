@@ -3,29 +3,21 @@ that waited in line and was cut by the deadline, and one whose client left while
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import anyio
 import pytest
 import trio
 
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
-from capyctl.domain.deployments import Deployment, Desired
-from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.fields import row_for
 from capyctl.domain.request_rows import RowFilter
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService, ChatSettings
-from capyctl.services.controllers import AttachedController
-from capyctl.services.events import Events
-from capyctl.services.fleet import decode_spec
 from capyctl.services.request_log import RequestLog
 from tests.fakes.asgi_door import AsgiDoor
-from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, keyring_with, virtual_time
+from tests.fakes.ports import VirtualClock, keyring_with, virtual_time
 from tests.fakes.request_store import FakeRequestStore
-from tests.unit.test_waiting import KEY, Client, SilentAfterOneChunk, Stats
+from tests.unit.test_waiting import KEY, Client, SilentAfterOneChunk, Stats, one_attached_vllm
 
 pytestmark = pytest.mark.anyio
 anyio_backend = pytest.fixture(virtual_time)
@@ -33,14 +25,7 @@ anyio_backend = pytest.fixture(virtual_time)
 
 async def test_a_waiter_cut_at_its_deadline_and_a_holder_whose_client_left_are_recorded() -> None:
     clock = VirtualClock()
-    spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
-    engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
-    events = Events(FakeStore(), clock)
-    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events,
-                                    row_for(engine.family, engine.version))
-    controller.want(Desired.RUN)
-    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True,
-                            get=lambda name: controller, names=lambda: ["m"])
+    events, fleet = one_attached_vllm(clock)
     settings = ChatSettings(request_deadline=30.0, stream_idle_timeout=120.0)
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     service = ChatService(fleet, SilentAfterOneChunk(), clock, events, settings, admission)  # type: ignore[arg-type]

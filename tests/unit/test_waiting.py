@@ -94,8 +94,8 @@ class Client:
         return self.sent[0]["status"] if self.sent else None
 
 
-async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> None:
-    clock = VirtualClock()
+def one_attached_vllm(clock: VirtualClock) -> tuple[Events, Any]:
+    """The events and a fleet of one attached vLLM 0.32.0 deployment ``m``, wanted running."""
     spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
     engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
     events = Events(FakeStore(), clock)
@@ -104,6 +104,12 @@ async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> 
     controller.want(Desired.RUN)
     fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True, get=lambda name: controller,
                             names=lambda: ["m"])
+    return events, fleet
+
+
+async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> None:
+    clock = VirtualClock()
+    events, fleet = one_attached_vllm(clock)
     settings = ChatSettings(request_deadline=30.0, stream_idle_timeout=120.0)
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     engine_session = SilentAfterOneChunk()
