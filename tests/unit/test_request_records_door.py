@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import anyio
 import pytest
-import trio
 
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
