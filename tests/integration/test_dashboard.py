@@ -356,6 +356,13 @@ def test_a_chat_request_appears_live_in_the_requests_table_and_filters_narrow_it
     assert missing is not None and missing.status == 404
     expect(page.locator(".error")).to_contain_text("no request record")
 
+    page.goto(world.origin + "/ui/")  # the card sums up the last 5 minutes from the same records
+    rows = world.server.cli_json("list", "requests", "--deployment", "alpha", "--since", "5m")
+    ttfts = sorted(r["ttft_ms"] for r in rows if r["ttft_ms"] is not None)
+    recent = page.locator('#card-alpha .recent')
+    expect(recent).to_contain_text(f"{len(rows)} request")  # the world's other tests chatted with alpha too
+    expect(recent.locator(".ttft")).to_have_text(f"{ttfts[(len(ttfts) + 1) // 2 - 1]:.1f}")  # nearest-rank p50
+
 
 def test_a_bad_requests_filter_is_refused_naming_the_parameter(world: World, signed_in: tuple[Watched, Page]) -> None:
     watched, page = signed_in

@@ -26,6 +26,7 @@ from capyctl.domain.config import Switching
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DailyLimit, InvalidRequest
 from capyctl.domain.memory import Device
+from capyctl.domain.request_charts import Recent
 from capyctl.domain.request_rows import LIMIT_MOST, RequestRow, RowFilter
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import QueueLimits
@@ -348,6 +349,14 @@ async def test_cards_show_state_since_when_queues_and_only_the_legal_actions(wor
     b = world.card("b")
     assert b.operator_stopped and allowed(b) == {"start": True, "stop": False, "park": False}
     assert b.action("park").why_not == "an operator stopped it"
+
+
+async def test_a_card_shows_its_own_deployments_last_five_minutes_from_the_records(world: World) -> None:
+    await world.deploy("a")
+    await world.deploy("b")
+    assert world.card("a").recent is None  # no request: nothing made up
+    world.board.recent = lambda: {"a": Recent(3, 120.0, 41.5)}
+    assert world.card("a").recent == Recent(3, 120.0, 41.5) and world.card("b").recent is None
 
 
 async def test_a_start_under_way_shows_its_elapsed_time_against_the_measured_usual(world: World) -> None:

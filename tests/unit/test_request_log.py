@@ -130,3 +130,27 @@ async def test_charts_read_the_window_of_rows_and_refuse_an_unknown_window() -> 
     with pytest.raises(InvalidRequest) as refused:
         await records.chart("2d")
     assert refused.value.extra["param"] == "window"
+
+
+async def test_recent_figures_come_from_stored_rows_survive_a_restart_and_age_out() -> None:
+    store, clock = FakeRequestStore(), FakeClock()
+    records = RequestLog(store, clock, RecordSettings(flush_every=0.01))
+    records.add(row(1, at=clock.now - 1, ttft_ms=100.0, decode_tokens_per_second=30.0))
+    assert records.recent() == {}  # only buffered: not stored yet
+    await records.flush()
+    assert records.recent()["m"].ttft_p50_ms == 100.0
+    records.add(row(2, at=clock.now, ttft_ms=300.0))
+    records.add(row(3, at=clock.now, ttft_ms=200.0))
+    await records.flush()
+    figures = records.recent()["m"]
+    assert (figures.requests, figures.ttft_p50_ms, figures.decode_tokens_per_second_p50) == (3, 200.0, 30.0)
+
+    again = RequestLog(store, clock)  # a restarted server reads the last minutes back from the store
+    async with anyio.create_task_group() as tg:
+        await tg.start(again.run)
+        assert again.recent()["m"].requests == 3
+        tg.cancel_scope.cancel()
+    clock.now += 299.5  # row 1 is now older than five minutes; rows 2 and 3 not yet
+    assert again.recent()["m"].requests == 2
+    clock.now += 1
+    assert again.recent() == {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from capyctl.domain.errors import InvalidRequest
-from capyctl.domain.request_charts import WINDOWS, Window, bucket_starts, chart, percentile
+from capyctl.domain.request_charts import WINDOWS, Recent, Window, bucket_starts, chart, percentile, recent
 from capyctl.domain.request_rows import (
     LIMIT_MOST,
     RequestRow,
@@ -148,3 +148,17 @@ def test_chart_buckets_per_deployment_with_percentiles_rates_and_waits() -> None
     assert (first.queue_wait_p50_ms, first.queue_wait_p95_ms) == (10.0, 2000.0)
     assert second.requests == 0 and second.ttft_p50_ms is None and second.requests_per_second == 0
     assert [b.requests for b in charts["b"]] == [0, 1] and charts["b"][1].ttft_p95_ms == 80.0
+
+
+def test_recent_figures_are_per_deployment_over_the_last_five_minutes_only() -> None:
+    rows = [
+        row(1, NOW - 10, ttft_ms=100.0, decode_tokens_per_second=40.0),
+        row(2, NOW - 20, ttft_ms=300.0, decode_tokens_per_second=60.0),
+        row(3, NOW - 30, ttft_ms=200.0),
+        row(4, NOW - 40, code="queue_full", status=429),  # counted, no figures
+        row(5, NOW - 301, ttft_ms=9999.0),  # older than five minutes
+        row(6, NOW - 5, deployment="b", code="engine_error", status=502),
+        row(7, NOW - 1, deployment=None, code="invalid_api_key"),
+    ]
+    assert recent(rows, NOW) == {"m": Recent(4, 200.0, 40.0), "b": Recent(1, None, None)}
+    assert recent(rows, NOW + 400) == {}

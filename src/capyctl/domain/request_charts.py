@@ -88,3 +88,28 @@ def _bucket(start: float, width: int, rows: list[RequestRow]) -> Bucket:
         decode_tokens_per_second_p50=percentile(decode, 0.5),
         queue_wait_p50_ms=percentile(waits, 0.5), queue_wait_p95_ms=percentile(waits, 0.95),
     )
+
+
+RECENT_SECONDS = 300  # the Fleet cards' "last 5 minutes"
+
+
+class Recent(msgspec.Struct, frozen=True):
+    """One deployment's answers over the last ``RECENT_SECONDS``: how many, TTFT p50 and decode p50."""
+
+    requests: int
+    ttft_p50_ms: float | None
+    decode_tokens_per_second_p50: float | None
+
+
+def recent(rows: Iterable[RequestRow], now: float, seconds: float = RECENT_SECONDS) -> dict[str, Recent]:
+    """Per deployment, the rows that ended in the ``seconds`` up to ``now`` (refusals counted, figures from
+    the answers that measured them)."""
+    grouped: dict[str, list[RequestRow]] = {}
+    for row in rows:
+        if row.deployment is not None and now - seconds <= row.at <= now:
+            grouped.setdefault(row.deployment, []).append(row)
+    return {name: Recent(len(found),
+                         percentile([r.ttft_ms for r in found if r.ttft_ms is not None], 0.5),
+                         percentile([r.decode_tokens_per_second for r in found
+                                     if r.decode_tokens_per_second is not None], 0.5))
+            for name, found in grouped.items()}

@@ -15,16 +15,18 @@ request it has just made.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import anyio
 import anyio.abc
 from capyctl.domain.ports import Clock, RequestStore
-from capyctl.domain.request_charts import WINDOWS, Bucket, chart
+from capyctl.domain.request_charts import RECENT_SECONDS, WINDOWS, Bucket, Recent, chart, recent
 from capyctl.domain.request_rows import RecordSettings, RequestRow, RowBuffer, RowFilter, Settle
 from capyctl.domain.errors import InvalidRequest
 
 log = logging.getLogger("capyctl.records")
+RECENT_BOUND = 20_000  # rows the Fleet cards' figures are read from at most (the newest)
 
 
 class RequestLog:
@@ -38,6 +40,9 @@ class RequestLog:
         self.written = 0  # entries stored since the start: a reader that saw this count has seen them all
         self._dropped_told = 0  # ``dropped`` as the last log line told it
         self._pruned_at = -1e18
+        # the stored rows of the last RECENT_SECONDS (the newest RECENT_BOUND of them), and their figures
+        self._recent: collections.deque[RequestRow] = collections.deque(maxlen=RECENT_BOUND)
+        self._figures: tuple[tuple[int, int], dict[str, Recent]] = ((-1, -1), {})
 
     @property
     def dropped(self) -> int:
@@ -57,6 +62,7 @@ class RequestLog:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Write the buffer every ``flush_every`` seconds until cancelled; what is left is written on the way out."""
+        await self._seed()
         task_status.started()
         try:
             while True:
@@ -74,6 +80,7 @@ class RequestLog:
                 try:
                     await anyio.to_thread.run_sync(self._store.add_requests, batch)
                     self.written += len(batch)
+                    self._recent.extend(row for row in batch if isinstance(row, RequestRow))
                 except Exception:
                     self.lost += len(batch)
                     log.exception("could not store %d request records (%d lost since the start)",
@@ -92,6 +99,26 @@ class RequestLog:
                         "%d dropped since the start", self.dropped - self._dropped_told, self._settings.buffer,
                         self.dropped)
             self._dropped_told = self.dropped
+
+    async def _seed(self) -> None:
+        """The last minutes' rows from the store, so the Fleet cards' figures survive a restart."""
+        try:
+            rows = await anyio.to_thread.run_sync(self._store.list_requests, RowFilter(
+                since=self._clock.wall() - RECENT_SECONDS, limit=self._settings.retention.max_count))
+        except Exception:
+            log.exception("could not read the last minutes' request records")
+            return
+        self._recent.extend(sorted(rows, key=lambda row: row.at))
+
+    def recent(self) -> dict[str, Recent]:
+        """Per deployment, its stored answers of the last ``RECENT_SECONDS``: count, TTFT p50, decode p50."""
+        now = self._clock.wall()
+        while self._recent and self._recent[0].at < now - RECENT_SECONDS:
+            self._recent.popleft()
+        key = (self.written, int(now))  # read again once rows were stored, or a second later (rows age out)
+        if self._figures[0] != key:
+            self._figures = (key, recent(self._recent, now))
+        return self._figures[1]
 
     async def find(self, where: RowFilter) -> list[RequestRow]:
         await self.flush()

@@ -33,7 +33,7 @@ def with_dashboard(management: Any, *, fleet: Fleet, admission: AdmissionService
                    stopping: anyio.Event, records: RequestLog) -> Any:
     """The management API's ASGI app with the dashboard mounted beside it on the same listener."""
     host, port = listening
-    board = Board(fleet, admission, keys, store, clock, Hub(clock.wall), log_root)
+    board = Board(fleet, admission, keys, store, clock, Hub(clock.wall), log_root, records.recent)
     link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
     dashboard = build_dashboard(board, events, admin_token, f"http://{link_host}:{port}", stopping, records)
     return mount(management, create_dashboard_app(dashboard, port, served_names(host)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from capyctl.adapters.dashboard.live import Hub
 from capyctl.adapters.dashboard.views import Card, bars, card
 from capyctl.domain.deployments import NAME_PATTERN, InstanceState
 from capyctl.domain.ports import Clock, Store
+from capyctl.domain.request_charts import Recent
 from capyctl.services.admission import AdmissionService
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
@@ -125,13 +127,14 @@ class Timeline:
 
 class Board:
     def __init__(self, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store, clock: Clock,
-                 hub: Hub, log_root: Path) -> None:
+                 hub: Hub, log_root: Path, recent: Callable[[], Mapping[str, Recent]] = dict) -> None:
         self.fleet = fleet
         self.admission = admission
         self.keys = keys
         self.clock = clock
         self.hub = hub
         self.log_root = log_root
+        self.recent = recent  # per deployment, its answers of the last 5 minutes (the request records')
         self.timeline = Timeline(store, log_root)
         self._timeline_version = -1
 
@@ -148,11 +151,11 @@ class Board:
         return None
 
     def cards(self) -> list[Card]:
-        out, now = [], self.clock.wall()
+        out, now, recent = [], self.clock.wall(), self.recent()
         for c in self.fleet.controllers():
             status = c.status
             since = self.since(c.name, str(status.state), status.ready_at, status.started_at)
-            out.append(card(c, self.admission, since, now))
+            out.append(card(c, self.admission, since, now, recent.get(c.name)))
         return out
 
     def key_rows(self) -> tuple[KeyRow, ...]:

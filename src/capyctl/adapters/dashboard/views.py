@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import msgspec
 
 from capyctl.domain.deployments import Desired, InstanceState
+from capyctl.domain.request_charts import Recent
 from capyctl.domain.memory import Fits, Holding, NeverFits, NotNow, Residency, SwitchPlan, gib, plan
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Controller, ManagedController
@@ -54,6 +55,7 @@ class Card(msgspec.Struct, frozen=True):
     restarts: int
     in_flight: int
     waiting: int
+    recent: Recent | None  # its answers over the last 5 minutes (None: no request in them)
     last_error: str | None
     progress: Progress | None
     actions: tuple[Action, ...]
@@ -100,7 +102,8 @@ def coarse(seconds: float) -> str:
     return f"{int(seconds // 86400)} days"
 
 
-def card(controller: Controller, admission: AdmissionService, since: float | None, now: float) -> Card:
+def card(controller: Controller, admission: AdmissionService, since: float | None, now: float,
+         recent: Recent | None = None) -> Card:
     status = controller.status
     return Card(
         name=controller.name,
@@ -117,6 +120,7 @@ def card(controller: Controller, admission: AdmissionService, since: float | Non
         restarts=status.restarts,
         in_flight=admission.state.in_flight(controller.name),
         waiting=admission.state.waiting(controller.name),
+        recent=recent,
         last_error=status.last_error if status.state in (S.FAILED, S.UNAVAILABLE) or status.restarts else None,
         progress=_progress(controller),
         actions=actions_for(controller),
