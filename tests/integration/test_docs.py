@@ -508,6 +508,7 @@ TOOLS = {  # other programs the pages run, and how the test asks for their --hel
     "python bench/cold.py": [sys.executable, "bench/cold.py"],
     "python bench/soak.py": [sys.executable, "bench/soak.py"],
     "python bench/streams.py": [sys.executable, "bench/streams.py"],
+    "python bench/dashboard.py": [sys.executable, "bench/dashboard.py"],
     "python -m pytest": [sys.executable, "-m", "pytest"],
 }
 

@@ -391,6 +391,10 @@ async def test_the_memory_picture_and_what_a_switch_would_do_come_from_the_domai
     assert outlooks["huge"].verdict == "never"
     lines = consequences("park", world.fleet.get("a"), world.admission, world.fleet.room, world.fleet.controllers())
     assert "It frees 0.75 GiB on gpu0." in lines
+    assert world.memory().outlooks is bar.outlooks  # nothing changed: the plans are not made again
+    await anyio.sleep(5)
+    await world.request("a")  # now b is the least recently used: the plan changes, and the page with it
+    assert {o.deployment: o for o in world.memory().outlooks}["c"].victims == (("b", "park", GiB - GiB // 4),)
 
     await world.fleet.park("a")
     bar = world.memory()

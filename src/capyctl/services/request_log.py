@@ -134,6 +134,8 @@ class RequestLog:
             raise InvalidRequest(f"'window' must be one of {', '.join(WINDOWS)}, not {window!r}", param="window")
         now = self._clock.wall()
         span = WINDOWS[window]
-        rows = await self.find(RowFilter(deployment=deployment, since=now - span.seconds - span.bucket,
-                                         limit=self._settings.retention.max_count))
-        return chart(rows, span, now)
+        where = RowFilter(deployment=deployment, since=now - span.seconds - span.bucket,
+                          limit=self._settings.retention.max_count)
+        await self.flush()
+        # read and bucketed on a worker thread: a day of records is too much work for the requests' loop
+        return await anyio.to_thread.run_sync(lambda: chart(self._store.list_requests(where), span, now))

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 
 from capyctl.adapters.dashboard.live import Hub
-from capyctl.adapters.dashboard.views import Card, bars, card
+from capyctl.adapters.dashboard.views import Card, Outlooks, bars, card
 from capyctl.domain.deployments import NAME_PATTERN, InstanceState
 from capyctl.domain.ports import Clock, Store
 from capyctl.domain.request_charts import Recent
@@ -137,6 +137,7 @@ class Board:
         self.recent = recent  # per deployment, its answers of the last 5 minutes (the request records')
         self.timeline = Timeline(store, log_root)
         self._timeline_version = -1
+        self._outlooks: Outlooks = {}  # the Memory page's last plans, kept while the residents stay the same
 
     def since(self, name: str, state: str, ready_at: float | None, started_at: float | None) -> float | None:
         """When the deployment's current state began: from its last state change seen here, else what its
@@ -171,7 +172,7 @@ class Board:
             cards = self.cards()
             return {"cards": tuple(c.name for c in cards), **{f"card-{c.name}": c for c in cards}}
         if page == "memory":
-            return {"memory": tuple(bars(self.fleet.room, self.fleet.controllers()))}
+            return {"memory": tuple(bars(self.fleet.room, self.fleet.controllers(), self._outlooks))}
         if page == "keys":
             return {"keys": self.key_rows()}
         if self._timeline_version != self.hub.version:

@@ -16,7 +16,7 @@ import msgspec
 
 from capyctl.domain.deployments import Desired, InstanceState
 from capyctl.domain.request_charts import Recent
-from capyctl.domain.memory import Fits, Holding, NeverFits, NotNow, Residency, SwitchPlan, gib, plan
+from capyctl.domain.memory import Device, Fits, Holding, NeverFits, NotNow, Resident, Residency, SwitchPlan, gib, plan
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Controller, ManagedController
 from capyctl.services.switching import NoSwitchboard, Switchboard
@@ -165,22 +165,29 @@ def _pct(size: int, capacity: int) -> float:
 def outlook(room: Switchboard, controller: Controller, others: Sequence[Controller]) -> Outlook:
     device = room.device_of(controller.spec)
     assert device is not None
-    target = room.resident(controller)
-    outcome = plan(device, target, [room.resident(o) for o in others])
+    return _outlook(device, room.resident(controller), [room.resident(o) for o in others])
+
+
+def _outlook(device: Device, target: Resident, others: list[Resident]) -> Outlook:
+    outcome = plan(device, target, others)
     if isinstance(outcome, Fits):
         text = f"fits now: {gib(outcome.free)} would be left free"
-        return Outlook(controller.name, target.memory, "fits", text)
+        return Outlook(target.name, target.memory, "fits", text)
     if isinstance(outcome, SwitchPlan):
         victims = tuple((v.name, v.action, v.frees) for v in outcome.victims)
         moves = ", ".join(f"{action} {name} (frees {gib(frees)})" for name, action, frees in victims)
-        return Outlook(controller.name, target.memory, "switch", f"a switch would {moves}", victims)
+        return Outlook(target.name, target.memory, "switch", f"a switch would {moves}", victims)
     if isinstance(outcome, NeverFits):
-        return Outlook(controller.name, target.memory, "never", outcome.reason)
+        return Outlook(target.name, target.memory, "never", outcome.reason)
     assert isinstance(outcome, NotNow)
-    return Outlook(controller.name, target.memory, "not_now", outcome.reason)
+    return Outlook(target.name, target.memory, "not_now", outcome.reason)
 
 
-def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller]) -> list[Bar]:
+Outlooks = dict[str, tuple[dict[str, Resident], tuple[Outlook, ...]]]  # device -> (residents, their outlooks)
+
+
+def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller],
+         memo: Outlooks | None = None) -> list[Bar]:
     """One bar per device: what each deployment holds (awake or parked), the reserve and what is free; and,
     for each deployment on it that holds nothing, what starting it would take."""
     if not isinstance(room, Switchboard):
@@ -200,8 +207,15 @@ def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller]) -
             segments.append(Segment(c.name, size, kind, unsettled, _pct(at, device.capacity),
                                     _pct(size, device.capacity)))
             at += size
-        outlooks = tuple(outlook(room, c, [o for o in on if o is not c]) for c in on
-                         if isinstance(c, ManagedController) and c.holding is Holding.NONE)
+        residents = {c.name: room.resident(c) for c in on}  # read once: every outlook weighs all the others
+        known = memo.get(device.name) if memo is not None else None
+        if known is not None and known[0] == residents:  # same residents as last time: the same plans
+            outlooks = known[1]
+        else:
+            outlooks = tuple(_outlook(device, residents[c.name], [r for n, r in residents.items() if n != c.name])
+                             for c in on if isinstance(c, ManagedController) and c.holding is Holding.NONE)
+            if memo is not None:
+                memo[device.name] = (residents, outlooks)
         out.append(Bar(
             device=device.name, capacity=device.capacity, reserve=device.reserve,
             free=device.usable - sum(charged.values()), segments=tuple(segments),
