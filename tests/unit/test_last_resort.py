@@ -26,7 +26,10 @@ from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from tests.fakes.answers import ScriptedAnswer
+from capyctl.domain.request_rows import RowFilter
+from capyctl.services.request_log import RequestLog
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore, keyring_with
+from tests.fakes.request_store import FakeRequestStore
 
 KEY = "k" * 32
 
@@ -104,7 +107,9 @@ def header(start: dict[str, Any], name: bytes) -> str:
 
 
 async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(caplog: pytest.LogCaptureFixture) -> None:
-    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(None), Stats())], keyring_with(KEY), 1 << 20, Stats()))  # type: ignore[arg-type]
+    records = RequestLog(FakeRequestStore(), FakeClock())
+    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(None), Stats())], keyring_with(KEY), 1 << 20, Stats(),  # type: ignore[arg-type]
+                                 records))
     with caplog.at_level(logging.ERROR, "capyctl.http"):
         sent = await call(handler, chat_scope(), b'{"model": "m", "messages": []}')
     start, body = sent[0], msgspec.json.decode(sent[1]["body"])
@@ -115,16 +120,22 @@ async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(capl
     logged = [r for r in caplog.records if request_id in r.getMessage()]
     assert logged and logged[0].exc_info
     assert "a bug in the assembler" in logging.Formatter().formatException(logged[0].exc_info)  # the traceback
+    (row,) = await records.find(RowFilter())  # the request records keep it too
+    assert (row.id, row.code, row.status, row.deployment, row.key) == (request_id, "internal_error", 500, "m", "default")
 
 
 async def test_a_bug_during_a_stream_ends_it_with_an_error_event() -> None:
-    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(1), Stats())], keyring_with(KEY), 1 << 20, Stats()))  # type: ignore[arg-type]
+    records = RequestLog(FakeRequestStore(), FakeClock())
+    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(1), Stats())], keyring_with(KEY), 1 << 20, Stats(),  # type: ignore[arg-type]
+                                 records))
     sent = await call(handler, chat_scope(), b'{"model": "m", "messages": [], "stream": true}')
     assert sent[0]["status"] == 200
     assert sent[1]["body"] == b'data: {"choices":[]}\n\n'  # what came before the bug was relayed
     last = sent[-1]
     assert last["more_body"] is False and last["body"].startswith(b"data: ")
     assert msgspec.json.decode(last["body"][6:])["error"]["code"] == "internal_error"
+    (row,) = await records.find(RowFilter())
+    assert (row.code, row.status, row.stream) == ("internal_error", 200, True)  # its stream had begun: 200 sent
 
 
 async def test_other_routes_get_an_id_and_a_last_resort() -> None:

@@ -23,7 +23,7 @@ from capyctl.adapters.http.errors import error_body, retry_after, sse_error_even
 from capyctl.adapters.http.exchange import Exchange, find_header, header_values
 from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.prometheus import RequestStats
-from capyctl.adapters.http.request_rows import finished_row, refused_row
+from capyctl.adapters.http.request_rows import broken_row, finished_row, refused_row
 from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
@@ -169,6 +169,8 @@ class FrontDoor:
             return exchange.json(status_of(error), error_body(error), headers + retry_after(error))
         except Exception:
             log.exception("request %s: internal error", request_id)
+            if self._records is not None:
+                self._records.add(broken_row(request_id, exchange.path, self._records.wall(), False, *named))
             return internal_error(exchange, request_id, headers)
         return self._last_resort(self._answer(exchange, front, headers), exchange, front, headers)
 
@@ -178,6 +180,10 @@ class FrontDoor:
             await answering
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
             log.exception("request %s: internal error", front.record.id)
+            if self._records is not None:
+                record = front.record
+                self._records.add(broken_row(record.id, exchange.path, self._records.wall(), exchange.started,
+                                             record.key, record.deployment, record.stream))
             await internal_error(exchange, front.record.id, headers)
         finally:
             front.close()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import msgspec
+
 from capyctl.adapters.http.errors import STATUS, status_of
-from capyctl.domain.errors import CapyError
+from capyctl.domain.errors import CapyError, InternalError
 from capyctl.domain.request_rows import RequestRow, clip_name
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.settlement import rule_for
@@ -60,6 +62,15 @@ def refused_row(request_id: str, error: CapyError, path: str, at: float, key: st
     the key's name and the model named, where the front had read them before it refused."""
     return RequestRow(id=request_id, at=at, api=APIS.get(path, path), code=error.code, status=status_of(error),
                       key=key, deployment=None if deployment is None else clip_name(deployment))
+
+
+def broken_row(request_id: str, path: str, at: float, started: bool, key: str | None = None,
+               deployment: str | None = None, stream: bool = False) -> RequestRow:
+    """The row of a request CapyCTL itself failed (the last resort answered ``internal_error``): status 500, or
+    200 when its stream had begun before the fault."""
+    error = InternalError(request_id)
+    row = refused_row(request_id, error, path, at, key, deployment)
+    return msgspec.structs.replace(row, status=200 if started else row.status, stream=stream)
 
 
 def _value(figures: dict[str, Any], name: str, default: Any = None) -> Any:
