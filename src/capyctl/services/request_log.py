@@ -104,7 +104,7 @@ class RequestLog:
         """The last minutes' rows from the store, so the Fleet cards' figures survive a restart."""
         try:
             rows = await anyio.to_thread.run_sync(self._store.list_requests, RowFilter(
-                since=self._clock.wall() - RECENT_SECONDS, limit=self._settings.retention.max_count))
+                since=self._clock.wall() - RECENT_SECONDS, limit=RECENT_BOUND))  # the newest, as the window keeps
         except Exception:
             log.exception("could not read the last minutes' request records")
             return

@@ -128,8 +128,7 @@ async def _charts(request: Request[Any, Any, Any]) -> tuple[Charts, str | None]:
     board = parts.board
     await board.timeline.ensure_seeded()
     board.timeline.refresh()  # the marks stored since the last read (a few rows, by their IDs)
-    await parts.records.flush()  # the figures of the requests answered just now too
-    buckets = await parts.records.chart(window, deployment)
+    buckets = await parts.records.chart(window, deployment)  # (it writes what is buffered first)
     names = [c.name for c in board.fleet.controllers() if deployment in (None, c.name)]
     return charts(window, buckets, names, board.timeline.marks, parts.records.wall()), deployment
 
