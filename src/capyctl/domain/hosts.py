@@ -1,0 +1,236 @@
+"""Hosts: the rules of a control link that can fall silent, drop and come back.
+
+Three sets of rules, each pure (times are passed in as the ``Clock`` port's
+monotonic seconds):
+
+- ``link_state``: what the server makes of a host from when it last heard
+  it. Silence first suspends a host (no new request goes there), then counts
+  it lost; neither releases what it holds, since a silent host proves
+  nothing about its engines.
+- ``CommandLedger``: the host's memory of the commands it was given. The
+  server sends a command again whenever it is unsure it arrived (a dropped
+  link, a restart), so a command seen before is answered with its first
+  result, never applied twice; and a command older than one already applied
+  to its instance is refused, so a late order cannot undo a newer one.
+- ``adoption``: when a host (re)connects, its hello lists what runs there;
+  the server compares that with what it believes runs there and decides, per
+  instance, to keep it, have it stopped, or count it gone. The hello is the
+  evidence that lets the server release a lost host's memory and unsettled
+  requests; nothing is restarted here, that stays the controllers' job.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from capyctl.domain.deployments import Strict
+from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.link import Command, CommandResult, RunningInstance
+
+
+class HostRecord(Strict, kw_only=True):
+    """What the server keeps of a host that joined: the certificate it holds now, and every one refused."""
+
+    name: str
+    fingerprint: str  # of the certificate the host joined with
+    joined_at: float  # wall clock
+    revoked: list[str] = []  # fingerprints refused for this name for ever
+    revoked_at: float | None = None  # set when an operator revoked the host itself
+
+
+# --- the link's state -------------------------------------------------------------------------------------
+
+class HostState(enum.StrEnum):
+    ONLINE = "online"
+    SUSPENDED = "suspended"  # silent a while: takes no new request, keeps everything it holds
+    LOST = "lost"  # silent long, or never heard: still holds its charges until it proves what runs
+    REVOKED = "revoked"  # refused for good; only a new invitation brings the machine back
+
+
+class LinkTimings(msgspec.Struct, frozen=True, kw_only=True):
+    """How long a host may be silent before it is suspended, and before it is counted lost (seconds)."""
+
+    suspend_after: float = 5.0
+    lost_after: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.suspend_after < self.lost_after:
+            raise InvalidConfig(
+                f"hosts.suspend_after must be more than 0 s and hosts.lost_after longer than it "
+                f"(they are {self.suspend_after:g} s and {self.lost_after:g} s)"
+            )
+
+
+def link_state(*, revoked: bool, last_heard: float | None, now: float, timings: LinkTimings) -> HostState:
+    """A host's state ``now``, from when any message of it was last heard (None: never, since the server started)."""
+    if revoked:
+        return HostState.REVOKED
+    if last_heard is None:
+        return HostState.LOST
+    silent = now - last_heard
+    if silent >= timings.lost_after:
+        return HostState.LOST
+    if silent >= timings.suspend_after:
+        return HostState.SUSPENDED
+    return HostState.ONLINE
+
+
+def takes_requests(state: HostState) -> bool:
+    return state is HostState.ONLINE
+
+
+# --- command fencing, on the host ---------------------------------------------------------------------------
+
+class Verdict(enum.StrEnum):
+    APPLY = "apply"  # carry it out, then ``record`` its result
+    REPLAY = "replay"  # done before: send ``result`` again, do nothing else
+    PENDING = "pending"  # being carried out now: its result goes out once recorded
+    STALE = "stale"  # superseded by a newer generation: send ``result`` (the refusal), do nothing else
+
+
+class Decision(msgspec.Struct, frozen=True):
+    verdict: Verdict
+    result: CommandResult | None = None  # what to answer now: set for REPLAY and STALE
+
+
+STALE_GENERATION = "stale_generation"
+LEDGER_SIZE = 1024
+
+
+class CommandLedger:
+    """The host's record of the commands it applied, which makes each command safe to send again.
+
+    ``decide`` says what to do with a command; every command it answers
+    APPLY must then be ``record``-ed, failures included, or copies of it stay
+    PENDING. Results are kept for the newest ``size`` IDs only, the oldest
+    forgotten first. A forgotten ID is a command the ledger no longer knows:
+    a copy of it arriving after that is decided afresh, so it is applied
+    again if its generation is still the newest for its instance (the server
+    sends copies only of commands it has no answer for, far fewer than
+    ``size``), and refused as stale otherwise. The newest generation of each
+    instance is never forgotten, so fencing holds whatever was evicted.
+    """
+
+    def __init__(self, size: int = LEDGER_SIZE, generations: Mapping[str, int] | None = None) -> None:
+        """``generations``: each instance's newest generation known already, e.g. from the engines a
+        restarted agent found running, so that the ledger fences from its first command."""
+        if size < 1:
+            raise ValueError("a command ledger keeps at least one result")
+        self._size = size
+        self._results: OrderedDict[str, CommandResult] = OrderedDict()
+        self._pending: set[str] = set()
+        self._newest: dict[str, int] = dict(generations or {})
+
+    def decide(self, command: Command) -> Decision:
+        if (recorded := self._results.get(command.id)) is not None:
+            return Decision(Verdict.REPLAY, recorded)
+        if command.id in self._pending:
+            return Decision(Verdict.PENDING)
+        newest = self._newest.get(command.instance)
+        if newest is not None and command.generation < newest:
+            return Decision(Verdict.STALE, CommandResult(
+                id=command.id, generation=command.generation, ok=False, code=STALE_GENERATION,
+                message=f"command {command.id} ({command.action} {command.instance}) has generation "
+                        f"{command.generation}, older than generation {newest} already applied to the instance",
+                detail={"newest_generation": newest}))
+        self._newest[command.instance] = command.generation
+        self._pending.add(command.id)
+        return Decision(Verdict.APPLY)
+
+    def record(self, result: CommandResult) -> None:
+        """Keep ``result`` as the answer to its command's copies; the oldest kept result goes past ``size``."""
+        self._pending.discard(result.id)
+        self._results[result.id] = result
+        self._results.move_to_end(result.id)
+        while len(self._results) > self._size:
+            self._results.popitem(last=False)
+
+    def newest(self, instance: str) -> int | None:
+        return self._newest.get(instance)
+
+
+# --- adoption, on the server --------------------------------------------------------------------------------
+
+class ExpectedInstance(msgspec.Struct, frozen=True, kw_only=True):
+    """An instance the server believes runs on a host; pid fields are None where the server never learnt them."""
+
+    instance: str
+    deployment: str
+    generation: int
+    launch_id: str
+    pid: int | None = None
+    pid_start_time: float | None = None
+
+
+class Adopt(enum.StrEnum):
+    KEEP = "keep"  # the very process the server launched: keep it (its readiness is checked next)
+    STOP = "stop"  # the host must stop this process: the server did not launch it, or not this launch
+    GONE = "gone"  # the host does not run it: its memory and unsettled requests may be released
+
+
+_ORDER = {Adopt.KEEP: 0, Adopt.STOP: 1, Adopt.GONE: 2}
+
+
+class AdoptionStep(msgspec.Struct, frozen=True, kw_only=True):
+    action: Adopt
+    instance: str
+    reason: str
+    running: RunningInstance | None = None  # what the host reported (KEEP, STOP)
+    expected: ExpectedInstance | None = None  # what the server believed (KEEP, GONE)
+
+
+def adoption(expected: Sequence[ExpectedInstance], running: Sequence[RunningInstance]) -> list[AdoptionStep]:
+    """What to do with each instance after a host's hello, sorted by instance (KEEP, STOP, GONE within one).
+
+    Each reported process ends in one KEEP or STOP step and each expected
+    instance in one KEEP or GONE step. A STOP'd process still holds its
+    device until the host reports its exit; the caller charges it till then.
+    """
+    wanted: dict[str, ExpectedInstance] = {}
+    for belief in expected:
+        if belief.instance in wanted:
+            raise ValueError(f"instance {belief.instance!r} is expected twice on one host")
+        wanted[belief.instance] = belief
+    steps: list[AdoptionStep] = []
+    kept: set[str] = set()
+    for process in sorted(running, key=lambda p: (p.instance, p.launch_id, p.pid)):  # input order never matters
+        belief = wanted.get(process.instance)
+        why = "not expected on this host" if belief is None else _mismatch(belief, process)
+        if why is None and process.instance not in kept:
+            kept.add(process.instance)
+            steps.append(AdoptionStep(action=Adopt.KEEP, instance=process.instance, reason="the same process",
+                                      running=process, expected=belief))
+        else:
+            steps.append(AdoptionStep(action=Adopt.STOP, instance=process.instance,
+                                      reason=why or "a second process for an instance already kept",
+                                      running=process))
+    steps += [AdoptionStep(action=Adopt.GONE, instance=name, reason="the host does not report it", expected=belief)
+              for name, belief in wanted.items() if name not in kept]
+    return sorted(steps, key=_step_key)
+
+
+def _mismatch(belief: ExpectedInstance, process: RunningInstance) -> str | None:
+    """Why ``process`` is not the launch the server made, or None when it is (pid proved where known)."""
+    if process.deployment != belief.deployment:
+        return f"it serves deployment {process.deployment!r}, not the expected {belief.deployment!r}"
+    if process.generation < belief.generation:
+        return f"generation {process.generation} is older than the expected {belief.generation}"
+    if process.generation != belief.generation:
+        return f"generation {process.generation} is not the expected {belief.generation}"
+    if process.launch_id != belief.launch_id:
+        return f"launch {process.launch_id!r} is not the expected launch {belief.launch_id!r}"
+    if belief.pid is not None and process.pid != belief.pid:
+        return f"pid {process.pid} is not the expected pid {belief.pid}"
+    if belief.pid_start_time is not None and process.pid_start_time != belief.pid_start_time:
+        return (f"pid {process.pid} started at {process.pid_start_time:g}, not at {belief.pid_start_time:g}: "
+                "another process has the launched one's pid")
+    return None
+
+
+def _step_key(step: AdoptionStep) -> tuple[str, int, str, int]:
+    process = step.running
+    return (step.instance, _ORDER[step.action], process.launch_id if process else "", process.pid if process else 0)

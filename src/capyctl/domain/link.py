@@ -1,0 +1,172 @@
+"""The messages of the control link between the server and a host, and their one wire form.
+
+A host agent dials the server and keeps one connection open (the transport
+lives in ``adapters/control``). Each frame on it is one JSON object whose
+``type`` names the message:
+
+- host -> server: ``hello`` (who it is and what already runs there, sent
+  first on every connection), ``inventory`` (its devices and engines),
+  ``load_sample`` (each instance's running and waiting counts),
+  ``process_exit`` and ``command_result``;
+- server -> host: ``command`` (launch, stop, park ... one instance), each
+  with an ID, so that a command sent again is answered, not applied again,
+  and a generation, so that an order superseded by a newer one is refused
+  (``domain.hosts.CommandLedger``);
+- both ways: ``heartbeat`` (silence is what makes a host suspended, then
+  lost) and ``goodbye`` (the reason a side closes, e.g. ``host_revoked``);
+- joining: ``join_request`` and ``join_accepted``, the only messages a
+  machine without a host certificate may exchange.
+
+Both ends run the same CapyCTL, so the schema is strict: an unknown field or
+type is an error, never skipped, and ``PROTOCOL_VERSION`` in the hello lets a
+side refuse a peer that speaks another version.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import msgspec
+
+from capyctl.domain.deployments import Strict
+from capyctl.domain.errors import InvalidRequest
+
+PROTOCOL_VERSION = 1  # raised whenever a message changes in a way the other side could not read
+
+Action = Literal["launch", "stop", "park", "wake", "probe", "open_gate", "close_gate"]
+
+
+class _Message(Strict, tag_field="type"):
+    """Base of the link's messages: each subclass names its ``type`` with ``tag=``.
+
+    msgspec's ``kw_only`` holds only for the fields a class defines itself, so
+    each message says it again: no message can be built with its fields in
+    the wrong order.
+    """
+
+
+class RunningInstance(Strict, kw_only=True):
+    """An engine process a host runs for the server, as the host reports it in its hello.
+
+    The pid alone does not identify a process (the kernel reuses pids);
+    together with the start time the kernel records for it (from
+    ``/proc/<pid>/stat``) it does, which is what lets a returning host's
+    engines be proved to be the very processes the server launched.
+    """
+
+    instance: str  # "<deployment>/<n>"
+    deployment: str
+    number: int  # which launch of the deployment this is
+    generation: int  # the generation of the command that launched it
+    pid: int
+    pid_start_time: float
+    port: int  # where the engine answers, on the host's loopback
+    launch_id: str  # chosen by the server for each launch; the ingress's gate key is tied to it
+
+
+class DeviceReport(Strict, kw_only=True):
+    name: str
+    capacity: int  # bytes
+    reserve: int  # bytes kept free for things CapyCTL does not run
+
+
+class EngineReport(Strict, kw_only=True):
+    name: str
+    family: str  # vllm, sglang, llamacpp, tensorfold
+    version: str
+    path: str
+
+
+class InstanceLoad(Strict, kw_only=True):
+    instance: str
+    running: int
+    waiting: int
+
+
+class Hello(_Message, tag="hello", kw_only=True):
+    host: str
+    version: str  # the host's CapyCTL version, for operators
+    protocol: int  # PROTOCOL_VERSION as the host speaks it
+    capabilities: list[str] = []
+    running: list[RunningInstance] = []
+
+
+class Inventory(_Message, tag="inventory", kw_only=True):
+    devices: list[DeviceReport] = []
+    engines: list[EngineReport] = []
+
+
+class LoadSample(_Message, tag="load_sample", kw_only=True):
+    """The counts each engine reported, read at ``at``; they settle cut requests as a local engine's do."""
+
+    at: float
+    loads: list[InstanceLoad] = []
+
+
+class ProcessExit(_Message, tag="process_exit", kw_only=True):
+    instance: str
+    pid: int
+    returncode: int | None  # None: it ended without one the host could read
+    at: float
+
+
+class Command(_Message, tag="command", kw_only=True):
+    id: str
+    generation: int
+    instance: str
+    action: Action
+    args: dict[str, Any] = {}
+
+
+class CommandResult(_Message, tag="command_result", kw_only=True):
+    """The answer to the command ``id``; ``code`` and ``message`` say why when ``ok`` is false."""
+
+    id: str
+    generation: int
+    ok: bool
+    code: str | None = None
+    message: str | None = None
+    detail: dict[str, Any] = {}
+
+
+class Heartbeat(_Message, tag="heartbeat", kw_only=True):
+    seq: int
+    at: float  # the sender's monotonic clock: for its own round trips, never compared with the other side's
+
+
+class Goodbye(_Message, tag="goodbye", kw_only=True):
+    code: str
+    message: str
+
+
+class JoinRequest(_Message, tag="join_request", kw_only=True):
+    host: str
+    secret: str  # the invitation's secret, base64url without padding
+    csr_pem: str
+
+
+class JoinAccepted(_Message, tag="join_accepted", kw_only=True):
+    host: str
+    cert_pem: str  # the host's certificate, signed by the server's CA
+
+
+Message = (Hello | Inventory | LoadSample | ProcessExit | Command | CommandResult | Heartbeat | Goodbye
+           | JoinRequest | JoinAccepted)
+TYPES = tuple(sorted(str(kind.__struct_config__.tag) for kind in get_args(Message)))
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """One frame as its message; ``InvalidRequest`` when it is not one the link knows."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        about_type = "`$.type`" in str(exc) or "field `type`" in str(exc)
+        hint = f" (the link's types: {', '.join(TYPES)})" if about_type else ""
+        raise InvalidRequest(f"not a control link message: {exc}{hint}") from exc
