@@ -10,6 +10,8 @@ import anyio
 import trio
 import trio.testing
 
+from capyctl.domain.hosts import HostRecord
+from capyctl.domain.joining import Invite
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.keys import ApiKey
@@ -55,6 +57,8 @@ class FakeStore:
         self.keys: dict[str, tuple[ApiKey, float | None]] = {}
         self.usage: dict[tuple[str, str], int] = {}
         self.meta: dict[str, str] = {}
+        self.hosts: dict[str, HostRecord] = {}
+        self.invites: dict[str, Invite] = {}
 
     def list_keys(self) -> list[tuple[ApiKey, float | None]]:
         return sorted(self.keys.values(), key=lambda entry: entry[0].name)
@@ -114,6 +118,23 @@ class FakeStore:
 
     def kinds(self) -> list[str]:
         return [e["kind"] for e in self.events]
+
+    def put_host(self, host: HostRecord) -> None:
+        self.hosts[host.name] = host
+
+    def list_hosts(self) -> list[HostRecord]:
+        return [self.hosts[name] for name in sorted(self.hosts)]
+
+    def put_invite(self, invite: Invite) -> None:
+        self.invites[invite.secret_hash] = invite
+
+    def get_invite(self, secret_hash: str) -> Invite | None:
+        return self.invites.get(secret_hash)
+
+    def prune_invites(self, before: float) -> None:
+        for key, invite in list(self.invites.items()):
+            if min(invite.expires_at, invite.used_at or invite.expires_at) < before:
+                del self.invites[key]
 
 
 class FakeProcess:

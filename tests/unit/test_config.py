@@ -71,7 +71,8 @@ def test_the_schema_has_every_key_and_refuses_unknown_ones() -> None:
     out = schema()
     defs = out["$defs"]
     assert set(defs["ServerConfig"]["properties"]) == {"default_model", "queue", "limits", "memory", "switching", "idle",
-                                                       "records"}
+                                                       "records", "hosts"}
+    assert set(defs["HostsConfig"]["properties"]) == {"suspend_after", "lost_after"}
     assert set(defs["RecordsConfig"]["properties"]) == {"max_count", "max_age", "buffer"}
     assert set(defs["DeviceConfig"]["properties"]) == {"name", "capacity", "reserve"}
     assert set(defs["SwitchingConfig"]["properties"]) == {"admission_window", "drain_timeout"}
@@ -134,3 +135,12 @@ def test_sizes_and_durations_from_flags_say_what_they_take() -> None:
         parse_size("-1GiB", "reserve", zero=True)
     with pytest.raises(InvalidConfig, match=r"'0ms' is not a duration more than zero .* with a unit of ms, s, m or h"):
         parse_duration("0ms", "--request-deadline")
+
+
+def test_the_hosts_timings_default_to_5s_and_30s_and_must_be_in_order() -> None:
+    assert (resolve(ServerConfig(), {}).hosts.suspend_after, resolve(ServerConfig(), {}).hosts.lost_after) == (5.0, 30.0)
+    settings = resolve(decode_text("hosts:\n  suspend_after: 2s\n  lost_after: 1m\n", "c.yaml", ServerConfig), {})
+    assert (settings.hosts.suspend_after, settings.hosts.lost_after) == (2.0, 60.0)
+    for bad in ("hosts:\n  suspend_after: 30s\n  lost_after: 10s\n", "hosts:\n  lost_after: 5s\n"):
+        with pytest.raises(InvalidConfig, match="hosts.suspend_after.*hosts.lost_after|hosts.lost_after.*hosts.suspend_after"):
+            resolve(decode_text(bad, "c.yaml", ServerConfig), {})

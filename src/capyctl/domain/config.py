@@ -17,6 +17,7 @@ import msgspec
 
 from capyctl.domain.deployments import Strict
 from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.limits import Limits
 from capyctl.domain.memory import Device, Idle
 from capyctl.domain.request_rows import RecordSettings, Retention
@@ -85,6 +86,13 @@ class RecordsConfig(Strict):
     buffer: Count = 10_000  # rows waiting to be written at most; past it a row is dropped and counted
 
 
+class HostsConfig(Strict):
+    """Several machines: when a silent host stops taking requests, and when it is counted lost."""
+
+    suspend_after: Duration = "5s"  # no heartbeat for this long: suspended (takes no new request)
+    lost_after: Duration = "30s"  # no heartbeat for this long: lost (its charges stay until it proves what runs)
+
+
 class ServerConfig(Strict):
     """The whole file. Every key is optional; an empty file is the defaults."""
 
@@ -95,6 +103,7 @@ class ServerConfig(Strict):
     switching: SwitchingConfig = SwitchingConfig()
     idle: IdleConfig = IdleConfig()
     records: RecordsConfig = RecordsConfig()
+    hosts: HostsConfig = HostsConfig()
 
 
 class Switching(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,6 +123,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     switching: Switching = Switching()
     idle: Idle = Idle()
     records: RecordSettings = RecordSettings()
+    hosts: LinkTimings = LinkTimings()
 
 
 def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
@@ -158,6 +168,8 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
                                 max_age=seconds(config.records.max_age, "records.max_age")),
             buffer=config.records.buffer,
         ),
+        hosts=LinkTimings(suspend_after=seconds(config.hosts.suspend_after, "hosts.suspend_after"),
+                          lost_after=seconds(config.hosts.lost_after, "hosts.lost_after")),
     )
 
 

@@ -116,6 +116,24 @@ class EngineNotFound(CapyError):
         super().__init__(f"no engine named {name!r}; see: capyctl engine list")
 
 
+class HostNotFound(CapyError):
+    code = "host_not_found"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no host named {name!r}; see: capyctl list hosts")
+
+
+class HostRevoked(CapyError):
+    """A host's certificate is not (or no longer) the one the server accepts for its name."""
+
+    code = "host_revoked"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"host {name!r} is revoked or its certificate was replaced; to bring the machine back, "
+                         f"invite it again (capyctl invite host {name}) and join with the new file",
+                         host=name)
+
+
 class EngineInUse(CapyError):
     code = "engine_in_use"
 

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.hosts import HostRecord
+from capyctl.domain.joining import Invite
 from capyctl.domain.keys import ApiKey
 from capyctl.domain.lifecycle import Launched
 from capyctl.domain.memory import Residency
@@ -70,6 +72,17 @@ class RequestStore(Protocol):
         """The rows ``where`` picks, newest first."""
 
     def get_request(self, request_id: str) -> RequestRow | None: ...
+
+
+class HostStore(Protocol):
+    """Where the server keeps its hosts (their certificates' fingerprints, revocations) and invitations
+    (hashes of their secrets only)."""
+
+    def put_host(self, host: HostRecord) -> None: ...
+    def list_hosts(self) -> list[HostRecord]: ...
+    def put_invite(self, invite: Invite) -> None: ...
+    def get_invite(self, secret_hash: str) -> Invite | None: ...
+    def prune_invites(self, before: float) -> None: ...
 
 
 class ProcessHandle(Protocol):

@@ -26,8 +26,10 @@ from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
 from capyctl.adapters.devices import read_devices
 from capyctl.domain.config import ServerConfig, Settings, resolve
+from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.limits import Limits
 from capyctl.entrypoints.container import Container
+from capyctl.entrypoints.hosts import server_role
 
 log = logging.getLogger("capyctl")
 DEFAULTS = resolve(ServerConfig(), {})
@@ -59,6 +61,49 @@ async def serve_standalone(state_dir: Path, listen: str, management: str, settin
         container.shutdown_resources()
 
 
+async def serve_server(state_dir: Path, listen: str, management: str, control_listen: str,
+                       control_advertise: str | None, settings: Settings = DEFAULTS) -> None:
+    """``start standalone``, and the control listener where hosts join and link (several machines)."""
+    inference_addr = parse_listen(listen, "--listen")
+    management_addr = parse_listen(management, "--management")
+    control_addr = parse_listen(control_listen, "--control-listen")
+    advertised = control_advertise or (None if control_addr[0] in ("0.0.0.0", "::", "") else control_listen)
+    if control_advertise is not None:
+        parse_listen(control_advertise, "--control-advertise")
+    raise_open_files_limit(settings.limits)
+    container = build_container(state_dir, settings)
+    container.init_resources()
+    try:
+        await _serve(container, inference_addr, management_addr, settings.limits,
+                     control=(control_addr, advertised, settings.hosts))
+    finally:
+        container.shutdown_resources()
+
+
+async def serve_host(state_dir: Path, settings: Settings = DEFAULTS) -> None:
+    """``start host``: the host agent keeps its link to the server until SIGINT or SIGTERM."""
+    from capyctl.adapters.control.agent import HostAgent, LinkRefused
+    from capyctl.domain.link import DeviceReport, Inventory
+
+    devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
+    inventory = Inventory(devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve)
+                                   for d in devices], engines=[])
+    agent = HostAgent(state_dir, lambda: inventory)
+    stopping = anyio.Event()
+    log.info("capyctl %s host %s: linking to the server at %s", __version__, agent.name, agent.server)
+    refused: LinkRefused | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_stop_on_signal, stopping)
+        try:
+            await agent.run(stopping)
+        except LinkRefused as exc:  # raised after the task group, not inside it (which would wrap it)
+            refused = exc
+        tg.cancel_scope.cancel()
+    if refused is not None:
+        raise refused
+    log.info("capyctl host %s stopped", agent.name)
+
+
 def raise_open_files_limit(limits: Limits) -> None:
     """Each relayed request holds two descriptors (client and engine): lift the soft limit to the hard one."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -74,7 +119,8 @@ def raise_open_files_limit(limits: Limits) -> None:
 
 
 async def _serve(
-    container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int], limits: Limits
+    container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int], limits: Limits,
+    control: tuple[tuple[str, int], str | None, LinkTimings] | None = None,
 ) -> None:
     state: StateDir = container.state_dir()
     state.prepare()
@@ -87,11 +133,15 @@ async def _serve(
         {path: door.serve for path in door.endpoints},
         create_inference_app(fleet, container.clock(), keys, stats, container.admission()), limits, stats.client_cut)
     records = container.request_log()
-    manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys, records=records),
-                         limits, stats.client_cut)
+    hosts = listener = None
+    if control is not None:
+        hosts, listener = server_role(state, container, *control)
+    manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys, records=records,
+                                                   hosts=hosts), limits, stats.client_cut)
     stopping = anyio.Event()
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
+    control_sock = listen_socket(*control[0], "--control-listen") if control is not None else None
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])
     manager.fallback = with_dashboard(  # the dashboard beside the management API, on its listener
         manager.fallback, fleet=fleet, admission=container.admission(), keys=keys, store=container.store(),
@@ -104,6 +154,8 @@ async def _serve(
         async with anyio.create_task_group() as tg:
             await tg.start(fleet.run)
             await tg.start(records.run)  # writes the request records off the requests' path
+            if hosts is not None:
+                await tg.start(hosts.registry.watch)
             state.write_management(management_url)
             host, port = inference_sock.getsockname()[:2]
             where = (f"the key named default in {state.root / CREDENTIALS}" if state.read_api_key()
@@ -117,6 +169,9 @@ async def _serve(
             async with anyio.create_task_group() as servers:
                 servers.start_soon(inference.serve, inference_sock, stopping)
                 servers.start_soon(manager.serve, management_sock, stopping)
+                if listener is not None and control_sock is not None:
+                    log.info("control: hosts join and link at %s:%s (TLS)", *control_sock.getsockname()[:2])
+                    servers.start_soon(listener.serve, control_sock, stopping)
             state.clear_management()
             tg.cancel_scope.cancel()  # fleet.run stops every engine on its way out
         watcher.cancel_scope.cancel()

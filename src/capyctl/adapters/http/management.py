@@ -21,9 +21,10 @@ from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
 from capyctl.adapters.http.records_api import HANDLERS as RECORD_HANDLERS
 from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, devices_view, engine_view, key_view
-from capyctl.domain.errors import InvalidRequest, Unauthorized
+from capyctl.domain.errors import InvalidConfig, InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
+from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 
@@ -145,8 +146,54 @@ def revoke_key(keys: KeysDep, name: str) -> dict[str, Any]:
     return {"revoked": key.name, "id": key.id}
 
 
+HostsDep = Annotated["Hosts | None", Dependency(skip_validation=True)]
+
+
+class Hosts:
+    """What the management API needs of several machines: the registry, and how an invitation is made
+    (its secret, the join file around it: the composition root's)."""
+
+    def __init__(self, registry: HostRegistry, invite: Callable[[str, float, str | None], dict[str, Any]]) -> None:
+        self.registry = registry
+        self.invite = invite
+
+
+def _hosts(hosts: Hosts | None) -> Hosts:
+    if hosts is None:
+        raise InvalidConfig("this CapyCTL runs standalone: hosts join a server started with `capyctl start server`")
+    return hosts
+
+
+@get("/hosts", sync_to_thread=False)
+def list_hosts(hosts: HostsDep) -> list[dict[str, Any]]:
+    return _hosts(hosts).registry.views()
+
+
+@get("/hosts/{name:str}", sync_to_thread=False)
+def get_host(hosts: HostsDep, name: str) -> dict[str, Any]:
+    return _hosts(hosts).registry.view(name)
+
+
+@post("/hosts/invites", status_code=201, sync_to_thread=False)
+def invite_host(hosts: HostsDep, data: dict[str, Any]) -> dict[str, Any]:
+    """A join file for one host; the answer is the only place its secret is ever shown."""
+    for field in data:
+        if field not in ("name", "ttl_s", "server"):
+            raise InvalidRequest(f"{field!r} is not a field of an invitation; it takes name, ttl_s, server", param=field)
+    ttl = data.get("ttl_s", 900.0)
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise InvalidRequest("'ttl_s' must be a number of seconds", param="ttl_s")
+    return _hosts(hosts).invite(_text(data, "name") or "", float(ttl), _text(data, "server", required=False))
+
+
+@delete("/hosts/{name:str}", status_code=200)
+async def revoke_host(hosts: HostsDep, name: str) -> dict[str, Any]:
+    record = await _hosts(hosts).registry.revoke(name)
+    return {"revoked": record.name, "revoked_at": record.revoked_at}
+
+
 def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Keyring,
-                          records: RequestLog | None = None) -> Callable[..., Any]:
+                          records: RequestLog | None = None, hosts: Hosts | None = None) -> Callable[..., Any]:
     return with_request_ids(Litestar(
         route_handlers=[
             list_engines,
@@ -165,6 +212,10 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Ke
             list_keys,
             get_key,
             revoke_key,
+            list_hosts,
+            get_host,
+            invite_host,
+            revoke_host,
             *(RECORD_HANDLERS if records is not None else ()),
         ],
         guards=[require_admin],
@@ -173,6 +224,7 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Ke
             "clock": Provide(lambda: clock, sync_to_thread=False),
             "keys": Provide(lambda: keys, sync_to_thread=False),
             "records": Provide(lambda: records, sync_to_thread=False),
+            "hosts": Provide(lambda: hosts, sync_to_thread=False),
         },
         exception_handlers=error_handlers(),
         openapi_config=None,

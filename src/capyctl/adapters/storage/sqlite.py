@@ -1,4 +1,4 @@
-"""SQLite store for engines, deployments, events, API keys and request records.
+"""SQLite store for engines, deployments, events, API keys, request records, hosts and their invitations.
 
 Rows hold msgspec-encoded JSON so the schema follows the domain types.
 Engine and deployment calls are short and run on the caller's thread.
@@ -29,8 +29,10 @@ import msgspec
 
 from capyctl.domain.deployments import Deployment
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.hosts import HostRecord
+from capyctl.domain.joining import Invite
 from capyctl.domain.keys import ApiKey
-from capyctl.domain.ports import RequestStore, Store
+from capyctl.domain.ports import HostStore, RequestStore, Store
 from capyctl.domain.request_rows import Entry, RequestRow, Retention, RowFilter, Settle, settled
 
 _SCHEMA = """
@@ -64,6 +66,8 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_by_time ON requests (at);
 CREATE INDEX IF NOT EXISTS requests_by_deployment ON requests (deployment, seq);
+CREATE TABLE IF NOT EXISTS hosts (name TEXT PRIMARY KEY, body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS invites (secret_hash TEXT PRIMARY KEY, name TEXT NOT NULL, body BLOB NOT NULL);
 """
 KEY_USAGE_DAYS = 31  # days of per-key counts kept
 MAX_EVENTS = 100_000  # stored events kept at most; the oldest go first
@@ -80,10 +84,12 @@ _deployment = msgspec.json.Decoder(Deployment)
 _detail = msgspec.json.Decoder(dict[str, Any])
 _key = msgspec.json.Decoder(ApiKey)
 _row = msgspec.json.Decoder(RequestRow)
+_host = msgspec.json.Decoder(HostRecord)
+_invite = msgspec.json.Decoder(Invite)
 _INSERT_REQUEST = "INSERT OR IGNORE INTO requests (id, at, deployment, key, code, status, body) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
-class SqliteStore(Store, RequestStore):
+class SqliteStore(Store, RequestStore, HostStore):
     def __init__(self, path: Path, max_events: int = MAX_EVENTS, max_event_age: float = MAX_EVENT_AGE) -> None:
         path.touch(mode=0o600)  # API key digests and request events: for CapyCTL's user only (so are WAL files)
         path.chmod(0o600)
@@ -243,6 +249,26 @@ class SqliteStore(Store, RequestStore):
 
     def set_meta(self, name: str, value: str) -> None:
         self._execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (name, value))
+
+    # --- hosts and their invitations (several machines) --------------------------------------------
+    def put_host(self, host: HostRecord) -> None:
+        self._execute("INSERT OR REPLACE INTO hosts VALUES (?, ?)", (host.name, _encode(host)))
+
+    def list_hosts(self) -> list[HostRecord]:
+        return [_host.decode(row[0]) for row in self._execute("SELECT body FROM hosts ORDER BY name")]
+
+    def put_invite(self, invite: Invite) -> None:
+        self._execute("INSERT OR REPLACE INTO invites VALUES (?, ?, ?)", (invite.secret_hash, invite.name, _encode(invite)))
+
+    def get_invite(self, secret_hash: str) -> Invite | None:
+        rows = self._execute("SELECT body FROM invites WHERE secret_hash = ?", (secret_hash,))
+        return _invite.decode(rows[0][0]) if rows else None
+
+    def prune_invites(self, before: float) -> None:
+        """Invitations that ended (used or expired) before ``before`` are forgotten."""
+        for invite in [_invite.decode(row[0]) for row in self._execute("SELECT body FROM invites")]:
+            if min(invite.expires_at, invite.used_at or invite.expires_at) < before:
+                self._execute("DELETE FROM invites WHERE secret_hash = ?", (invite.secret_hash,))
 
     # --- request records ------------------------------------------------------------------------------
     def add_requests(self, entries: list[Entry]) -> None:

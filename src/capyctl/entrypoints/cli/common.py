@@ -55,16 +55,18 @@ park_app = _typer("Park a deployment: its engine sleeps (or stops, for restart_o
                   "or `capyctl start deployment` wakes it.")
 delete_app = _typer("Delete a deployment (stops its engine first).")
 status_app = _typer("Show a deployment's state and instances.")
-list_app = _typer("List deployments, engines, devices, API keys or request records.")
+list_app = _typer("List deployments, engines, devices, API keys, request records or hosts.")
 create_app = _typer("Create a named API key.")
-revoke_app = _typer("Revoke a named API key (its next request is refused).")
+revoke_app = _typer("Revoke a named API key (its next request is refused) or a host (its link closes).")
+invite_app = _typer("Invite a GPU machine to join this server as a host.")
+join_app = _typer("Join this machine to a server, with the file `capyctl invite host` wrote.")
 engine_app = _typer("Register, list and remove engine installations.")
 deploy_app = _typer("Create or update deployments from files.")
 config_app = _typer("The server configuration file: its schema, and checking a file.")
 for name, sub in [
     ("start", start_app), ("stop", stop_app), ("park", park_app), ("delete", delete_app), ("status", status_app),
     ("list", list_app), ("engine", engine_app), ("deploy", deploy_app), ("config", config_app),
-    ("create", create_app), ("revoke", revoke_app),
+    ("create", create_app), ("revoke", revoke_app), ("invite", invite_app), ("join", join_app),
 ]:
     app.add_typer(sub, name=name)
 

@@ -111,6 +111,56 @@ def start_standalone(
         writer.stop()  # writes the last lines
 
 
+@start_app.command("server")
+@reports_errors
+def start_server(
+    listen: Annotated[
+        str, typer.Option(help="Inference API address. Use 127.0.0.1:8443 to keep it on this machine.")
+    ] = "0.0.0.0:8443",
+    management: Annotated[
+        str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")
+    ] = "127.0.0.1:7443",
+    control_listen: Annotated[
+        str, typer.Option(help="Where hosts join and keep their control link (TLS, the server's own CA).")
+    ] = "0.0.0.0:7445",
+    control_advertise: Annotated[
+        str | None, typer.Option(help="The control address join files name, as hosts reach it (ADDR:PORT). "
+                                 "Default: --control-listen, which must then name an address.", show_default=False)
+    ] = None,
+    state_dir: StateDirOpt = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="Server configuration file (see `capyctl config schema`). "
+                     "Default: <state-dir>/config.yaml when it exists.", show_default=False),
+    ] = None,
+    log_format: Annotated[
+        LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
+    ] = LogFormat.TEXT,
+    json: Annotated[bool, typer.Option("--json", help="Same as --log-format json.")] = False,
+) -> None:
+    """Run the server of several machines in the foreground until Ctrl-C or SIGTERM.
+
+    It serves the inference and management APIs as `start standalone` does, and listens for hosts:
+    `capyctl invite host NAME` writes a join file for a GPU machine. At its first start it makes its
+    CA and writes identity/server-credentials.json (the API key, 0600).
+    """
+    if json:
+        log_format = LogFormat.JSON
+    root = resolve_state_dir(state_dir)
+    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
+    server_config = decode_file(file, ServerConfig) if file is not None else ServerConfig()
+    settings = _resolve(file, server_config, {})
+    from capyctl.adapters.log_format import configure_logging
+    from capyctl.entrypoints.service import serve_server
+
+    writer = configure_logging(log_format.value)
+    try:
+        anyio.run(serve_server, root, listen, management, control_listen, control_advertise, settings,
+                  backend_options={"use_uvloop": _has_uvloop()})
+    finally:
+        writer.stop()
+
+
 def _flag(value: str | None, what: str, parse: Callable[[str, str], Any]) -> Any:
     return None if value is None else parse(value, what)
 

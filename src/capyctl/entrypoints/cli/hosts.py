@@ -1,0 +1,137 @@
+"""Several machines: ``start server``, ``invite host``, ``join host``, ``start host``, ``list hosts``,
+``revoke host``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+import msgspec
+import typer
+
+from capyctl.adapters.storage.state_dir import resolve_state_dir, write_private_text
+from capyctl.domain.deployments import parse_duration
+from capyctl.domain.errors import InvalidConfig
+from capyctl.domain.joining import JoinFile
+from capyctl.entrypoints.cli.common import (
+    JsonOpt,
+    StateDirOpt,
+    client,
+    invite_app,
+    join_app,
+    list_app,
+    reports_errors,
+    revoke_app,
+    start_app,
+)
+from capyctl.entrypoints.cli.output import duration, show, stamp, table
+
+
+@invite_app.command("host")
+@reports_errors
+def invite_host(
+    name: Annotated[str, typer.Argument(help="The host's name: 1-63 of a-z, 0-9 and '-' (not first or last).")],
+    ttl: Annotated[str, typer.Option(help="How long the invitation may be used: at most 1h.")] = "15m",
+    output: Annotated[Path | None, typer.Option(
+        help="Where to write the join file (0600). Default: ./NAME.join.", show_default=False)] = None,
+    server: Annotated[str | None, typer.Option(
+        help="The server's control address as the host reaches it (ADDR:PORT). "
+        "Default: the address given to --control-listen, or --control-advertise.", show_default=False)] = None,
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Write a join file for one GPU machine: copy it there and run `capyctl join host --join-file FILE`.
+
+    The file holds a secret that works once, for this host name only, until the TTL ends; the server keeps
+    only its hash. It also pins the server's CA, so the host talks only to this server.
+    """
+    seconds = parse_duration(ttl, "--ttl")
+    join = client(state_dir).call("POST", "/hosts/invites", json={"name": name, "ttl_s": seconds, "server": server})
+    path = output if output is not None else Path(f"{name}.join")
+    write_private_text(path, msgspec.json.encode(join).decode() + "\n")
+    view = {"host": name, "join_file": str(path), "server": join["server"], "expires_at": join["expires_at"]}
+    show(view, json, f"invitation for host {name} written to {path} (0600); it works once, until "
+                     f"{stamp(join['expires_at'])}\n  on {name}: capyctl join host --join-file {path.name}")
+
+
+@join_app.command("host")
+@reports_errors
+def join_host(
+    join_file: Annotated[Path, typer.Option("--join-file", help="The file `capyctl invite host` wrote.")],
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Join this machine to the server of a join file, as the host named in it (run on the GPU machine)."""
+    from capyctl.adapters.control.agent import join
+
+    try:
+        data = join_file.read_bytes()
+    except OSError as exc:
+        raise InvalidConfig(f"cannot read the join file {join_file}: {exc.strerror}") from exc
+    try:
+        parsed = msgspec.json.decode(data, type=JoinFile)
+    except msgspec.ValidationError as exc:
+        raise InvalidConfig(f"{join_file} is not a CapyCTL join file: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidConfig(f"{join_file} is not a CapyCTL join file (not JSON): {exc}") from exc
+    root = resolve_state_dir(state_dir)
+    identity = anyio.run(join, parsed, root)
+    show({"host": identity.name, "server": identity.server, "fingerprint": identity.fingerprint}, json,
+         f"joined the server at {identity.server} as host {identity.name}\n"
+         f"  next: capyctl start host{'' if state_dir is None else ' --state-dir ' + str(root)}")
+
+
+@start_app.command("host")
+@reports_errors
+def start_host(
+    state_dir: StateDirOpt = None,
+    config: Annotated[Path | None, typer.Option(
+        help="The host's configuration file: its `memory.devices` (declared, or auto) are what it reports. "
+        "Default: <state-dir>/config.yaml when it exists; else no devices.", show_default=False)] = None,
+) -> None:
+    """Run this machine's host agent in the foreground: it keeps the link to the server up.
+
+    It dials the server named in its join file with the certificate it got when it joined, and dials
+    again (backing off up to 10 s) whenever the link drops. It exits when the server says the host is
+    revoked.
+    """
+    from capyctl.adapters.config_files import decode_file
+    from capyctl.adapters.log_format import configure_logging
+    from capyctl.domain.config import ServerConfig, resolve
+    from capyctl.entrypoints.service import serve_host
+
+    root = resolve_state_dir(state_dir)
+    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
+    settings = resolve(decode_file(file, ServerConfig) if file is not None else ServerConfig(), {})
+    writer = configure_logging("text")
+    try:
+        anyio.run(serve_host, root, settings)
+    finally:
+        writer.stop()
+
+
+@list_app.command("hosts")
+@reports_errors
+def list_hosts(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
+    """The hosts that joined this server: state, address, last heartbeat, version, devices, engines."""
+    hosts: list[dict[str, Any]] = client(state_dir).call("GET", "/hosts")
+    rows = [[h["name"], h["state"], h["address"],
+             None if h["silent_s"] is None else f"{duration(h['silent_s']) or '0s'} ago",
+             h["version"], len(h["devices"]), ",".join(e["name"] for e in h["engines"]) or None,
+             len(h["instances"])] for h in hosts]
+    show(hosts, json, table(["NAME", "STATE", "ADDRESS", "HEARD", "VERSION", "DEVICES", "ENGINES", "INSTANCES"],
+                            rows) if hosts else "no hosts; invite one with: capyctl invite host NAME")
+
+
+@revoke_app.command("host")
+@reports_errors
+def revoke_host(
+    name: Annotated[str, typer.Argument(help="The host's name (see: capyctl list hosts).")],
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Revoke a host for good: its link closes now; its certificate and join file are refused from now on."""
+    revoked = client(state_dir).call("DELETE", f"/hosts/{name}")
+    show(revoked, json, f"host {name} revoked")
+

@@ -1,0 +1,59 @@
+"""The server's role in several machines, composed: its CA, its control certificate, the registry of hosts,
+the control listener, invitations, and ``identity/server-credentials.json``."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from typing import Any
+
+import msgspec
+
+from capyctl.adapters.control.agent import SERVER_NAME
+from capyctl.adapters.control.listener import ControlListener
+from capyctl.adapters.http.management import Hosts
+from capyctl.adapters.pki import CertificateAuthority, server_ssl_context
+from capyctl.adapters.storage.state_dir import StateDir, write_private_text
+from capyctl.domain.errors import InvalidRequest
+from capyctl.domain.hosts import LinkTimings
+from capyctl.domain.joining import SECRET_BYTES, JoinFile
+from capyctl.entrypoints.container import Container
+from capyctl.services.hosts import HostRegistry
+
+SERVER_CREDENTIALS = "identity/server-credentials.json"
+
+
+def server_role(state: StateDir, container: Container, control: tuple[str, int], advertised: str | None,
+                timings: LinkTimings) -> tuple[Hosts, ControlListener]:
+    authority = CertificateAuthority.load_or_create(state.root / "identity" / "ca")
+    names = [SERVER_NAME] + ([control[0]] if control[0] not in ("0.0.0.0", "::", "") else [])
+    cert_pem, key_pem = authority.server_certificate(names)
+    tls = server_ssl_context(cert_pem, key_pem, authority.cert_pem, require_client=False)
+    registry = HostRegistry(container.store(), container.clock(), container.events(), timings)
+    write_server_credentials(state)
+
+    def invite(name: str, ttl: float, server: str | None) -> dict[str, Any]:
+        address = server or advertised
+        if address is None:
+            raise InvalidRequest("the server does not know the address hosts reach it at: give --server ADDR:PORT, "
+                                 "or start the server with --control-advertise ADDR:PORT", param="server")
+        secret = secrets.token_bytes(SECRET_BYTES)
+        made = registry.invite(name, secret, ttl)
+        join = JoinFile(host=name, server=address, ca_pem=authority.cert_pem.decode(),
+                        secret=base64.urlsafe_b64encode(secret).rstrip(b"=").decode(), expires_at=made.expires_at)
+        return msgspec.to_builtins(join)
+
+    return Hosts(registry, invite), ControlListener(registry, authority, tls)
+
+
+def write_server_credentials(state: StateDir) -> None:
+    """``{"api_key": ...}`` (0600) for the scripts of a server machine; rewritten when the key changed."""
+    key = state.read_api_key()
+    path = state.root / SERVER_CREDENTIALS
+    if key is None:
+        if path.exists():
+            path.unlink()  # the key named default was revoked: no file names a dead key
+        return
+    text = msgspec.json.encode({"api_key": key}).decode() + "\n"
+    if not path.exists() or path.read_text() != text:
+        write_private_text(path, text)

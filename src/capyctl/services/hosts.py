@@ -1,0 +1,198 @@
+"""The server's hosts: invitations, joins, the state of each control link, revocation.
+
+What is kept (``HostStore``): each host's record (the fingerprint of the
+certificate it joined with, and every fingerprint ever revoked for its name)
+and the invitations (the hashes of their secrets, never a secret). What is
+live (memory only): whether a host is connected, when it was last heard,
+what it said in its hello, inventory and load samples. A host's state is
+read from those by ``domain.hosts.link_state``; ``watch`` turns its changes
+into events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from capyctl.domain.errors import HostNotFound, HostRevoked
+from capyctl.domain.hosts import HostRecord, HostState, LinkTimings, link_state
+from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
+from capyctl.domain.link import Hello, Inventory, LoadSample, Message, ProcessExit
+from capyctl.domain.ports import Clock, HostStore
+from capyctl.services.events import Events
+
+WATCH_EVERY = 0.25  # seconds between two looks at the links' states
+
+
+@dataclass
+class _Link:
+    """A host's live link, as the server sees it."""
+
+    session: int = 0
+    connected: bool = False
+    address: str | None = None
+    last_heard: float | None = None  # monotonic
+    last_heard_wall: float | None = None
+    hello: Hello | None = None
+    inventory: Inventory | None = None
+    loads: LoadSample | None = None
+    close: Callable[[str], Awaitable[None]] | None = None  # closes the link, saying why
+    state: HostState | None = None  # as last told in an event
+    exits: list[ProcessExit] = field(default_factory=list)
+
+
+class HostRegistry:
+    def __init__(self, store: HostStore, clock: Clock, events: Events, timings: LinkTimings = LinkTimings()) -> None:
+        self._store = store
+        self._clock = clock
+        self._events = events
+        self.timings = timings
+        self._records = {record.name: record for record in store.list_hosts()}
+        self._links: dict[str, _Link] = {}
+        self._sessions = 0
+
+    # --- invitations and joins ---------------------------------------------------------------------
+    def invite(self, name: str, secret: bytes, ttl: float = DEFAULT_TTL) -> Invite:
+        """An invitation for ``name`` (its secret made by the caller); only the secret's hash is kept."""
+        now = self._clock.wall()
+        invite = invite_for(name, secret, now, ttl)
+        self._store.prune_invites(now)
+        self._store.put_invite(invite)
+        self._events.emit(None, "host_invited", host=name, expires_at=invite.expires_at)
+        return invite
+
+    def redeem(self, name: str, secret: bytes) -> None:
+        """Spend the invitation ``secret`` belongs to, for host ``name``; ``JoinRefused`` says why not."""
+        used = redeem(self._store.get_invite(secret_hash(secret)), name, secret, self._clock.wall())
+        self._store.put_invite(used)
+
+    def joined(self, name: str, fingerprint: str) -> None:
+        """``name`` joined with the certificate of ``fingerprint``: it replaces any the name had before, and
+        that one is refused from now on."""
+        old = self._records.get(name)
+        revoked = list(old.revoked) if old is not None else []
+        if old is not None and old.fingerprint not in revoked:
+            revoked.append(old.fingerprint)
+        record = HostRecord(name=name, fingerprint=fingerprint, joined_at=self._clock.wall(), revoked=revoked)
+        self._store.put_host(record)
+        self._records[name] = record
+        self._events.emit(None, "host_joined", host=name, fingerprint=fingerprint)
+
+    # --- the control link ---------------------------------------------------------------------------
+    def admit(self, name: str, fingerprint: str) -> None:
+        """Raises ``HostRevoked`` unless ``name``'s current certificate is the one of ``fingerprint``."""
+        record = self._records.get(name)
+        if record is None or fingerprint in record.revoked:
+            raise HostRevoked(name)
+        if record.revoked_at is not None or record.fingerprint != fingerprint:
+            raise HostRevoked(name)
+
+    def connected(self, name: str, address: str, hello: Hello, close: Callable[[str], Awaitable[None]]) -> int:
+        """The host's link is up (its hello read); returns the session, which later calls name."""
+        self._sessions += 1
+        link = self._links.setdefault(name, _Link())
+        link.session, link.connected, link.address, link.hello, link.close = self._sessions, True, address, hello, close
+        self._heard(link)
+        self._events.emit(None, "host_connected", host=name, address=address, version=hello.version)
+        self._tell(name, link)
+        return link.session
+
+    def heard(self, name: str, session: int, message: Message) -> None:
+        link = self._links.get(name)
+        if link is None or link.session != session:
+            return  # a link that was replaced: its late messages change nothing
+        self._heard(link)
+        if isinstance(message, Inventory):
+            link.inventory = message
+        elif isinstance(message, LoadSample):
+            link.loads = message
+        elif isinstance(message, ProcessExit):
+            link.exits.append(message)
+            del link.exits[:-64]
+        self._tell(name, link)
+
+    def disconnected(self, name: str, session: int, why: str) -> None:
+        link = self._links.get(name)
+        if link is None or link.session != session:
+            return
+        link.connected, link.close = False, None
+        self._events.emit(None, "host_disconnected", host=name, reason=why)
+
+    def _heard(self, link: _Link) -> None:
+        link.last_heard, link.last_heard_wall = self._clock.monotonic(), self._clock.wall()
+
+    # --- states -------------------------------------------------------------------------------------
+    def state(self, name: str) -> HostState:
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        link = self._links.get(name)
+        return link_state(revoked=record.revoked_at is not None, last_heard=link.last_heard if link else None,
+                          now=self._clock.monotonic(), timings=self.timings)
+
+    def _tell(self, name: str, link: _Link) -> None:
+        """An event when the host's state is not the one last told."""
+        state = self.state(name)
+        if state != link.state:
+            before, link.state = link.state, state
+            self._events.emit(None, "host_state", host=name, state=state.value,
+                              before=before.value if before is not None else None)
+
+    async def watch(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Tells each host's state changes as time passes (a silent host is suspended, then lost)."""
+        task_status.started()
+        while True:
+            for name in list(self._records):
+                self._tell(name, self._links.setdefault(name, _Link()))
+            await anyio.sleep(WATCH_EVERY)
+
+    async def revoke(self, name: str) -> HostRecord:
+        """``name`` is revoked: its certificate and invitations are refused for ever, its link closes now."""
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        revoked = list(record.revoked)
+        if record.fingerprint not in revoked:
+            revoked.append(record.fingerprint)
+        record = HostRecord(name=name, fingerprint=record.fingerprint, joined_at=record.joined_at,
+                            revoked=revoked, revoked_at=self._clock.wall())
+        self._store.put_host(record)
+        self._records[name] = record
+        self._events.emit(None, "host_revoked", host=name)
+        link = self._links.get(name)
+        if link is not None and link.close is not None:
+            await link.close("host_revoked")
+        if link is not None:
+            self._tell(name, link)
+        return record
+
+    # --- views --------------------------------------------------------------------------------------
+    def view(self, name: str) -> dict[str, Any]:
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        link = self._links.get(name) or _Link()
+        hello, inventory = link.hello, link.inventory
+        heard = link.last_heard
+        return {
+            "name": name,
+            "state": self.state(name).value,
+            "address": link.address,
+            "connected": link.connected,
+            "last_heartbeat": link.last_heard_wall,
+            "silent_s": None if heard is None else round(self._clock.monotonic() - heard, 3),
+            "version": hello.version if hello else None,
+            "devices": [{"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve}
+                        for d in inventory.devices] if inventory else [],
+            "engines": [{"name": e.name, "family": e.family, "version": e.version, "path": e.path}
+                        for e in inventory.engines] if inventory else [],
+            "instances": [i.instance for i in hello.running] if hello else [],
+            "joined_at": record.joined_at,
+            "revoked_at": record.revoked_at,
+        }
+
+    def views(self) -> list[dict[str, Any]]:
+        return [self.view(name) for name in sorted(self._records)]

@@ -1,0 +1,209 @@
+"""Several machines, for real: a server and two hosts in network namespaces, joining and keeping their links.
+
+Each machine is a namespace (``tests/integration/netns.py``); CapyCTL runs there as separate processes,
+exactly as on separate machines: the server with its control listener, each host's agent with the
+identity it got by joining. What is checked is what a user sees: the CLI's answers and exit codes, the
+files' modes, ``capyctl list hosts``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.netns import Lan, Node, available
+
+pytestmark = pytest.mark.integration
+CONTROL_PORT = 7445
+INFERENCE_PORT = 8443
+
+
+class Machine:
+    """CapyCTL on one machine (namespace), with its own state directory."""
+
+    def __init__(self, node: Node, state: Path) -> None:
+        self.node = node
+        self.state = state
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = state.parent / f"{node.name}.log"
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        done = self.node.run([sys.executable, "-m", "capyctl", *args], timeout=timeout,
+                             env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)})
+        if check and done.returncode != 0:
+            raise AssertionError(f"capyctl {' '.join(args)} on {self.node.name} exited {done.returncode}:\n"
+                                 f"{done.stdout}\n{done.stderr}\n--- log:\n{self.read_log()}")
+        return done
+
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as log:
+            self.process = self.node.popen([sys.executable, "-m", "capyctl", "start", *args],
+                                           stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)})
+        return self.process
+
+    def read_log(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Polls ``condition`` until it gives something true; fails naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s (last: {value!r})")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def lan() -> Iterator[Lan]:
+    why = available()
+    if why is not None:
+        pytest.fail(why)
+    with Lan(["gpu-a", "gpu-b"]) as made:
+        yield made
+
+
+@pytest.fixture
+def server(lan: Lan, tmp_path: Path) -> Iterator[Machine]:
+    machine = Machine(lan.server, tmp_path / "server")
+    machine.state.mkdir()
+    (machine.state / "config.yaml").write_text("hosts:\n  suspend_after: 2s\n  lost_after: 4s\n")
+    machine.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
+                  "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
+    until(lambda: (machine.state / "management.json").exists() or machine.process.poll() is not None,  # type: ignore[union-attr]
+          30, "the server's management API")
+    assert machine.process is not None and machine.process.poll() is None, machine.read_log()
+    yield machine
+
+
+def hosts(server: Machine) -> dict[str, dict[str, Any]]:
+    return {h["name"]: h for h in json.loads(server.cli("list", "hosts", "--json").stdout)}
+
+
+def invite(server: Machine, lan: Lan, name: str, *extra: str) -> Path:
+    path = server.state.parent / f"{name}.join"
+    server.cli("invite", "host", name, "--server", f"{lan.server_address_for.get(name, lan.server.address)}:"
+               f"{CONTROL_PORT}", "--output", str(path), *extra)
+    return path
+
+
+def joined(lan: Lan, server: Machine, name: str, tmp: Path) -> Machine:
+    host = Machine(lan.hosts[name], tmp / name)
+    host.cli("join", "host", "--join-file", str(invite(server, lan, name)))
+    host.start("host")
+    until(lambda: hosts(server)[name]["state"] == "online", 20, f"{name} online")
+    return host
+
+
+def test_two_hosts_join_and_are_listed_online(lan: Lan, server: Machine, tmp_path: Path) -> None:
+    a = joined(lan, server, "gpu-a", tmp_path)
+    b = joined(lan, server, "gpu-b", tmp_path)
+    listed = hosts(server)
+    for name, host in (("gpu-a", a), ("gpu-b", b)):
+        assert listed[name]["state"] == "online"
+        assert listed[name]["address"] == host.node.address  # the link comes from the host's own address
+        assert listed[name]["version"]
+        assert listed[name]["last_heartbeat"] is not None
+        # the host keeps its key for its owner only
+        assert stat.S_IMODE((host.state / "identity" / "host-key.pem").stat().st_mode) == 0o600
+    text = server.cli("list", "hosts").stdout
+    assert "gpu-a" in text and "online" in text
+    # the join file was for the host's eyes only, and the server's credentials file names the API key
+    assert stat.S_IMODE((server.state.parent / "gpu-a.join").stat().st_mode) == 0o600
+    credentials = server.state / "identity" / "server-credentials.json"
+    assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
+    key = json.loads(credentials.read_text())["api_key"]
+    sed = subprocess.run(["sed", "-n", r's/.*"api_key": *"\([^"]*\)".*/\1/p', str(credentials)],
+                         capture_output=True, text=True, check=True)
+    assert sed.stdout.strip() == key
+    models = httpx.get(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/models",
+                       headers={"authorization": f"Bearer {key}"}, timeout=10)
+    assert models.status_code == 200, models.text  # the key of that file opens the server's inference API
+
+
+def test_join_files_are_refused_once_used_expired_forged_or_for_another_host(
+        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    a = joined(lan, server, "gpu-a", tmp_path)
+    used = server.state.parent / "gpu-a.join"
+    again = a.cli("join", "host", "--join-file", str(used), "--state-dir", str(tmp_path / "again"), check=False)
+    assert again.returncode != 0 and "error [join_refused]" in again.stderr and "used" in again.stderr
+
+    expiring = invite(server, lan, "gpu-b", "--ttl", "1s")
+    ends = json.loads(expiring.read_text())["expires_at"]
+    until(lambda: time.time() > ends + 0.2, 5, "the invitation's end")
+    b = Machine(lan.hosts["gpu-b"], tmp_path / "gpu-b")
+    late = b.cli("join", "host", "--join-file", str(expiring), check=False)
+    assert late.returncode != 0 and "error [join_refused]" in late.stderr and "expired" in late.stderr
+
+    fresh = json.loads(invite(server, lan, "gpu-b").read_text())
+    forged = tmp_path / "forged.join"
+    forged.write_text(json.dumps({**fresh, "secret": "A" * 43}))
+    refused = b.cli("join", "host", "--join-file", str(forged), check=False)
+    assert refused.returncode != 0 and "error [join_refused]" in refused.stderr
+    other = tmp_path / "other.join"
+    other.write_text(json.dumps({**fresh, "host": "gpu-z"}))
+    wrong = b.cli("join", "host", "--join-file", str(other), check=False)
+    assert wrong.returncode != 0 and "error [join_refused]" in wrong.stderr
+    # a file pinning another CA: the server is refused before the secret is sent, and the file still works
+    stranger = a.cli("invite", "host", "nobody", check=False)  # a host has no management API to ask
+    assert stranger.returncode != 0
+    foreign = tmp_path / "foreign.join"
+    foreign.write_text(json.dumps({**fresh, "ca_pem": _another_ca(tmp_path)}))
+    pinned = b.cli("join", "host", "--join-file", str(foreign), check=False)
+    assert pinned.returncode != 0 and "not signed by the CA pinned" in pinned.stderr
+    good = tmp_path / "good.join"
+    good.write_text(json.dumps(fresh))
+    b.cli("join", "host", "--join-file", str(good))
+
+
+def test_a_silent_host_is_suspended_then_lost_and_online_again_when_it_speaks(
+        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    a = joined(lan, server, "gpu-a", tmp_path)
+    assert a.process is not None
+    a.process.send_signal(signal.SIGSTOP)
+    until(lambda: hosts(server)["gpu-a"]["state"] == "suspended", 6, "gpu-a suspended after SIGSTOP")
+    a.process.send_signal(signal.SIGCONT)
+    until(lambda: hosts(server)["gpu-a"]["state"] == "online", 6, "gpu-a online after SIGCONT")
+    assert a.process.poll() is None  # the same agent, not a new one
+
+    a.node.link_down()
+    until(lambda: hosts(server)["gpu-a"]["state"] == "lost", 10, "gpu-a lost with its link down")
+    a.node.link_up()
+    until(lambda: hosts(server)["gpu-a"]["state"] == "online", 30, "gpu-a online once its link is back")
+
+
+def test_a_revoked_host_is_cut_off_and_refused_for_ever(lan: Lan, server: Machine, tmp_path: Path) -> None:
+    a = joined(lan, server, "gpu-a", tmp_path)
+    assert a.process is not None
+    server.cli("revoke", "host", "gpu-a")
+    assert hosts(server)["gpu-a"]["state"] == "revoked"
+    until(lambda: a.process.poll() is not None, 10, "the revoked host's agent exits")  # type: ignore[union-attr]
+    assert a.process.returncode != 0
+    assert "error [host_revoked]" in a.read_log()
+    again = a.start("host")
+    until(lambda: again.poll() is not None, 15, "a revoked host's agent, started again, exits")
+    assert again.returncode != 0
+    assert hosts(server)["gpu-a"]["state"] == "revoked"
+    missing = server.cli("revoke", "host", "gpu-q", check=False)
+    assert missing.returncode != 0 and "error [host_not_found]" in missing.stderr
+
+
+def _another_ca(tmp: Path) -> str:
+    from capyctl.adapters.pki import CertificateAuthority
+
+    return CertificateAuthority.load_or_create(tmp / "another-ca").cert_pem.decode()

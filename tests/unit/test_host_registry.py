@@ -1,0 +1,150 @@
+"""The server's registry of hosts, on fakes: invitations spent once, joins, admission, states as time
+passes (told as events), revocation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from capyctl.domain.errors import HostNotFound, HostRevoked
+from capyctl.domain.hosts import HostState, LinkTimings
+from capyctl.domain.joining import JoinRefused
+from capyctl.domain.link import DeviceReport, Hello, Inventory
+from capyctl.services.events import Events
+from capyctl.services.hosts import HostRegistry
+from tests.fakes.ports import FakeClock, FakeStore
+
+SECRET = bytes(range(32))
+
+
+def registry() -> tuple[HostRegistry, FakeStore, FakeClock]:
+    store, clock = FakeStore(), FakeClock()
+    return HostRegistry(store, clock, Events(store, clock), LinkTimings(suspend_after=5, lost_after=30)), store, clock
+
+
+def hello(name: str) -> Hello:
+    return Hello(host=name, version="0.1.0", protocol=1)
+
+
+def states(store: FakeStore) -> list[tuple[str, Any]]:
+    return [(e["detail"]["host"], e["detail"]["state"]) for e in store.events if e["kind"] == "host_state"]
+
+
+def test_an_invitation_is_kept_as_a_hash_and_spent_once() -> None:
+    hosts, store, clock = registry()
+    invite = hosts.invite("gpu-a", SECRET, ttl=60)
+    assert SECRET.hex() not in repr(store.invites) and invite.secret_hash in store.invites
+    with pytest.raises(JoinRefused) as wrong:
+        hosts.redeem("gpu-b", SECRET)
+    assert wrong.value.reason == "wrong_host"
+    hosts.redeem("gpu-a", SECRET)
+    with pytest.raises(JoinRefused) as again:
+        hosts.redeem("gpu-a", SECRET)
+    assert again.value.reason == "used"
+    hosts.invite("gpu-b", bytes(32), ttl=60)
+    clock.now += 61
+    with pytest.raises(JoinRefused) as late:
+        hosts.redeem("gpu-b", bytes(32))
+    assert late.value.reason == "expired"
+
+
+def test_a_joined_host_is_admitted_with_its_certificate_only_and_a_new_join_retires_the_old_one() -> None:
+    hosts, store, _ = registry()
+    hosts.joined("gpu-a", "fp1")
+    hosts.admit("gpu-a", "fp1")
+    with pytest.raises(HostRevoked):
+        hosts.admit("gpu-a", "fp-other")
+    with pytest.raises(HostRevoked):
+        hosts.admit("gpu-z", "fp1")  # never joined
+    hosts.joined("gpu-a", "fp2")  # joined again with a new invitation
+    hosts.admit("gpu-a", "fp2")
+    with pytest.raises(HostRevoked):
+        hosts.admit("gpu-a", "fp1")
+    assert store.hosts["gpu-a"].revoked == ["fp1"]
+
+
+async def test_states_follow_the_silence_and_are_told_once_each() -> None:
+    hosts, store, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+    assert hosts.state("gpu-a") == HostState.LOST  # never heard
+    session = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+    assert hosts.state("gpu-a") == HostState.ONLINE
+    clock.now += 4.9
+    hosts.heard("gpu-a", session, Inventory(devices=[DeviceReport(name="gpu0", capacity=8 << 30, reserve=0)]))
+    clock.now += 4.9
+    assert hosts.state("gpu-a") == HostState.ONLINE  # heard 4.9 s ago
+    clock.now += 0.1
+    assert hosts.state("gpu-a") == HostState.SUSPENDED
+    clock.now += 25
+    assert hosts.state("gpu-a") == HostState.LOST
+    hosts.heard("gpu-a", session, Inventory())
+    assert hosts.state("gpu-a") == HostState.ONLINE
+    assert states(store) == [("gpu-a", "online")]  # told when it changed, not at every message
+    view = hosts.view("gpu-a")
+    assert (view["state"], view["address"], view["version"], view["connected"]) == ("online", "10.0.0.2", "0.1.0", True)
+
+
+async def test_the_watch_tells_each_change_as_time_passes() -> None:
+    hosts, store, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+    hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+
+    async def told(state: str) -> None:
+        with anyio.fail_after(10):
+            while ("gpu-a", state) not in states(store):
+                await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(hosts.watch)
+        clock.now += 5
+        await told("suspended")
+        clock.now += 25
+        await told("lost")
+        tasks.cancel_scope.cancel()
+    assert states(store) == [("gpu-a", "online"), ("gpu-a", "suspended"), ("gpu-a", "lost")]
+    befores = [e["detail"]["before"] for e in store.events if e["kind"] == "host_state"]
+    assert befores == [None, "online", "suspended"]
+
+
+async def test_a_replaced_link_cannot_speak_for_the_host() -> None:
+    hosts, _, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+    old = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+    new = hosts.connected("gpu-a", "10.0.0.3", hello("gpu-a"), close=_no_close)
+    clock.now += 6
+    hosts.heard("gpu-a", old, Inventory())  # the dead link's late message
+    assert hosts.state("gpu-a") == HostState.SUSPENDED
+    hosts.disconnected("gpu-a", old, "gone")
+    assert hosts.view("gpu-a")["connected"] is True  # the new link is still up
+    hosts.heard("gpu-a", new, Inventory())
+    assert hosts.state("gpu-a") == HostState.ONLINE
+
+
+async def test_revoking_closes_the_link_and_refuses_the_certificate_for_ever() -> None:
+    hosts, store, _ = registry()
+    closed: list[str] = []
+
+    async def close(why: str) -> None:
+        closed.append(why)
+
+    hosts.joined("gpu-a", "fp1")
+    hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=close)
+    await hosts.revoke("gpu-a")
+    assert closed == ["host_revoked"]
+    assert hosts.state("gpu-a") == HostState.REVOKED
+    with pytest.raises(HostRevoked):
+        hosts.admit("gpu-a", "fp1")
+    assert "host_revoked" in store.kinds()
+    assert ("gpu-a", "revoked") in states(store)
+    with pytest.raises(HostNotFound):
+        await hosts.revoke("gpu-q")
+    # a registry started again from the store still refuses it
+    again = HostRegistry(store, FakeClock(), Events(store, FakeClock()))
+    with pytest.raises(HostRevoked):
+        again.admit("gpu-a", "fp1")
+
+
+async def _no_close(why: str) -> None:
+    raise AssertionError(f"the link was closed ({why})")
