@@ -58,7 +58,7 @@ SRC = ROOT / "src" / "capyctl"
 RECORDINGS = ROOT / "tests" / "contract" / "recordings"
 PAGES = ["quickstart.md", "requests.md", "decisions.md", "engines.md", "configuration.md", "cli.md", "keys.md",
          "errors.md", "parking.md",
-         "observability.md", "replay.md", "development.md", "dashboard.md"]
+         "observability.md", "replay.md", "development.md", "dashboard.md", "several-machines.md"]
 DOC_URL = "http://127.0.0.1:8443"
 DOC_STATE = "~/.local/state/capyctl"
 DOC_MODEL = "/path/to/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,6 +16,7 @@ EXIT_CODES: dict[str, int] = {
     "deployment_not_found": 4,
     "engine_not_found": 4,
     "key_not_found": 4,
+    "host_not_found": 4,
     "not_found": 4,
     "already_exists": 5,
     "engine_in_use": 5,
