@@ -69,7 +69,8 @@ async def test_states_follow_the_silence_and_are_told_once_each() -> None:
     hosts, store, clock = registry()
     hosts.joined("gpu-a", "fp1")
     assert hosts.state("gpu-a") == HostState.LOST  # never heard
-    session = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+    session, replaced = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+    assert replaced is None
     assert hosts.state("gpu-a") == HostState.ONLINE
     clock.now += 4.9
     hosts.heard("gpu-a", session, Inventory(devices=[DeviceReport(name="gpu0", capacity=8 << 30, reserve=0)]))
@@ -111,8 +112,9 @@ async def test_the_watch_tells_each_change_as_time_passes() -> None:
 async def test_a_replaced_link_cannot_speak_for_the_host() -> None:
     hosts, _, clock = registry()
     hosts.joined("gpu-a", "fp1")
-    old = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
-    new = hosts.connected("gpu-a", "10.0.0.3", hello("gpu-a"), close=_no_close)
+    old, _ = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_first_close)
+    new, replaced = hosts.connected("gpu-a", "10.0.0.3", hello("gpu-a"), close=_no_close)
+    assert replaced is _first_close  # the listener closes the old link
     clock.now += 6
     hosts.heard("gpu-a", old, Inventory())  # the dead link's late message
     assert hosts.state("gpu-a") == HostState.SUSPENDED
@@ -148,3 +150,7 @@ async def test_revoking_closes_the_link_and_refuses_the_certificate_for_ever() -
 
 async def _no_close(why: str) -> None:
     raise AssertionError(f"the link was closed ({why})")
+
+
+async def _first_close(why: str) -> None:
+    raise AssertionError("the registry itself never closes a replaced link")

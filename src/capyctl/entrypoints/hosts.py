@@ -3,7 +3,6 @@ the control listener, invitations, and ``identity/server-credentials.json``."""
 
 from __future__ import annotations
 
-import base64
 import secrets
 from typing import Any
 
@@ -16,7 +15,7 @@ from capyctl.adapters.pki import CertificateAuthority, server_ssl_context
 from capyctl.adapters.storage.state_dir import StateDir, write_private_text
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.hosts import LinkTimings
-from capyctl.domain.joining import SECRET_BYTES, JoinFile
+from capyctl.domain.joining import SECRET_BYTES, JoinFile, secret_text
 from capyctl.entrypoints.container import Container
 from capyctl.services.hosts import HostRegistry
 
@@ -40,7 +39,7 @@ def server_role(state: StateDir, container: Container, control: tuple[str, int],
         secret = secrets.token_bytes(SECRET_BYTES)
         made = registry.invite(name, secret, ttl)
         join = JoinFile(host=name, server=address, ca_pem=authority.cert_pem.decode(),
-                        secret=base64.urlsafe_b64encode(secret).rstrip(b"=").decode(), expires_at=made.expires_at)
+                        secret=secret_text(secret), expires_at=made.expires_at)
         return msgspec.to_builtins(join)
 
     return Hosts(registry, invite), ControlListener(registry, authority, tls)

@@ -90,15 +90,18 @@ class HostRegistry:
         if record.revoked_at is not None or record.fingerprint != fingerprint:
             raise HostRevoked(name)
 
-    def connected(self, name: str, address: str, hello: Hello, close: Callable[[str], Awaitable[None]]) -> int:
-        """The host's link is up (its hello read); returns the session, which later calls name."""
+    def connected(self, name: str, address: str, hello: Hello, close: Callable[[str], Awaitable[None]]
+                  ) -> tuple[int, Callable[[str], Awaitable[None]] | None]:
+        """The host's link is up (its hello read); returns the session, which later calls name, and how to
+        close the link this one replaces (None when there was none)."""
         self._sessions += 1
         link = self._links.setdefault(name, _Link())
+        replaced = link.close if link.connected else None
         link.session, link.connected, link.address, link.hello, link.close = self._sessions, True, address, hello, close
         self._heard(link)
         self._events.emit(None, "host_connected", host=name, address=address, version=hello.version)
         self._tell(name, link)
-        return link.session
+        return link.session, replaced
 
     def heard(self, name: str, session: int, message: Message) -> None:
         link = self._links.get(name)

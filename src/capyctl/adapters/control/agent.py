@@ -11,7 +11,6 @@ link drops, until it is stopped or the server says the host is revoked.
 
 from __future__ import annotations
 
-import base64
 import logging
 import random
 import ssl
@@ -43,6 +42,7 @@ from capyctl.domain.link import (
 log = logging.getLogger("capyctl.host")
 SERVER_NAME = "capyctl-server"  # the name in the server's control certificate, checked by every host
 HEARTBEAT = 1.0
+SERVER_SILENCE = 10.0  # seconds without a word from the server before the link is given up and dialled anew
 BACKOFF_FIRST, BACKOFF_MOST = 0.5, 10.0  # seconds before dialling again: doubled each failure, jittered
 MAX_MESSAGE = 4 << 20
 IDENTITY = "identity/host.json"
@@ -111,7 +111,7 @@ async def join(join_file: JoinFile, state: Path, timeout: float = 30.0) -> HostI
 
 def _dial(server: str, tls: ssl.SSLContext) -> connect:
     return connect(f"wss://{server}", ssl=tls, server_hostname=SERVER_NAME, max_size=MAX_MESSAGE,
-                   ping_interval=None, compression=None, open_timeout=10, user_agent_header=None,
+                   ping_interval=None, compression=None, open_timeout=10, close_timeout=2, user_agent_header=None,
                    proxy=None)
 
 
@@ -151,11 +151,14 @@ class HostAgent:
             await conn.send(encode(self._inventory()))
         except ConnectionClosed:
             pass  # what the server said before it closed is still read below
+        heard = [anyio.current_time()]
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(_beat, conn, self._heartbeat)
             tasks.start_soon(_close_when, stopping, conn)
+            tasks.start_soon(_close_if_silent, conn, heard)
             try:
                 async for data in conn:
+                    heard[0] = anyio.current_time()
                     message = decode(data if isinstance(data, bytes) else data.encode())
                     if isinstance(message, Goodbye):
                         log.warning("the server closed the link: %s", message.message)
@@ -181,10 +184,16 @@ async def _beat(conn: ClientConnection, every: float) -> None:
         return
 
 
+async def _close_if_silent(conn: ClientConnection, heard: list[float]) -> None:
+    """Closes a link the server has not spoken on for ``SERVER_SILENCE`` s (it beats every second): a link
+    whose network vanished is dialled anew rather than waited on."""
+    while anyio.current_time() - heard[0] < SERVER_SILENCE:
+        await anyio.sleep(1.0)
+    log.warning("the server has been silent for %.0f s: dialling again", SERVER_SILENCE)
+    await conn.close()
+
+
 async def _close_when(stopping: anyio.Event, conn: ClientConnection) -> None:
     await stopping.wait()
     await conn.close()
 
-
-def secret_of(join_file: JoinFile) -> bytes:
-    return base64.urlsafe_b64decode(join_file.secret + "=" * (-len(join_file.secret) % 4))

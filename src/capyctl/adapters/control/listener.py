@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import base64
 import logging
 import socket
 import ssl
@@ -34,6 +33,7 @@ from websockets.exceptions import ConnectionClosed
 
 from capyctl.adapters.pki import CertificateAuthority, fingerprint, host_name_of
 from capyctl.domain.errors import CapyError, InvalidRequest
+from capyctl.domain.joining import secret_bytes
 from capyctl.domain.link import Goodbye, Heartbeat, Hello, JoinAccepted, JoinRequest, decode, encode
 from capyctl.services.hosts import HostRegistry
 
@@ -61,10 +61,11 @@ class ControlListener:
         self._authority = authority
         self._tls = tls
         self._heartbeat = heartbeat
+        self._closing: set[asyncio.Task[None]] = set()  # goodbyes under way (a task is kept until it ends)
 
     async def serve(self, sock: socket.socket, stopping: anyio.Event) -> None:
         async with serve(self._handle, sock=sock, ssl=self._tls, create_connection=_TlsConnection,
-                         max_size=MAX_MESSAGE, open_timeout=_OPEN_TIMEOUT, ping_interval=None,
+                         max_size=MAX_MESSAGE, open_timeout=_OPEN_TIMEOUT, close_timeout=2, ping_interval=None,
                          compression=None, server_header=None):
             await stopping.wait()
 
@@ -84,7 +85,7 @@ class ControlListener:
                 request = decode(await conn.recv(decode=False))
             if not isinstance(request, JoinRequest):
                 raise InvalidRequest("a connection without a host certificate may only join")
-            secret = base64.urlsafe_b64decode(request.secret + "=" * (-len(request.secret) % 4))
+            secret = secret_bytes(request.secret)
             cert = self._authority.sign_host(request.csr_pem.encode(), request.host)  # a bad CSR spends nothing
             self._registry.redeem(request.host, secret)
             self._registry.joined(request.host, fingerprint(cert))
@@ -95,8 +96,6 @@ class ControlListener:
         except CapyError as error:
             log.warning("refused a join from %s: %s", _address(conn), error.message)
             await _refuse(conn, error)
-        except ValueError as error:  # bad base64 in the secret
-            await _refuse(conn, InvalidRequest(f"the join request is not valid: {error}"))
 
     async def _link(self, conn: ServerConnection, der: bytes) -> None:
         name = host_name_of(der)
@@ -114,12 +113,18 @@ class ControlListener:
             await _refuse(conn, error)
             return
 
-        async def close(why: str) -> None:
+        async def goodbye(why: str) -> None:
             with contextlib.suppress(ConnectionClosed):
                 await conn.send(encode(Goodbye(code=why, message=f"the server closed the link: {why}")))
                 await conn.close(code=1008, reason=why)
 
-        session = self._registry.connected(name, _address(conn), hello, close)
+        async def close(why: str) -> None:  # returns at once: a dead link's close must not hold its caller
+            self._closing.add(task := asyncio.get_running_loop().create_task(goodbye(why)))
+            task.add_done_callback(self._closing.discard)
+
+        session, replaced = self._registry.connected(name, _address(conn), hello, close)
+        if replaced is not None:  # the host dialled again: its old link, half-open or not, is closed
+            await replaced("replaced")
         log.info("host %s linked from %s (capyctl %s)", name, _address(conn), hello.version)
         why = "closed by the host"
         try:
