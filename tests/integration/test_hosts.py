@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integration.harness import llama_paths
 from tests.integration.netns import Lan, Node, available
 
 pytestmark = pytest.mark.integration
@@ -207,3 +208,44 @@ def _another_ca(tmp: Path) -> str:
     from capyctl.adapters.pki import CertificateAuthority
 
     return CertificateAuthority.load_or_create(tmp / "another-ca").cert_pem.decode()
+
+
+def test_an_engine_is_registered_from_the_hosts_own_disk(lan: Lan, server: Machine, tmp_path: Path) -> None:
+    a = joined(lan, server, "gpu-a", tmp_path)
+    binary = str(llama_paths().server)
+    added = json.loads(server.cli("engine", "add", binary, "--host", "gpu-a", "--name", "llama", "--json").stdout)
+    assert (added["name"], added["family"], added["host"], added["path"]) == ("llama", "llamacpp", "gpu-a", binary)
+    assert added["version"]  # read by the host from the binary
+    assert [e["name"] for e in hosts(server)["gpu-a"]["engines"]] == ["llama"]
+    assert "llama" not in server.cli("engine", "list").stdout  # the server's own engines are not the host's
+
+    missing = server.cli("engine", "add", "/nowhere/llama-server", "--host", "gpu-a", check=False)
+    assert missing.returncode == 6 and "error [invalid_engine]" in missing.stderr and "/nowhere" in missing.stderr
+    twice = server.cli("engine", "add", binary, "--host", "gpu-a", "--name", "llama", check=False)
+    assert twice.returncode == 5 and "error [already_exists]" in twice.stderr
+    unknown = server.cli("engine", "add", binary, "--host", "gpu-q", check=False)
+    assert unknown.returncode == 4 and "error [host_not_found]" in unknown.stderr
+
+    assert a.process is not None
+    a.process.send_signal(signal.SIGSTOP)
+    until(lambda: hosts(server)["gpu-a"]["state"] == "suspended", 6, "gpu-a suspended")
+    offline = server.cli("engine", "add", binary, "--host", "gpu-a", "--name", "other", check=False)
+    assert offline.returncode != 0 and "error [device_offline]" in offline.stderr and "suspended" in offline.stderr
+    a.process.send_signal(signal.SIGCONT)
+    until(lambda: hosts(server)["gpu-a"]["state"] == "online", 6, "gpu-a online")
+    # registered engines are the server's record: kept across a restart of the server
+    assert server.process is not None
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(30)
+    server.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
+                 "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
+    until(lambda: _listed(server, "gpu-a") == "online", 40, "gpu-a linked to the restarted server")
+    assert [e["name"] for e in hosts(server)["gpu-a"]["engines"]] == ["llama"]
+    assert a.process.poll() is None  # the same agent dialled again
+
+
+def _listed(server: Machine, name: str) -> str | None:
+    done = server.cli("list", "hosts", "--json", check=False)
+    if done.returncode != 0:
+        return None
+    return {h["name"]: h["state"] for h in json.loads(done.stdout)}.get(name)

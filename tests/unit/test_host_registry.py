@@ -8,10 +8,10 @@ from typing import Any
 import anyio
 import pytest
 
-from capyctl.domain.errors import HostNotFound, HostRevoked
+from capyctl.domain.errors import AlreadyExists, DeviceOffline, HostNotFound, HostRevoked, HostAnswerInvalid
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinRefused
-from capyctl.domain.link import DeviceReport, Hello, Inventory
+from capyctl.domain.link import CommandResult, DeviceReport, Hello, Inventory
 from capyctl.services.events import Events
 from capyctl.services.hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
@@ -154,3 +154,63 @@ async def _no_close(why: str) -> None:
 
 async def _first_close(why: str) -> None:
     raise AssertionError("the registry itself never closes a replaced link")
+
+
+async def test_a_command_gets_the_hosts_result_or_device_offline() -> None:
+    hosts, store, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+    sent: list[Any] = []
+    session = 0
+
+    async def answer(message: Any) -> None:  # the host answers at once
+        sent.append(message)
+        hosts.heard("gpu-a", session, CommandResult(id=message.id, generation=message.generation, ok=True,
+                                                    detail={"name": "llama", "family": "llamacpp",
+                                                            "path": "/opt/llama-server", "version": "b1",
+                                                            "version_text": "version: b1"}
+                                                    if message.args["path"] != "/bad" else {"name": 3}))
+
+    with pytest.raises(DeviceOffline, match="not linked|lost"):  # never linked
+        await hosts.command("gpu-a", "probe", {})
+    closed: list[str] = []
+
+    async def close(why: str) -> None:
+        closed.append(why)
+
+    session, _ = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=close, send=answer)
+    install = await hosts.add_engine("gpu-a", "/opt/llama-server", None, None)
+    assert (install.name, install.version) == ("llama", "b1")
+    assert sent[0].action == "inspect_engine" and sent[0].args["path"] == "/opt/llama-server"
+    assert [e.name for e in store.hosts["gpu-a"].engines] == ["llama"]
+    with pytest.raises(AlreadyExists):
+        await hosts.add_engine("gpu-a", "/opt/llama-server", None, None)
+    with pytest.raises(HostAnswerInvalid, match="cannot read"):  # a host's answer out of shape registers nothing
+        await hosts.add_engine("gpu-a", "/bad", None, None)
+    assert len(store.hosts["gpu-a"].engines) == 1
+    await hosts.revoke("gpu-a")
+    assert closed == ["host_revoked"]
+    assert [e.name for e in store.hosts["gpu-a"].engines] == ["llama"]  # the record keeps what it had
+
+
+async def test_a_command_fails_when_the_link_closes_or_the_host_is_silent() -> None:
+    hosts, _, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+
+    async def nothing(message: Any) -> None:
+        pass
+
+    session, _ = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close, send=nothing)
+    with pytest.raises(DeviceOffline, match="not answering"):
+        await hosts.command("gpu-a", "probe", {}, timeout=0.05)
+    async with anyio.create_task_group() as tasks:
+        async def cut() -> None:
+            while not hosts._waiting:  # noqa: SLF001 - the command is in flight
+                await anyio.sleep(0.001)
+            hosts.disconnected("gpu-a", session, "gone")
+
+        tasks.start_soon(cut)
+        with pytest.raises(DeviceOffline):
+            await hosts.command("gpu-a", "probe", {}, timeout=30)
+    clock.now += 6
+    with pytest.raises(DeviceOffline, match="suspended"):
+        await hosts.command("gpu-a", "probe", {})

@@ -134,6 +134,24 @@ class HostRevoked(CapyError):
                          host=name)
 
 
+class DeviceOffline(CapyError):
+    """A host the server must reach is not online (suspended, lost or unlinked)."""
+
+    code = "device_offline"
+
+    def __init__(self, host: str, state: str) -> None:
+        super().__init__(f"host {host!r} is {state}, not online; see: capyctl list hosts", host=host, state=state)
+
+
+class HostAnswerInvalid(CapyError):
+    """A host answered a command with what CapyCTL cannot read (the host's counterpart of ``edge_error``)."""
+
+    code = "edge_error"
+
+    def __init__(self, host: str, reason: str) -> None:
+        super().__init__(f"host {host!r} answered with what CapyCTL cannot read: {reason}", reason=reason, host=host)
+
+
 class EngineInUse(CapyError):
     code = "engine_in_use"
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from capyctl.domain.engines import EngineInstall
 from capyctl.domain.deployments import Strict
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.link import Command, CommandResult, RunningInstance
@@ -40,6 +41,7 @@ class HostRecord(Strict, kw_only=True):
     joined_at: float  # wall clock
     revoked: list[str] = []  # fingerprints refused for this name for ever
     revoked_at: float | None = None  # set when an operator revoked the host itself
+    engines: list[EngineInstall] = []  # installations registered on the host (paths on its own disk)
 
 
 # --- the link's state -------------------------------------------------------------------------------------

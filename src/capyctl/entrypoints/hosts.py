@@ -4,11 +4,17 @@ the control listener, invitations, and ``identity/server-credentials.json``."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from capyctl.adapters.control.agent import SERVER_NAME
+from capyctl.adapters.engines._wire import WireEngineSession
+from capyctl.adapters.engines.llamacpp import LlamaCppEngine
+from capyctl.adapters.engines.sglang import SglangEngine
+from capyctl.adapters.engines.tensorfold import TensorfoldEngine
+from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.control.listener import ControlListener
 from capyctl.adapters.http.management import Hosts
 from capyctl.adapters.pki import CertificateAuthority, server_ssl_context
@@ -16,7 +22,10 @@ from capyctl.adapters.storage.state_dir import StateDir, write_private_text
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.joining import SECRET_BYTES, JoinFile, secret_text
+from capyctl.domain.link import Command, CommandResult
+from capyctl.domain.ports import EngineAdapter
 from capyctl.entrypoints.container import Container
+from capyctl.services.fleet import inspect_install
 from capyctl.services.hosts import HostRegistry
 
 SERVER_CREDENTIALS = "identity/server-credentials.json"
@@ -56,3 +65,21 @@ def write_server_credentials(state: StateDir) -> None:
     text = msgspec.json.encode({"api_key": key}).decode() + "\n"
     if not path.exists() or path.read_text() != text:
         write_private_text(path, text)
+
+
+def host_commands() -> Callable[[Command], Awaitable[CommandResult]]:
+    """What a host agent does with the server's commands; so far it inspects engine installations."""
+    session = WireEngineSession()
+    adapters: dict[str, EngineAdapter] = {
+        "llamacpp": LlamaCppEngine(client=session), "vllm": VllmEngine(client=session),
+        "sglang": SglangEngine(client=session), "tensorfold": TensorfoldEngine(client=session)}
+
+    async def handle(command: Command) -> CommandResult:
+        if command.action != "inspect_engine":
+            raise InvalidRequest(f"this host does not run {command.action!r} commands yet")
+        args = command.args
+        install = await inspect_install(adapters, str(args.get("path") or ""), args.get("name"), args.get("family"))
+        return CommandResult(id=command.id, generation=command.generation, ok=True,
+                             detail=msgspec.to_builtins(install))
+
+    return handle

