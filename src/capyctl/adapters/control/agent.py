@@ -37,7 +37,6 @@ from capyctl.domain.link import (
     Inventory,
     JoinAccepted,
     JoinRequest,
-    Message,
     decode,
     encode,
 )

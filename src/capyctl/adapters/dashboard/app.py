@@ -274,5 +274,5 @@ def build_dashboard(board: Board, events: Events, admin_token: str, base_url: st
                      assets=load_assets(), records=records)
 
 
-__all__ = ["Board", "Dashboard", "Hub", "build_dashboard", "create_dashboard_app"]
+__all__ = ["Board", "Dashboard", "build_dashboard", "create_dashboard_app"]
 
