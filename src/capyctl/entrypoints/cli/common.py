@@ -45,11 +45,13 @@ def _typer(help: str, **options: Any) -> typer.Typer:
 app = _typer(
     "CapyCTL: one authenticated OpenAI-compatible endpoint in front of your LLM engines.\n\n"
     "Start the server with `capyctl start standalone`, register an engine with `capyctl engine add`, "
-    "then `capyctl deploy model --file model.yaml --activate --wait`.",
+    "then `capyctl deploy model --file model.yaml --activate --wait`. With several machines: `capyctl start "
+    "server`, then `capyctl invite host NAME` for each GPU machine (docs/several-machines.md).",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-start_app = _typer("Start the server, or a deployment.")
+start_app = _typer("Start the server (standalone, or the server of several machines), a host's agent, "
+                   "or a deployment.")
 stop_app = _typer("Stop a deployment (sticky: requests will not restart it).")
 park_app = _typer("Park a deployment: its engine sleeps (or stops, for restart_only) until a request "
                   "or `capyctl start deployment` wakes it.")
