@@ -117,15 +117,16 @@ def test_write_private_is_0600_atomic_and_makes_a_missing_parent_0700(tmp_path: 
 
 # --- host certificates -------------------------------------------------------------------------------------
 
-def test_a_host_csr_is_signed_into_a_client_certificate_for_that_host(ca: CertificateAuthority) -> None:
+def test_a_host_csr_is_signed_into_a_certificate_for_that_host(ca: CertificateAuthority) -> None:
     key_pem, csr_pem = host_key_and_csr("gpu-a")
     cert_pem = ca.sign_host(csr_pem, "gpu-a")
     cert = x509.load_pem_x509_certificate(cert_pem)
     cert.verify_directly_issued_by(ca.certificate)
     assert host_name_of(cert_pem) == "gpu-a"
     assert host_name_of(cert.public_bytes(serialization.Encoding.DER)) == "gpu-a"
+    # a client of the control link, and the server of the host's ingress (reached by the host's name)
     assert cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
-        [ExtendedKeyUsageOID.CLIENT_AUTH])
+        [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH])
     assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
         x509.DNSName) == ["gpu-a"]
     assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
@@ -295,12 +296,15 @@ def test_the_client_checks_the_server_name_it_was_given(
 
 
 def test_a_host_certificate_cannot_pose_as_the_server(ca: CertificateAuthority) -> None:
-    """A joined host holds a certificate of the same CA; its usage (clientAuth) keeps it from serving."""
-    cert_pem, key_pem = host_cert(ca, SERVER)  # even one whose name is the server's
+    """A joined host holds a certificate of the same CA, which may serve (its ingress) but only under its own
+    name: the server's name is refused to hosts, and a host's certificate fails the check of that name."""
+    with pytest.raises(InvalidRequest, match="server's own certificate"):
+        host_key_and_csr(SERVER)
+    cert_pem, key_pem = host_cert(ca, "gpu-a")
     posing = server_ssl_context(cert_pem, key_pem, ca.cert_pem, require_client=False)
     seen = handshake(posing, client_ssl_context(ca.cert_pem, server_name=SERVER))
     assert isinstance(seen.client_error, ssl.SSLCertVerificationError) and seen.received is None
-    assert "purpose" in seen.client_error.verify_message
+    assert "hostname mismatch" in seen.client_error.verify_message.lower()
 
 
 def test_the_server_certificate_cannot_pose_as_a_host(ca: CertificateAuthority, listener_tls: ssl.SSLContext) -> None:

@@ -114,11 +114,11 @@ class CertificateAuthority:
                 alt.append(x509.IPAddress(ipaddress.ip_address(entry)))
             except ValueError:
                 alt.append(x509.DNSName(entry))
-        cert = self._issue(key.public_key(), names[0], alt, ExtendedKeyUsageOID.SERVER_AUTH, days)
+        cert = self._issue(key.public_key(), names[0], alt, [ExtendedKeyUsageOID.SERVER_AUTH], days)
         return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
     def sign_host(self, csr_pem: bytes, name: str, days: int = 365) -> bytes:
-        """The client certificate (PEM) for host ``name``'s CSR; InvalidRequest when the CSR is not ``name``'s.
+        """The certificate (PEM) for host ``name``'s CSR (client of the control link, server of its ingress); InvalidRequest when the CSR is not ``name``'s.
 
         Only the CSR's key and common name are taken; whatever else it asks
         for is ignored, and the certificate says what the CA decides.
@@ -140,11 +140,13 @@ class CertificateAuthority:
                                  "(take EC P-256/P-384, Ed25519 or RSA of 2048 bits or more)", param="csr")
         if days < 1:
             raise InvalidRequest(f"a host certificate lasts at least 1 day; got {days}", param="days")
-        cert = self._issue(public, name, [x509.DNSName(name)], ExtendedKeyUsageOID.CLIENT_AUTH, days)
+        # client (the control link) and server (the host's ingress, which the server reaches by the host's name)
+        cert = self._issue(public, name, [x509.DNSName(name)],
+                           [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH], days)
         return cert.public_bytes(serialization.Encoding.PEM)
 
     def _issue(self, public: x509.CertificatePublicKeyTypes, common_name: str, alt: list[x509.GeneralName],
-               usage: x509.ObjectIdentifier, days: int) -> x509.Certificate:
+               usage: list[x509.ObjectIdentifier], days: int) -> x509.Certificate:
         now = datetime.datetime.now(datetime.timezone.utc)
         ca_key_id = self.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         return (
@@ -157,7 +159,7 @@ class CertificateAuthority:
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_usage(signing=True), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_key_id), critical=False)

@@ -45,6 +45,7 @@ MIN_SECRET_BYTES = 16  # 128 bits: the least ``invite_for`` takes
 JOIN_FILE_VERSION = 1
 
 HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label in lower case; fullmatch
+RESERVED_NAME = "capyctl-server"  # the name every host checks the control listener's certificate for
 _URLSAFE = re.compile(r"[A-Za-z0-9_-]*")
 _HOST_RULE = "1 to 63 characters of a-z, 0-9 and '-', neither starting nor ending with '-'"
 _ASK_AGAIN = "ask the server's operator for a new invitation with `capyctl invite host {name}`"
@@ -91,6 +92,9 @@ def check_host_name(name: object) -> str:
     """``name`` when it may name a host; InvalidRequest saying what a host name may be otherwise."""
     if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
         raise InvalidRequest(f"a host name must be {_HOST_RULE}; got {name!r}", param="name")
+    if name == RESERVED_NAME:
+        raise InvalidRequest(f"{RESERVED_NAME!r} names the server's own certificate; pick another host name",
+                             param="name")
     return name
 
 

@@ -89,6 +89,7 @@ class Hello(_Message, tag="hello", kw_only=True):
     protocol: int  # PROTOCOL_VERSION as the host speaks it
     capabilities: list[str] = []
     running: list[RunningInstance] = []
+    ingress_port: int | None = None  # where the host's ingress listens (HTTPS, its certificate), if it runs one
 
 
 class Inventory(_Message, tag="inventory", kw_only=True):
