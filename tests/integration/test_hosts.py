@@ -249,3 +249,35 @@ def _listed(server: Machine, name: str) -> str | None:
     if done.returncode != 0:
         return None
     return {h["name"]: h["state"] for h in json.loads(done.stdout)}.get(name)
+
+
+_INGRESS_PROBE = """
+import json, socket, ssl, sys
+ca, address, port, name = sys.argv[1:5]
+context = ssl.create_default_context(cafile=ca)
+try:
+    with socket.create_connection((address, int(port)), timeout=5) as raw:
+        with context.wrap_socket(raw, server_hostname=name) as tls:
+            tls.sendall(b"POST /v1/chat/completions HTTP/1.1\\r\\nContent-Length: 2\\r\\n\\r\\n{}")
+            answer = b""
+            while chunk := tls.recv(4096):
+                answer += chunk
+    print(answer.split(b"\\r\\n")[0].decode(), json.loads(answer.split(b"\\r\\n\\r\\n", 1)[1])["error"]["code"])
+except ssl.SSLCertVerificationError as exc:
+    print("refused:", exc.verify_message)
+"""
+
+
+def test_the_hosts_ingress_answers_the_server_under_the_hosts_name_and_refuses_without_a_gate(
+        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    joined(lan, server, "gpu-a", tmp_path)
+    listed = hosts(server)["gpu-a"]
+    assert listed["ingress"] == f"{lan.hosts['gpu-a'].address}:8444"
+    ca = str(server.state / "identity" / "ca" / "ca-cert.pem")
+    address = lan.hosts["gpu-a"].address
+
+    def probe(name: str) -> str:
+        return server.node.run([sys.executable, "-c", _INGRESS_PROBE, ca, address, "8444", name]).stdout.strip()
+
+    assert probe("gpu-a") == "HTTP/1.1 403 Forbidden gate_refused"  # the server's CA vouches for gpu-a
+    assert probe("gpu-b").startswith("refused: Hostname mismatch")  # not the host it means to reach

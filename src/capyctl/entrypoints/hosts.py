@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from capyctl.adapters.control.agent import SERVER_NAME
+from capyctl.adapters.control.ingress import Ingress
 from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
@@ -67,19 +68,30 @@ def write_server_credentials(state: StateDir) -> None:
         write_private_text(path, text)
 
 
-def host_commands() -> Callable[[Command], Awaitable[CommandResult]]:
-    """What a host agent does with the server's commands; so far it inspects engine installations."""
+def host_commands(ingress: Ingress) -> Callable[[Command], Awaitable[CommandResult]]:
+    """What a host agent does with the server's commands: inspect an engine installation, open and close the
+    ingress's gates."""
     session = WireEngineSession()
     adapters: dict[str, EngineAdapter] = {
         "llamacpp": LlamaCppEngine(client=session), "vllm": VllmEngine(client=session),
         "sglang": SglangEngine(client=session), "tensorfold": TensorfoldEngine(client=session)}
 
     async def handle(command: Command) -> CommandResult:
-        if command.action != "inspect_engine":
-            raise InvalidRequest(f"this host does not run {command.action!r} commands yet")
         args = command.args
-        install = await inspect_install(adapters, str(args.get("path") or ""), args.get("name"), args.get("family"))
-        return CommandResult(id=command.id, generation=command.generation, ok=True,
-                             detail=msgspec.to_builtins(install))
+        detail: dict[str, Any] = {}
+        if command.action == "inspect_engine":
+            install = await inspect_install(adapters, str(args.get("path") or ""), args.get("name"),
+                                            args.get("family"))
+            detail = msgspec.to_builtins(install)
+        elif command.action == "open_gate":
+            key, port = args.get("key"), args.get("port")
+            if not isinstance(key, str) or not isinstance(port, int):
+                raise InvalidRequest("open_gate takes a key (text) and the engine's port (a number)")
+            ingress.open_gate(key, port)
+        elif command.action == "close_gate":
+            ingress.close_gate(str(args.get("key") or ""))
+        else:
+            raise InvalidRequest(f"this host does not run {command.action!r} commands yet")
+        return CommandResult(id=command.id, generation=command.generation, ok=True, detail=detail)
 
     return handle

@@ -80,22 +80,31 @@ async def serve_server(state_dir: Path, listen: str, management: str, control_li
         container.shutdown_resources()
 
 
-async def serve_host(state_dir: Path, settings: Settings = DEFAULTS) -> None:
-    """``start host``: the host agent keeps its link to the server until SIGINT or SIGTERM."""
-    from capyctl.adapters.control.agent import HostAgent, LinkRefused
+async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_listen: str = "0.0.0.0:8444") -> None:
+    """``start host``: the host agent keeps its link to the server, and its ingress serves, until SIGINT or
+    SIGTERM."""
+    from capyctl.adapters.control.agent import HostAgent, HostIdentity, LinkRefused
+    from capyctl.adapters.control.ingress import Ingress
+    from capyctl.adapters.pki import server_ssl_context
     from capyctl.domain.link import DeviceReport, Inventory
+    from capyctl.entrypoints.hosts import host_commands
 
+    ingress_addr = parse_listen(ingress_listen, "--ingress-listen")
     devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
     inventory = Inventory(devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve)
                                    for d in devices], engines=[])
-    from capyctl.entrypoints.hosts import host_commands
-
-    agent = HostAgent(state_dir, lambda: inventory, host_commands())
+    identity, cert, key = HostIdentity.load(state_dir)
+    ingress = Ingress(server_ssl_context(cert, key, identity.ca_pem.encode(), require_client=False))
+    ingress_sock = listen_socket(*ingress_addr, "--ingress-listen")
+    agent = HostAgent(state_dir, lambda: inventory, host_commands(ingress),
+                      ingress_port=ingress_sock.getsockname()[1])
     stopping = anyio.Event()
-    log.info("capyctl %s host %s: linking to the server at %s", __version__, agent.name, agent.server)
+    log.info("capyctl %s host %s: linking to the server at %s; ingress on %s:%s (HTTPS)", __version__, agent.name,
+             agent.server, *ingress_sock.getsockname()[:2])
     refused: LinkRefused | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_on_signal, stopping)
+        tg.start_soon(ingress.serve, ingress_sock, stopping)
         try:
             await agent.run(stopping)
         except LinkRefused as exc:  # raised after the task group, not inside it (which would wrap it)

@@ -252,6 +252,7 @@ class HostRegistry:
             "last_heartbeat": link.last_heard_wall,
             "silent_s": None if heard is None else round(self._clock.monotonic() - heard, 3),
             "version": hello.version if hello else None,
+            "ingress": f"{link.address}:{hello.ingress_port}" if hello and hello.ingress_port and link.address else None,
             "devices": [{"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve}
                         for d in inventory.devices] if inventory else [],
             "engines": [{"name": e.name, "family": str(e.family), "version": e.version, "path": e.path}

@@ -120,11 +120,12 @@ def _dial(server: str, tls: ssl.SSLContext) -> connect:
 class HostAgent:
     def __init__(self, state: Path, inventory: Callable[[], Inventory],
                  handle: Callable[[Command], Awaitable[CommandResult]] | None = None,
-                 heartbeat: float = HEARTBEAT) -> None:
+                 heartbeat: float = HEARTBEAT, ingress_port: int | None = None) -> None:
         self._identity, cert, key = HostIdentity.load(state)
         self._tls = client_ssl_context(self._identity.ca_pem.encode(), cert, key, server_name=SERVER_NAME)
         self._inventory = inventory
         self._heartbeat = heartbeat
+        self._ingress_port = ingress_port
         self._handle = handle or _unsupported
         self._ledger = CommandLedger()
         self.name = self._identity.name
@@ -174,7 +175,8 @@ class HostAgent:
     async def _session(self, conn: ClientConnection, stopping: anyio.Event) -> None:
         try:
             await conn.send(encode(Hello(host=self.name, version=__version__, protocol=PROTOCOL_VERSION,
-                                         capabilities=[], running=[])))
+                                         capabilities=["inspect_engine", "gates"], running=[],
+                                         ingress_port=self._ingress_port)))
             await conn.send(encode(self._inventory()))
         except ConnectionClosed:
             pass  # what the server said before it closed is still read below

@@ -27,6 +27,7 @@ STATUS: dict[str, int] = {
     "host_not_found": 404,
     "host_revoked": 403,
     "device_offline": 503,
+    "gate_refused": 403,
     "join_refused": 403,
     "not_found": 404,
     "method_not_allowed": 405,

@@ -86,6 +86,9 @@ def join_host(
 @reports_errors
 def start_host(
     state_dir: StateDirOpt = None,
+    ingress_listen: Annotated[str, typer.Option(
+        help="Where the host's ingress listens (HTTPS with its certificate): the server reaches this machine's "
+        "engines there, and only there.")] = "0.0.0.0:8444",
     config: Annotated[Path | None, typer.Option(
         help="The host's configuration file: its `memory.devices` (declared, or auto) are what it reports. "
         "Default: <state-dir>/config.yaml when it exists; else no devices.", show_default=False)] = None,
@@ -106,7 +109,7 @@ def start_host(
     settings = resolve(decode_file(file, ServerConfig) if file is not None else ServerConfig(), {})
     writer = configure_logging("text")
     try:
-        anyio.run(serve_host, root, settings)
+        anyio.run(serve_host, root, settings, ingress_listen)
     finally:
         writer.stop()
 
