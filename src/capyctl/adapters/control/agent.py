@@ -188,7 +188,11 @@ class HostAgent:
             try:
                 async for data in conn:
                     heard[0] = anyio.current_time()
-                    message = decode(data if isinstance(data, bytes) else data.encode())
+                    try:
+                        message = decode(data if isinstance(data, bytes) else data.encode())
+                    except CapyError as error:  # a server of another version: logged, the link dialled again
+                        log.warning("the server sent what this host cannot read (%s); closing the link", error.message)
+                        break
                     if isinstance(message, Goodbye):
                         log.warning("the server closed the link: %s", message.message)
                     elif isinstance(message, Command):

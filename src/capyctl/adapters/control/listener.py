@@ -98,8 +98,9 @@ class ControlListener:
             await _refuse(conn, error)
 
     async def _link(self, conn: ServerConnection, der: bytes) -> None:
-        name = host_name_of(der)
+        name = "?"
         try:
+            name = host_name_of(der)
             self._registry.admit(name, fingerprint(der))
             with anyio.fail_after(_OPEN_TIMEOUT):
                 hello = decode(await conn.recv(decode=False))
