@@ -1,21 +1,14 @@
-"""The server's role in several machines, composed: its CA, its control certificate, the registry of hosts,
+"""The server's role in several machines, composed (the host's is in ``host_role``): its CA, its control certificate, the registry of hosts,
 the control listener, invitations, and ``identity/server-credentials.json``."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from capyctl.adapters.control.agent import SERVER_NAME
-from capyctl.adapters.control.ingress import Ingress
-from capyctl.adapters.engines._wire import WireEngineSession
-from capyctl.adapters.engines.llamacpp import LlamaCppEngine
-from capyctl.adapters.engines.sglang import SglangEngine
-from capyctl.adapters.engines.tensorfold import TensorfoldEngine
-from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.control.listener import ControlListener
 from capyctl.adapters.http.management import Hosts
 from capyctl.adapters.pki import CertificateAuthority, server_ssl_context
@@ -23,10 +16,7 @@ from capyctl.adapters.storage.state_dir import StateDir, write_private_text
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.joining import SECRET_BYTES, JoinFile, secret_text
-from capyctl.domain.link import Command, CommandResult
-from capyctl.domain.ports import EngineAdapter
 from capyctl.entrypoints.container import Container
-from capyctl.services.fleet import inspect_install
 from capyctl.services.hosts import HostRegistry
 
 SERVER_CREDENTIALS = "identity/server-credentials.json"
@@ -66,32 +56,3 @@ def write_server_credentials(state: StateDir) -> None:
     text = msgspec.json.encode({"api_key": key}).decode() + "\n"
     if not path.exists() or path.read_text() != text:
         write_private_text(path, text)
-
-
-def host_commands(ingress: Ingress) -> Callable[[Command], Awaitable[CommandResult]]:
-    """What a host agent does with the server's commands: inspect an engine installation, open and close the
-    ingress's gates."""
-    session = WireEngineSession()
-    adapters: dict[str, EngineAdapter] = {
-        "llamacpp": LlamaCppEngine(client=session), "vllm": VllmEngine(client=session),
-        "sglang": SglangEngine(client=session), "tensorfold": TensorfoldEngine(client=session)}
-
-    async def handle(command: Command) -> CommandResult:
-        args = command.args
-        detail: dict[str, Any] = {}
-        if command.action == "inspect_engine":
-            install = await inspect_install(adapters, str(args.get("path") or ""), args.get("name"),
-                                            args.get("family"))
-            detail = msgspec.to_builtins(install)
-        elif command.action == "open_gate":
-            key, port = args.get("key"), args.get("port")
-            if not isinstance(key, str) or not isinstance(port, int):
-                raise InvalidRequest("open_gate takes a key (text) and the engine's port (a number)")
-            ingress.open_gate(key, port)
-        elif command.action == "close_gate":
-            ingress.close_gate(str(args.get("key") or ""))
-        else:
-            raise InvalidRequest(f"this host does not run {command.action!r} commands yet")
-        return CommandResult(id=command.id, generation=command.generation, ok=True, detail=detail)
-
-    return handle

@@ -87,7 +87,7 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
     from capyctl.adapters.control.ingress import Ingress
     from capyctl.adapters.pki import server_ssl_context
     from capyctl.domain.link import DeviceReport, Inventory
-    from capyctl.entrypoints.hosts import host_commands
+    from capyctl.entrypoints.host_role import host_commands, host_engines
 
     ingress_addr = parse_listen(ingress_listen, "--ingress-listen")
     devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
@@ -96,8 +96,9 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
     identity, cert, key = HostIdentity.load(state_dir)
     ingress = Ingress(server_ssl_context(cert, key, identity.ca_pem.encode(), require_client=False))
     ingress_sock = listen_socket(*ingress_addr, "--ingress-listen")
-    agent = HostAgent(state_dir, lambda: inventory, host_commands(ingress),
-                      ingress_port=ingress_sock.getsockname()[1])
+    engines = host_engines(ingress, state_dir / "logs")
+    agent = HostAgent(state_dir, lambda: inventory, host_commands(ingress, engines),
+                      ingress_port=ingress_sock.getsockname()[1], running=engines.running)
     stopping = anyio.Event()
     log.info("capyctl %s host %s: linking to the server at %s; ingress on %s:%s (HTTPS)", __version__, agent.name,
              agent.server, *ingress_sock.getsockname()[:2])
@@ -105,10 +106,14 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_on_signal, stopping)
         tg.start_soon(ingress.serve, ingress_sock, stopping)
+        tg.start_soon(engines.watch, agent.tell)
         try:
             await agent.run(stopping)
         except LinkRefused as exc:  # raised after the task group, not inside it (which would wrap it)
             refused = exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engines.stop_all()  # a host's engines do not outlive its agent (yet)
         tg.cancel_scope.cancel()
     if refused is not None:
         raise refused

@@ -258,6 +258,8 @@ class HostRegistry:
             "engines": [{"name": e.name, "family": str(e.family), "version": e.version, "path": e.path}
                         for e in record.engines],
             "instances": [i.instance for i in hello.running] if hello else [],
+            "exits": [{"instance": e.instance, "pid": e.pid, "returncode": e.returncode, "at": e.at}
+                      for e in link.exits[-8:]],
             "joined_at": record.joined_at,
             "revoked_at": record.revoked_at,
         }

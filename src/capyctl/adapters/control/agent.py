@@ -37,6 +37,8 @@ from capyctl.domain.link import (
     Inventory,
     JoinAccepted,
     JoinRequest,
+    Message,
+    RunningInstance,
     decode,
     encode,
 )
@@ -120,12 +122,15 @@ def _dial(server: str, tls: ssl.SSLContext) -> connect:
 class HostAgent:
     def __init__(self, state: Path, inventory: Callable[[], Inventory],
                  handle: Callable[[Command], Awaitable[CommandResult]] | None = None,
-                 heartbeat: float = HEARTBEAT, ingress_port: int | None = None) -> None:
+                 heartbeat: float = HEARTBEAT, ingress_port: int | None = None,
+                 running: Callable[[], list[RunningInstance]] = list) -> None:
         self._identity, cert, key = HostIdentity.load(state)
         self._tls = client_ssl_context(self._identity.ca_pem.encode(), cert, key, server_name=SERVER_NAME)
         self._inventory = inventory
         self._heartbeat = heartbeat
         self._ingress_port = ingress_port
+        self._running = running
+        self._conn: ClientConnection | None = None  # the link, while it is up
         self._handle = handle or _unsupported
         self._ledger = CommandLedger()
         self.name = self._identity.name
@@ -151,6 +156,11 @@ class HostAgent:
                 await stopping.wait()
             delay = min(delay * 2, BACKOFF_MOST)
 
+    async def tell(self, message: Message) -> None:
+        """``message`` to the server now if the link is up; dropped otherwise (the next hello says what runs)."""
+        if self._conn is not None:
+            await _answer_message(self._conn, message)
+
     async def _run(self, conn: ClientConnection, command: Command) -> None:
         """One command from the server: applied once (the ledger answers a replay with the recorded result,
         and refuses a stale generation), its result sent back."""
@@ -175,12 +185,14 @@ class HostAgent:
     async def _session(self, conn: ClientConnection, stopping: anyio.Event) -> None:
         try:
             await conn.send(encode(Hello(host=self.name, version=__version__, protocol=PROTOCOL_VERSION,
-                                         capabilities=["inspect_engine", "gates"], running=[],
+                                         capabilities=["inspect_engine", "gates", "engines"],
+                                         running=self._running(),
                                          ingress_port=self._ingress_port)))
             await conn.send(encode(self._inventory()))
         except ConnectionClosed:
             pass  # what the server said before it closed is still read below
         heard = [anyio.current_time()]
+        self._conn = conn
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(_beat, conn, self._heartbeat)
             tasks.start_soon(_close_when, stopping, conn)
@@ -200,12 +212,20 @@ class HostAgent:
             except ConnectionClosed:
                 pass
             finally:
+                self._conn = None
                 tasks.cancel_scope.cancel()
         if conn.close_reason == "host_revoked":  # the server's refusal for good (see the listener)
             raise LinkRefused(f"the server refused host {self.name}: it is revoked or its certificate was "
                               f"replaced; invite it again (capyctl invite host {self.name}) and join with the new file")
         if not stopping.is_set():
             raise ConnectionResetError(f"the server closed the link ({conn.close_reason or 'no reason given'})")
+
+
+async def _answer_message(conn: ClientConnection, message: Message) -> None:
+    try:
+        await conn.send(encode(message))
+    except ConnectionClosed:
+        pass
 
 
 async def _answer(conn: ClientConnection, result: CommandResult) -> None:

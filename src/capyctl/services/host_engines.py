@@ -1,0 +1,133 @@
+"""A host's engines, run on the server's commands: the same ``LocalEngineEffects`` a standalone server uses,
+one per deployment, driven over the control link instead of by a controller in this process.
+
+Commands name the deployment as their ``instance`` and the launch number as their ``generation``, so the
+host's ``CommandLedger`` refuses a command about an older launch than one it has seen. A launch opens an
+ingress gate for its key; a stop (or the engine's exit) closes it. ``running`` is what the hello reports,
+so that a server that reconnects can adopt what runs instead of starting it again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import InvalidRequest
+from capyctl.domain.lifecycle import Launched
+from capyctl.domain.link import Command, Message, ProcessExit, RunningInstance
+from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl
+from capyctl.services.local_engines import LocalEngineEffects
+
+WATCH_EVERY = 0.5  # seconds between two looks for engines that exited
+
+
+class Gates(Protocol):
+    def open_gate(self, key: str, port: int) -> None: ...
+    def close_gate(self, key: str) -> None: ...
+
+
+@dataclass
+class _Running:
+    effects: LocalEngineEffects
+    launched: Launched
+    gate: str
+    launch_id: str
+    generation: int
+    started: float  # wall clock, as the hello reports it
+
+
+class HostEngines:
+    def __init__(self, adapters: Mapping[str, EngineAdapter], processes: ProcessControl, clock: Clock,
+                 pick_port: Callable[[], int], log_root: Path, gates: Gates) -> None:
+        self._adapters = adapters
+        self._processes = processes
+        self._clock = clock
+        self._pick_port = pick_port
+        self._log_root = log_root
+        self._gates = gates
+        self._running: dict[str, _Running] = {}  # deployment -> its engine
+
+    async def handle(self, command: Command) -> dict[str, Any] | None:
+        """The detail of ``command``'s result, or None when it is not an engine command."""
+        action, args = command.action, command.args
+        if action == "launch":
+            return await self._launch(command)
+        if action not in ("stop", "probe", "park", "wake"):
+            return None
+        running = self._running.get(command.instance)
+        if running is None or running.generation != command.generation:
+            raise InvalidRequest(f"no launch {command.generation} of {command.instance!r} runs on this host")
+        engine = running.launched
+        if action == "stop":
+            status = await running.effects.stop(engine, float(args.get("grace", 10.0)))
+            self._gates.close_gate(running.gate)
+            del self._running[command.instance]
+            return {"status": status}
+        if action == "probe":
+            exited = running.effects.exited(engine)
+            return {"ready": exited is None and await running.effects.ready(engine), "exited": exited}
+        if action == "park":
+            await running.effects.park(engine)
+        else:
+            await running.effects.wake(engine)
+        return {}
+
+    async def _launch(self, command: Command) -> dict[str, Any]:
+        args = command.args
+        try:
+            spec = msgspec.convert(args.get("spec"), DeploymentSpec)
+            engine = msgspec.convert(args.get("engine"), EngineInstall)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"the launch names no usable deployment or engine: {exc}") from exc
+        gate = args.get("gate")
+        if not isinstance(gate, str) or len(gate) < 16:
+            raise InvalidRequest("a launch needs its gate key (at least 16 characters)")
+        adapter = self._adapters.get(str(engine.family))
+        if adapter is None:
+            raise InvalidRequest(f"this host has no adapter for engine family {engine.family!r}")
+        before = self._running.get(command.instance)
+        if before is not None and before.effects.exited(before.launched) is None:
+            raise InvalidRequest(f"{command.instance!r} runs launch {before.generation} here; stop it first")
+        log_dir = self._log_root / spec.name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        effects = LocalEngineEffects(spec, engine, adapter, self._processes, self._clock, self._pick_port, log_dir)
+        launched = await effects.launch(command.generation)
+        self._gates.open_gate(gate, launched.port or 0)
+        launch_id = uuid.uuid4().hex
+        self._running[command.instance] = _Running(effects, launched, gate, launch_id, command.generation,
+                                                   self._clock.wall())
+        return {"pid": launched.pid, "port": launched.port, "log_path": launched.log_path, "launch_id": launch_id}
+
+    def running(self) -> list[RunningInstance]:
+        return [RunningInstance(instance=name, deployment=name, number=r.generation, generation=r.generation,
+                                pid=r.launched.pid or 0, pid_start_time=r.started, port=r.launched.port or 0,
+                                launch_id=r.launch_id)
+                for name, r in sorted(self._running.items())]
+
+    async def watch(self, tell: Callable[[Message], Awaitable[None]]) -> None:
+        """Tells the server of each engine that exited (its gate closed first); never returns."""
+        while True:
+            for name, running in list(self._running.items()):
+                status = running.effects.exited(running.launched)
+                if status is not None:
+                    self._gates.close_gate(running.gate)
+                    del self._running[name]
+                    await tell(ProcessExit(instance=name, pid=running.launched.pid or 0, returncode=status,
+                                           at=self._clock.wall()))
+            await anyio.sleep(WATCH_EVERY)
+
+
+    async def stop_all(self, grace: float = 10.0) -> None:
+        """Every engine ended (the agent is stopping: its engines do not outlive it yet)."""
+        for name, running in list(self._running.items()):
+            await running.effects.stop(running.launched, grace)
+            self._gates.close_gate(running.gate)
+            del self._running[name]

@@ -1,0 +1,132 @@
+"""A host running an engine on the server's commands, in one process over real TLS and real sockets: the
+server's registry and control listener, the host's agent, ingress and engines (a stand-in vLLM as a real
+child process). Launch, readiness, a chat through the ingress's gate, fencing of an older launch, stop
+(gate closed, process gone), and an engine's exit told to the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from capyctl.adapters.control.agent import SERVER_NAME, HostAgent, join
+from capyctl.adapters.control.ingress import Ingress
+from capyctl.adapters.control.listener import ControlListener
+from capyctl.adapters.pki import CertificateAuthority, client_ssl_context, server_ssl_context
+from capyctl.domain.hosts import LinkTimings
+from capyctl.domain.joining import JoinFile, secret_text
+from capyctl.domain.link import Inventory
+from capyctl.entrypoints.host_role import host_commands, host_engines
+from capyctl.services.events import Events
+from capyctl.services.fleet import decode_spec
+from capyctl.services.hosts import HostRegistry
+from tests.fakes.ports import FakeClock, FakeStore
+from tests.fakes.standin_venv import make_standin_venv
+from tests.integration.harness import pid_alive
+
+pytestmark = pytest.mark.integration
+
+
+async def until(condition: Callable[[], Any], what: str, timeout: float = 30) -> Any:
+    with anyio.move_on_after(timeout):
+        while not (value := await condition()):
+            await anyio.sleep(0.05)
+        return value
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+async def chat(ca: bytes, port: int, gate: str) -> bytes:
+    body = msgspec.json.encode({"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
+    tls = client_ssl_context(ca, server_name="gpu-a")
+    with anyio.fail_after(30):
+        async with await anyio.connect_tcp("127.0.0.1", port, ssl_context=tls, tls_hostname="gpu-a") as stream:
+            await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n"
+                              b"X-CapyCTL-Gate: " + gate.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            answer = b""
+            try:
+                while True:
+                    answer += await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ssl.SSLError):
+                return answer
+
+
+async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> None:
+    authority = CertificateAuthority.load_or_create(tmp_path / "ca")
+    cert, key = authority.server_certificate([SERVER_NAME])
+    store, clock = FakeStore(), FakeClock()
+    registry = HostRegistry(store, clock, Events(store, clock), LinkTimings())
+    control = socket.create_server(("127.0.0.1", 0))
+    secret = bytes(range(32))
+    invite = registry.invite("gpu-a", secret, ttl=600)
+    join_file = JoinFile(host="gpu-a", server="127.0.0.1:%d" % control.getsockname()[1],
+                         ca_pem=authority.cert_pem.decode(), secret=secret_text(secret), expires_at=invite.expires_at)
+    stopping = anyio.Event()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(ControlListener(registry, authority, server_ssl_context(
+            cert, key, authority.cert_pem, require_client=False)).serve, control, stopping)
+        state = tmp_path / "host"
+        await join(join_file, state)
+        host_cert, host_key = (state / "identity" / "host-cert.pem").read_bytes(), (state / "identity" / "host-key.pem").read_bytes()
+        ingress = Ingress(server_ssl_context(host_cert, host_key, authority.cert_pem, require_client=False))
+        ingress_sock = socket.create_server(("127.0.0.1", 0))
+        engines = host_engines(ingress, state / "logs")
+        agent = HostAgent(state, lambda: Inventory(), host_commands(ingress, engines), running=engines.running,
+                          ingress_port=ingress_sock.getsockname()[1])
+        tasks.start_soon(ingress.serve, ingress_sock, stopping)
+        tasks.start_soon(agent.run, stopping)
+        tasks.start_soon(engines.watch, agent.tell)
+
+        async def linked() -> bool:
+            return registry.view("gpu-a")["connected"]
+
+        await until(linked, "the host's link")
+        venv = make_standin_venv(tmp_path / "vllm-venv", "vllm", "0.32.0")
+        engine = await registry.add_engine("gpu-a", str(venv), "vllm", None)
+        model = tmp_path / "model"
+        model.mkdir()
+        spec = decode_spec({"name": "chat", "engine": "vllm", "model": str(model)})
+        args = {"spec": msgspec.to_builtins(spec), "engine": msgspec.to_builtins(engine), "gate": "g" * 32}
+        launched = await registry.command("gpu-a", "launch", args, instance="chat", generation=1)
+        assert launched.ok, launched
+        pid = launched.detail["pid"]
+        assert pid_alive(pid)
+
+        async def ready() -> bool:
+            probe = await registry.command("gpu-a", "probe", {}, instance="chat", generation=1)
+            assert probe.ok, probe
+            return probe.detail["ready"]
+
+        await until(ready, "the engine ready")
+        answer = await chat(authority.cert_pem, ingress_sock.getsockname()[1], "g" * 32)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert b'"chat.completion"' in answer
+
+        stale = await registry.command("gpu-a", "stop", {}, instance="chat", generation=0)
+        assert not stale.ok and stale.code == "stale_generation"
+        assert pid_alive(pid)
+        stopped = await registry.command("gpu-a", "stop", {"grace": 5}, instance="chat", generation=1)
+        assert stopped.ok and not pid_alive(pid)
+        refused = await chat(authority.cert_pem, ingress_sock.getsockname()[1], "g" * 32)
+        assert b" 403 " in refused.split(b"\r\n")[0] and b"gate_refused" in refused
+
+        again = await registry.command("gpu-a", "launch", {**args, "gate": "h" * 32}, instance="chat", generation=2)
+        assert again.ok, again
+        os.kill(again.detail["pid"], signal.SIGKILL)  # the engine dies on its own
+
+        async def told() -> list[dict[str, Any]]:
+            return registry.view("gpu-a")["exits"]
+
+        (exit_,) = await until(told, "the engine's exit told to the server")
+        assert (exit_["instance"], exit_["pid"], exit_["returncode"]) == ("chat", again.detail["pid"], -9)
+        assert engines.running() == []  # an engine that exited is no longer reported as running
+        stopping.set()
+        await engines.stop_all()
+        tasks.cancel_scope.cancel()  # the watch of exits runs until cancelled
