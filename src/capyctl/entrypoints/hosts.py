@@ -11,8 +11,8 @@ import msgspec
 from capyctl.adapters.control.agent import SERVER_NAME
 from capyctl.adapters.control.listener import ControlListener
 from capyctl.adapters.http.management import Hosts
-from capyctl.adapters.pki import CertificateAuthority, server_ssl_context
-from capyctl.adapters.storage.state_dir import StateDir, write_private_text
+from capyctl.adapters.pki import CertificateAuthority, server_ssl_context, write_private
+from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.joining import SECRET_BYTES, JoinFile, secret_text
@@ -55,4 +55,4 @@ def write_server_credentials(state: StateDir) -> None:
         return
     text = msgspec.json.encode({"api_key": key}).decode() + "\n"
     if not path.exists() or path.read_text() != text:
-        write_private_text(path, text)
+        write_private(path, text.encode())

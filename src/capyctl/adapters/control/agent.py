@@ -23,6 +23,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from capyctl import __version__
+from capyctl.adapters.control.frames import beat, send_quietly
 from capyctl.adapters.pki import client_ssl_context, fingerprint, host_key_and_csr, write_private
 from capyctl.domain.errors import CapyError, InvalidConfig
 from capyctl.domain.hosts import CommandLedger, Verdict
@@ -32,7 +33,6 @@ from capyctl.domain.link import (
     Command,
     CommandResult,
     Goodbye,
-    Heartbeat,
     Hello,
     Inventory,
     JoinAccepted,
@@ -159,7 +159,7 @@ class HostAgent:
     async def tell(self, message: Message) -> None:
         """``message`` to the server now if the link is up; dropped otherwise (the next hello says what runs)."""
         if self._conn is not None:
-            await _answer_message(self._conn, message)
+            await send_quietly(self._conn, message)
 
     async def _run(self, conn: ClientConnection, command: Command) -> None:
         """One command from the server: applied once (the ledger answers a replay with the recorded result,
@@ -168,7 +168,7 @@ class HostAgent:
         if decision.verdict == Verdict.PENDING:
             return  # a copy of a command under way: its result goes out when it is done
         if decision.result is not None:
-            await _answer(conn, decision.result)
+            await send_quietly(conn, decision.result)
             return
         try:
             result = await self._handle(command)
@@ -180,7 +180,7 @@ class HostAgent:
             result = CommandResult(id=command.id, generation=command.generation, ok=False, code="internal_error",
                                    message=f"{type(error).__name__}: {error}")
         self._ledger.record(result)
-        await _answer(conn, result)
+        await send_quietly(conn, result)
 
     async def _session(self, conn: ClientConnection, stopping: anyio.Event) -> None:
         try:
@@ -194,7 +194,7 @@ class HostAgent:
         heard = [anyio.current_time()]
         self._conn = conn
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(_beat, conn, self._heartbeat)
+            tasks.start_soon(beat, conn, self._heartbeat)
             tasks.start_soon(_close_when, stopping, conn)
             tasks.start_soon(_close_if_silent, conn, heard)
             try:
@@ -219,31 +219,6 @@ class HostAgent:
                               f"replaced; invite it again (capyctl invite host {self.name}) and join with the new file")
         if not stopping.is_set():
             raise ConnectionResetError(f"the server closed the link ({conn.close_reason or 'no reason given'})")
-
-
-async def _answer_message(conn: ClientConnection, message: Message) -> None:
-    try:
-        await conn.send(encode(message))
-    except ConnectionClosed:
-        pass
-
-
-async def _answer(conn: ClientConnection, result: CommandResult) -> None:
-    try:
-        await conn.send(encode(result))
-    except ConnectionClosed:
-        pass  # the server replays the command on the next link; the ledger answers it from there
-
-
-async def _beat(conn: ClientConnection, every: float) -> None:
-    seq = 0
-    try:
-        while True:
-            seq += 1
-            await conn.send(encode(Heartbeat(seq=seq, at=anyio.current_time())))
-            await anyio.sleep(every)
-    except ConnectionClosed:
-        return
 
 
 async def _unsupported(command: Command) -> CommandResult:

@@ -31,10 +31,11 @@ import anyio
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from capyctl.adapters.control.frames import beat, send_quietly
 from capyctl.adapters.pki import CertificateAuthority, fingerprint, host_name_of
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.joining import secret_bytes
-from capyctl.domain.link import Goodbye, Heartbeat, Hello, JoinAccepted, JoinRequest, Message, decode, encode
+from capyctl.domain.link import Goodbye, Hello, JoinAccepted, JoinRequest, Message, decode, encode
 from capyctl.services.hosts import HostRegistry
 
 log = logging.getLogger("capyctl.hosts")
@@ -123,11 +124,8 @@ class ControlListener:
             self._closing.add(task := asyncio.get_running_loop().create_task(goodbye(why)))
             task.add_done_callback(self._closing.discard)
 
-        async def send(message: Message) -> None:
-            try:
-                await conn.send(encode(message))
-            except ConnectionClosed:
-                pass  # the link is going: its end is told to the registry, which fails what waits on it
+        async def send(message: Message) -> None:  # a link that is going: the registry fails what waits on it
+            await send_quietly(conn, message)
 
         session, replaced = self._registry.connected(name, _address(conn), hello, close, send)
         if replaced is not None:  # the host dialled again: its old link, half-open or not, is closed
@@ -136,7 +134,7 @@ class ControlListener:
         why = "closed by the host"
         try:
             async with anyio.create_task_group() as tasks:
-                tasks.start_soon(_beat, conn, self._heartbeat)
+                tasks.start_soon(beat, conn, self._heartbeat)
                 try:
                     async for data in conn:
                         self._registry.heard(name, session, decode(data if isinstance(data, bytes) else data.encode()))
@@ -150,18 +148,6 @@ class ControlListener:
         finally:
             self._registry.disconnected(name, session, why)
             log.info("host %s's link closed: %s", name, why)
-
-
-async def _beat(conn: ServerConnection, every: float) -> None:
-    seq = 0
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            seq += 1
-            await conn.send(encode(Heartbeat(seq=seq, at=loop.time())))
-            await anyio.sleep(every)
-    except ConnectionClosed:
-        return
 
 
 async def _refuse(conn: ServerConnection, error: CapyError) -> None:

@@ -33,15 +33,6 @@ def resolve_state_dir(explicit: str | None) -> Path:
     return Path.home() / ".local" / "state" / "capyctl"
 
 
-def write_private_text(path: Path, text: str) -> None:
-    """``text`` written to ``path`` readable by its owner only (0600), atomically."""
-    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.chmod(path.with_name(path.name + ".tmp"), 0o600)
-    os.replace(path.with_name(path.name + ".tmp"), path)
-
-
 def _write_secret(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)

@@ -10,7 +10,8 @@ import anyio
 import msgspec
 import typer
 
-from capyctl.adapters.storage.state_dir import resolve_state_dir, write_private_text
+from capyctl.adapters.pki import write_private
+from capyctl.adapters.storage.state_dir import resolve_state_dir
 from capyctl.domain.deployments import parse_duration
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.joining import JoinFile
@@ -49,7 +50,7 @@ def invite_host(
     seconds = parse_duration(ttl, "--ttl")
     join = client(state_dir).call("POST", "/hosts/invites", json={"name": name, "ttl_s": seconds, "server": server})
     path = output if output is not None else Path(f"{name}.join")
-    write_private_text(path, msgspec.json.encode(join).decode() + "\n")
+    write_private(path, msgspec.json.encode(join) + b"\n")
     view = {"host": name, "join_file": str(path), "server": join["server"], "expires_at": join["expires_at"]}
     show(view, json, f"invitation for host {name} written to {path} (0600); it works once, until "
                      f"{stamp(join['expires_at'])}\n  on {name}: capyctl join host --join-file {path.name}")
@@ -99,14 +100,12 @@ def start_host(
     again (backing off up to 10 s) whenever the link drops. It exits when the server says the host is
     revoked.
     """
-    from capyctl.adapters.config_files import decode_file
     from capyctl.adapters.log_format import configure_logging
-    from capyctl.domain.config import ServerConfig, resolve
+    from capyctl.entrypoints.cli.server import load_settings
     from capyctl.entrypoints.service import serve_host
 
     root = resolve_state_dir(state_dir)
-    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
-    settings = resolve(decode_file(file, ServerConfig) if file is not None else ServerConfig(), {})
+    settings = load_settings(root, config, {})
     writer = configure_logging("text")
     try:
         anyio.run(serve_host, root, settings, ingress_listen)

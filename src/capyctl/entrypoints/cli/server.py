@@ -26,15 +26,25 @@ from capyctl.entrypoints.cli.common import (
 from capyctl.entrypoints.cli.output import print_json, show
 
 
+ListenOpt = Annotated[str, typer.Option(help="Inference API address. Use 127.0.0.1:8443 to keep it on this machine.")]
+ManagementOpt = Annotated[str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")]
+LogFormatOpt = Annotated[
+    LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")]
+JsonLogOpt = Annotated[bool, typer.Option("--json", help="Same as --log-format json.")]
+
+
+def load_settings(root: Path, config: Path | None, overrides: dict[str, Any]) -> Settings:
+    """The settings of ``config`` (default: <state-dir>/config.yaml when it exists; else the defaults), with the
+    command line's ``overrides`` on top."""
+    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
+    return _resolve(file, decode_file(file, ServerConfig) if file is not None else ServerConfig(), overrides)
+
+
 @start_app.command("standalone")
 @reports_errors
 def start_standalone(
-    listen: Annotated[
-        str, typer.Option(help="Inference API address. Use 127.0.0.1:8443 to keep it on this machine.")
-    ] = "0.0.0.0:8443",
-    management: Annotated[
-        str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")
-    ] = "127.0.0.1:7443",
+    listen: ListenOpt = "0.0.0.0:8443",
+    management: ManagementOpt = "127.0.0.1:7443",
     state_dir: StateDirOpt = None,
     config: Annotated[
         Path | None,
@@ -42,10 +52,8 @@ def start_standalone(
                      "Default: <state-dir>/config.yaml when it exists. Flags given here win over it.",
                      show_default=False),
     ] = None,
-    log_format: Annotated[
-        LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
-    ] = LogFormat.TEXT,
-    json: Annotated[bool, typer.Option("--json", help="Same as --log-format json.")] = False,
+    log_format: LogFormatOpt = LogFormat.TEXT,
+    json: JsonLogOpt = False,
     default_model: Annotated[
         str | None, typer.Option(help="Deployment a chat request without `model` goes to [file: default_model].",
                                  show_default=False)] = None,
@@ -84,8 +92,6 @@ def start_standalone(
     if json:
         log_format = LogFormat.JSON
     root = resolve_state_dir(state_dir)
-    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
-    server_config = decode_file(file, ServerConfig) if file is not None else ServerConfig()
     overrides = {
         "default_model": default_model,
         "queue.request_deadline": _flag(request_deadline, "--request-deadline", parse_duration),
@@ -97,7 +103,7 @@ def start_standalone(
         "limits.max_event_size": _flag(max_event_size, "--max-event-size", parse_size),
         "limits.max_tool_calls": _flag(max_tool_calls, "--max-tool-calls", parse_count),
     }
-    settings = _resolve(file, server_config, overrides)
+    settings = load_settings(root, config, overrides)
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_standalone
 
@@ -114,12 +120,8 @@ def start_standalone(
 @start_app.command("server")
 @reports_errors
 def start_server(
-    listen: Annotated[
-        str, typer.Option(help="Inference API address. Use 127.0.0.1:8443 to keep it on this machine.")
-    ] = "0.0.0.0:8443",
-    management: Annotated[
-        str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")
-    ] = "127.0.0.1:7443",
+    listen: ListenOpt = "0.0.0.0:8443",
+    management: ManagementOpt = "127.0.0.1:7443",
     control_listen: Annotated[
         str, typer.Option(help="Where hosts join and keep their control link (TLS, the server's own CA).")
     ] = "0.0.0.0:7445",
@@ -133,10 +135,8 @@ def start_server(
         typer.Option(help="Server configuration file (see `capyctl config schema`). "
                      "Default: <state-dir>/config.yaml when it exists.", show_default=False),
     ] = None,
-    log_format: Annotated[
-        LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
-    ] = LogFormat.TEXT,
-    json: Annotated[bool, typer.Option("--json", help="Same as --log-format json.")] = False,
+    log_format: LogFormatOpt = LogFormat.TEXT,
+    json: JsonLogOpt = False,
 ) -> None:
     """Run the server of several machines in the foreground until Ctrl-C or SIGTERM.
 
@@ -147,9 +147,7 @@ def start_server(
     if json:
         log_format = LogFormat.JSON
     root = resolve_state_dir(state_dir)
-    file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
-    server_config = decode_file(file, ServerConfig) if file is not None else ServerConfig()
-    settings = _resolve(file, server_config, {})
+    settings = load_settings(root, config, {})
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.service import serve_server
 
