@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import anyio
 
+from capyctl.domain.errors import CapyError
 from capyctl.domain.lifecycle import Launched
 
 
@@ -25,6 +26,9 @@ class FakeEngineEffects:
         self.answers: list[str] = []  # the canary's answers, in order; "ready" once they run out
         self.launch_error: Exception | None = None  # raised by the next launch
         self.stop_gate: anyio.Event | None = None  # while set to an unset event, a stop waits for it
+        self.load_now: tuple[int, int] | None = (0, 0)  # what each load reading answers
+        self.loads: list[int] = []  # the launch each load reading was of
+        self.unreachable: CapyError | None = None  # what ``offline`` says: the engine's machine is out of reach
         self.changed = anyio.Event()
 
     def _did(self, what: str, engine: int) -> None:
@@ -82,3 +86,11 @@ class FakeEngineEffects:
     async def canary(self, engine: Launched) -> str | None:
         self._did("canary", engine.number)
         return self.answers.pop(0) if self.answers else "ready"
+
+    async def load(self, engine: Launched) -> tuple[int, int] | None:
+        self.loads.append(engine.number)
+        self.notify()
+        return self.load_now
+
+    def offline(self) -> CapyError | None:
+        return self.unreachable

@@ -12,7 +12,7 @@ import pytest
 
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import EngineRestarted, InsufficientMemory, LlmUnavailable
+from capyctl.domain.errors import DeviceOffline, EngineRestarted, InsufficientMemory, LlmUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.domain.memory import Holding
 from capyctl.domain.requests import RequestRecord
@@ -177,3 +177,28 @@ async def test_a_wake_that_answers_differently_is_stopped_and_a_fresh_engine_ser
     assert parks.effects.done == ["launch 1", "canary 1", "park 1", "wake 1", "canary 1", "stop 1", "launch 2",
                                   "canary 2"]
     assert "wake_mismatch" in parks.kinds()
+
+
+async def test_an_engine_whose_machine_is_out_of_reach_is_refused_at_once_and_served_again_after(
+        world: World) -> None:
+    assert await world.controller.route(5) == Route("http://engine-1", 1)
+    world.effects.unreachable = DeviceOffline("gpu-a", "suspended", model="m")
+    assert world.controller.route_now() is None  # no request goes to it
+    with pytest.raises(DeviceOffline) as refused:  # told at once: not after the request's deadline
+        with anyio.fail_after(0.001):
+            await world.controller.route(5)
+    assert refused.value.extra["model"] == "m" and refused.value.retry_after > 0
+    assert world.effects.done == ["launch 1"]  # its engine is kept: nothing is stopped or launched again
+    world.effects.unreachable = None
+    assert world.controller.route_now() == Route("http://engine-1", 1)
+
+
+async def test_cut_requests_are_settled_by_the_running_launchs_own_load_readings(world: World) -> None:
+    await world.controller.route(5)
+    world.effects.load_now = (1, 0)  # still working on what was cut
+    world.controller.cut(RequestRecord(id="r1", deployment="m", stream=True, answered=True))
+    await world.until(lambda: len(world.effects.loads) >= 2)
+    assert set(world.effects.loads) == {1} and world.controller.settlement.ledger.counts() != []
+    world.effects.load_now = (0, 0)
+    await world.until(lambda: world.controller.settlement.ledger.counts() == [])
+    assert "request_settled" in world.kinds()

@@ -208,18 +208,19 @@ def server_ssl_context(cert_pem: bytes, key_pem: bytes, ca_pem: bytes, require_c
 
 
 def client_ssl_context(ca_pem: bytes, cert_pem: bytes | None = None, key_pem: bytes | None = None,
-                       server_name: str | None = None) -> ssl.SSLContext:
+                       server_name: str | None = None, names_checked: bool = False) -> ssl.SSLContext:
     """A dialling side's TLS: the server must show a certificate of ``ca_pem``; ours is shown when given.
 
-    With ``server_name`` the server's certificate must also name it: pass the
-    same name as ``server_hostname`` when wrapping (OpenSSL refuses to check
-    a name it was not given, so forgetting it fails, never passes).
+    With ``server_name`` (or ``names_checked``, for a context that dials
+    several servers) the server's certificate must also name the
+    ``server_hostname`` given when wrapping (OpenSSL refuses to check a name
+    it was not given, so forgetting it fails, never passes).
     """
     if (cert_pem is None) != (key_pem is None):
         raise InvalidConfig("a client certificate needs its key, and a key its certificate")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the peer; no store loaded yet
     _harden(context, ca_pem)
-    context.check_hostname = server_name is not None
+    context.check_hostname = server_name is not None or names_checked
     context.verify_mode = ssl.CERT_REQUIRED
     if cert_pem is not None and key_pem is not None:
         _load_chain(context, cert_pem, key_pem)

@@ -86,6 +86,7 @@ class DeploymentSpec(Strict):
     residency: Residency = Residency.RESTART_ONLY  # how it parks (LIFE-2)
     resources: Resources = Resources()
     idle: IdleConfig = IdleConfig()
+    host: str | None = None  # the host whose engine runs it (several machines); None: the server places it
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.fullmatch(self.name):
@@ -104,6 +105,8 @@ class DeploymentSpec(Strict):
         for key, value in (("idle.park_after", self.idle.park_after), ("idle.stop_after", self.idle.stop_after)):
             if value is not None:
                 seconds(value, key)
+        if self.host is not None and not NAME_PATTERN.fullmatch(self.host):
+            raise InvalidConfig(f"host {self.host!r} is not a host's name (see: capyctl list hosts)")
         if self.endpoint is None:
             if not self.model:
                 raise InvalidConfig("model is required: the model file or directory the engine loads")
@@ -116,6 +119,8 @@ class DeploymentSpec(Strict):
             raise InvalidConfig(
                 f"with endpoint, engine names the engine's family: one of {', '.join(ENGINE_FAMILIES)}"
             )
+        if self.host is not None:
+            raise InvalidConfig("host does not apply to an attached engine: its endpoint says where it runs")
         if self.engine_config != EngineConfig():
             raise InvalidConfig("engine_config does not apply to an attached engine: CapyCTL does not start it")
         if self.residency is not Residency.RESTART_ONLY or self.resources != Resources() or self.idle != IdleConfig():
@@ -226,6 +231,12 @@ class Deployment(msgspec.Struct, kw_only=True):
     probed_version: str | None = None  # what an attached engine said its version was
     cold_starts: list[float] = []  # measured seconds from spawn to ready, the last 20 (MOD-2, Retry-After)
     wake_times: list[float] = []  # measured seconds from a wake's start to ready, the last 20
+    placed_on: str | None = None  # the host the server placed it on, when its file names none (several machines)
+
+    @property
+    def host(self) -> str | None:
+        """The host whose engine runs it; None: this machine."""
+        return self.spec.host or self.placed_on
 
 
 def restart_delay(consecutive_failures: int, base: float = 0.5, ceiling: float = 30.0) -> float:

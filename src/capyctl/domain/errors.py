@@ -112,8 +112,12 @@ class KeyNotFound(CapyError):
 class EngineNotFound(CapyError):
     code = "engine_not_found"
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"no engine named {name!r}; see: capyctl engine list")
+    def __init__(self, name: str, host: str | None = None) -> None:
+        if host is None:
+            super().__init__(f"no engine named {name!r}; see: capyctl engine list")
+        else:
+            super().__init__(f"host {host!r} has no engine named {name!r}; add one with: capyctl engine add PATH "
+                             f"--host {host} --name {name} (see: capyctl list hosts)", host=host)
 
 
 class HostNotFound(CapyError):
@@ -139,8 +143,12 @@ class DeviceOffline(CapyError):
 
     code = "device_offline"
 
-    def __init__(self, host: str, state: str) -> None:
-        super().__init__(f"host {host!r} is {state}, not online; see: capyctl list hosts", host=host, state=state)
+    def __init__(self, host: str, state: str, model: str | None = None, retry_after: int = 5) -> None:
+        what = f"model {model!r} runs on host {host!r}, which" if model is not None else f"host {host!r}"
+        super().__init__(f"{what} is {state}, not online; retry in {retry_after} s, or see: capyctl list hosts",
+                         host=host, state=state, reason=state, retry_after_s=retry_after,
+                         **({"model": model} if model is not None else {}))
+        self.retry_after = retry_after
 
 
 class HostAnswerInvalid(CapyError):

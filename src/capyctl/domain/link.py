@@ -33,7 +33,8 @@ from capyctl.domain.errors import InvalidRequest
 
 PROTOCOL_VERSION = 1  # raised whenever a message changes in a way the other side could not read
 
-Action = Literal["launch", "stop", "park", "wake", "probe", "open_gate", "close_gate", "inspect_engine"]
+Action = Literal["launch", "adopt", "stop", "park", "wake", "probe", "load", "open_gate", "close_gate",
+                 "inspect_engine"]
 
 
 class _Message(Strict, tag_field="type"):

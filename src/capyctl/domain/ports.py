@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import CapyError
 from capyctl.domain.hosts import HostRecord
 from capyctl.domain.joining import Invite
 from capyctl.domain.keys import ApiKey
@@ -184,6 +185,14 @@ class EngineEffects(Protocol):
 
     async def canary(self, engine: Launched) -> str | None:
         """The engine's answer to the fixed canary request (``services/canary``); None when none is sent."""
+
+    async def load(self, engine: Launched) -> tuple[int, int] | None:
+        """The engine's running and waiting counts, read now (they settle cut requests); None when it
+        cannot tell or cannot be reached."""
+
+    def offline(self) -> CapyError | None:
+        """Why the engine's machine cannot be reached now (a host that is not online); None when it can.
+        Never blocks: it is asked on each request's way to the engine."""
 
 
 class EngineAnswer(Protocol):

@@ -37,6 +37,7 @@ from capyctl.services.events import Events
 from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
 from capyctl.services.fleet import Fleet
+from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 from capyctl.services.switching import Switchboard
@@ -68,6 +69,12 @@ def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
     fleet = Fleet(room=room, **parts)
     room.bind(fleet.controllers)
     return fleet
+
+
+def host_registry(store: SqliteStore, clock: SystemClock, events: Events, timings: Any, several: bool
+                  ) -> HostRegistry | None:
+    """The server's hosts (``start server``); None for a CapyCTL that runs alone."""
+    return HostRegistry(store, clock, events, timings) if several else None
 
 
 def listening_stats(fleet: Fleet, admission: AdmissionService, events: Events) -> RequestStats:
@@ -119,6 +126,8 @@ class Container(containers.DeclarativeContainer):
         events=events, idle=config.idle,
     )
     canary = providers.Singleton(Canary, session=engine_session)
+    hosts = providers.Singleton(host_registry, store=store, clock=clock, events=events, timings=config.hosts,
+                                several=config.several)
     fleet = providers.Singleton(
         make_fleet,
         room=switchboard,
@@ -131,6 +140,7 @@ class Container(containers.DeclarativeContainer):
         pick_port=providers.Object(free_port),
         log_root=providers.Callable(log_root, state_dir),
         settings=controller_settings,
+        hosts=hosts,
     )
     keyring = providers.Singleton(open_keyring, store=store, clock=clock, events=events, state_dir=state_dir)
     chat_service = providers.Singleton(

@@ -11,24 +11,25 @@ import msgspec
 from capyctl.adapters.control.agent import SERVER_NAME
 from capyctl.adapters.control.listener import ControlListener
 from capyctl.adapters.http.management import Hosts
-from capyctl.adapters.pki import CertificateAuthority, server_ssl_context, write_private
+from capyctl.adapters.pki import CertificateAuthority, client_ssl_context, server_ssl_context, write_private
 from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.domain.errors import InvalidRequest
-from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.joining import SECRET_BYTES, JoinFile, secret_text
 from capyctl.entrypoints.container import Container
-from capyctl.services.hosts import HostRegistry
 
 SERVER_CREDENTIALS = "identity/server-credentials.json"
 
 
-def server_role(state: StateDir, container: Container, control: tuple[str, int], advertised: str | None,
-                timings: LinkTimings) -> tuple[Hosts, ControlListener]:
+def server_role(state: StateDir, container: Container, control: tuple[str, int], advertised: str | None
+                ) -> tuple[Hosts, ControlListener]:
     authority = CertificateAuthority.load_or_create(state.root / "identity" / "ca")
     names = [SERVER_NAME] + ([control[0]] if control[0] not in ("0.0.0.0", "::", "") else [])
     cert_pem, key_pem = authority.server_certificate(names)
     tls = server_ssl_context(cert_pem, key_pem, authority.cert_pem, require_client=False)
-    registry = HostRegistry(container.store(), container.clock(), container.events(), timings)
+    registry = container.hosts()
+    assert registry is not None, "the container was built for a CapyCTL that runs alone"
+    # the engines on hosts are reached through their ingresses, whose certificates are of this CA
+    container.engine_session().trust(client_ssl_context(authority.cert_pem, names_checked=True))
     write_server_credentials(state)
 
     def invite(name: str, ttl: float, server: str | None) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
 from capyctl.adapters.devices import read_devices
 from capyctl.domain.config import ServerConfig, Settings, resolve
-from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.limits import Limits
 from capyctl.entrypoints.container import Container
 from capyctl.entrypoints.hosts import server_role
@@ -35,7 +34,7 @@ log = logging.getLogger("capyctl")
 DEFAULTS = resolve(ServerConfig(), {})
 
 
-def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container:
+def build_container(state_dir: Path, settings: Settings = DEFAULTS, several: bool = False) -> Container:
     container = Container()
     limits = settings.limits
     container.config.from_dict(
@@ -44,7 +43,8 @@ def build_container(state_dir: Path, settings: Settings = DEFAULTS) -> Container
          "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls,
          "queue_limits": settings.queue,
          "devices": read_devices() if settings.devices == "auto" else settings.devices,
-         "switching": settings.switching, "idle": settings.idle, "records": settings.records}
+         "switching": settings.switching, "idle": settings.idle, "records": settings.records,
+         "hosts": settings.hosts, "several": several}
     )
     return container
 
@@ -71,11 +71,11 @@ async def serve_server(state_dir: Path, listen: str, management: str, control_li
     if control_advertise is not None:
         parse_listen(control_advertise, "--control-advertise")
     raise_open_files_limit(settings.limits)
-    container = build_container(state_dir, settings)
+    container = build_container(state_dir, settings, several=True)
     container.init_resources()
     try:
         await _serve(container, inference_addr, management_addr, settings.limits,
-                     control=(control_addr, advertised, settings.hosts))
+                     control=(control_addr, advertised))
     finally:
         container.shutdown_resources()
 
@@ -136,7 +136,7 @@ def raise_open_files_limit(limits: Limits) -> None:
 
 async def _serve(
     container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int], limits: Limits,
-    control: tuple[tuple[str, int], str | None, LinkTimings] | None = None,
+    control: tuple[tuple[str, int], str | None] | None = None,
 ) -> None:
     state: StateDir = container.state_dir()
     state.prepare()
@@ -150,7 +150,7 @@ async def _serve(
         create_inference_app(fleet, container.clock(), keys, stats, container.admission()), limits, stats.client_cut)
     records = container.request_log()
     hosts = listener = None
-    if control is not None:
+    if control is not None:  # before the fleet runs: its deployments on hosts reach them through the session
         hosts, listener = server_role(state, container, *control)
     manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys, records=records,
                                                    hosts=hosts), limits, stats.client_cut)

@@ -152,9 +152,10 @@ class RequestService:
         """Admission's lease for ``record``; once granted, the call counts against its key's day (ID-5)."""
         return _Admitted(self._admission.admit(controller, record, wait), self._keys, record.id)
 
-    def _selected(self, record: RequestRecord) -> None:
+    def _selected(self, record: RequestRecord, controller: Serving) -> None:
         record.sent(instance=0)
-        self._events.selection(record.id, record.deployment, self._settings.host_name, 0, record.key)
+        self._events.selection(record.id, record.deployment, controller.host or self._settings.host_name, 0,
+                               record.key)
 
 
 class ChatService(RequestService):
@@ -218,7 +219,7 @@ class ChatService(RequestService):
                 if stream is None:  # (the session may write the request at once: the rest is done while the engine works)
                     stream = self._session.chat_stream(route.url, body)
                 try:
-                    self._selected(record)
+                    self._selected(record, controller)
                     meter = self._meters[record.id] = Meter(self._clock.monotonic)
                 except BaseException:
                     stream.abandon()

@@ -34,6 +34,9 @@ class Serving(Protocol):
     def fields(self) -> RowChoice: ...
     @property
     def ready(self) -> bool: ...
+    @property
+    def host(self) -> str | None:
+        """The host its engine runs on (several machines); None: this machine."""
 
     def ask(self) -> None:
         """A request wants the model: start it unless it runs, an operator's stop holds, or it FAILED."""
@@ -113,7 +116,7 @@ class ControllerBase:
         self.fields = fields
         self._clock = clock
         self._events = events
-        self.settlement = Settlement(self.name, adapter, clock, events, lambda: self.base_url)
+        self.settlement = Settlement(self.name, self.read_load, clock, events)
 
     @property
     def name(self) -> str:
@@ -126,6 +129,14 @@ class ControllerBase:
     @property
     def base_url(self) -> str:
         raise NotImplementedError
+
+    @property
+    def host(self) -> str | None:
+        return self.deployment.host
+
+    async def read_load(self) -> tuple[int, int] | None:
+        """The engine's running and waiting counts, as its adapter reads them (what settles cut requests)."""
+        return await self.adapter.load(self.base_url)
 
     @property
     def ready(self) -> bool:

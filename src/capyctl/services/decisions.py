@@ -47,7 +47,7 @@ class DecisionService(RequestService):
             record.phase = Phase.WAITING
             async with self._admitted(controller, record, wait):
                 route = await controller.route(self._settings.request_deadline)
-                self._selected(record)
+                self._selected(record, controller)
                 sent_at = self._clock.monotonic()
                 try:
                     raw = await self._session.decide(route.url, body)

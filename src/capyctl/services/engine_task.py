@@ -127,7 +127,7 @@ class EngineTask:
         state.launch += 1
         state.status.started_at = self._clock.wall()
         engine = await self._effects.launch(state.launch)
-        state.base_url = engine.url
+        state.base_url, state.engine = engine.url, engine
         state.status.port, state.status.log_path, state.status.pid = engine.port, engine.log_path, engine.pid
         self._events.emit(self._name, "engine_started", instance=0, pid=engine.pid, port=engine.port)
         cancelled = False
@@ -170,7 +170,7 @@ class EngineTask:
             if shown is not None:
                 state.set(shown)
         await self._effects.stop(engine, self._settings.stop_grace)
-        state.status.pid = None
+        state.status.pid, state.engine = None, None
         self._settlement.engine_ended()
         state.notify()
 

@@ -24,6 +24,7 @@ from capyctl.domain.deployments import (
     check_extra_args,
 )
 from capyctl.domain.decisions import serves_decisions
+from capyctl.domain.hosts import place
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
 from capyctl.domain.fields import row_for
@@ -42,7 +43,9 @@ from capyctl.domain.errors import (
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
+from capyctl.services.hosts import HostRegistry
 from capyctl.services.local_engines import LocalEngineEffects
+from capyctl.services.remote_engines import RemoteEngineEffects
 from capyctl.services.switching import NoSwitchboard, Switchboard
 
 
@@ -121,6 +124,7 @@ class Fleet:
         settings: ControllerSettings,
         room: Switchboard | None = None,
         canary: Callable[[str, str], Awaitable[str]] | None = None,
+        hosts: HostRegistry | None = None,
     ) -> None:
         self._room: Switchboard | NoSwitchboard = room or NoSwitchboard()
         self._canary = canary
@@ -132,6 +136,8 @@ class Fleet:
         self._pick_port = pick_port
         self._log_root = log_root
         self._settings = settings
+        self._hosts = hosts  # the server's hosts (start server); None: this machine only
+        self._remote: dict[str, RemoteEngineEffects] = {}  # deployment -> its engine's effects on its host
         self._controllers: dict[str, Controller] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self._changes = anyio.Lock()  # held by every change to the fleet, for its whole length
@@ -166,6 +172,9 @@ class Fleet:
                                   version=version)
 
     async def shutdown(self) -> None:
+        """Every engine on this machine stopped; those on hosts are left running for the next server to adopt."""
+        for effects in self._remote.values():
+            effects.leave()
         async with anyio.create_task_group() as tg:
             for controller in self._controllers.values():
                 tg.start_soon(controller.close)
@@ -179,9 +188,20 @@ class Fleet:
                 name=f"{spec.engine}@{spec.endpoint}", family=EngineFamily(spec.engine),
                 path=str(spec.endpoint), version=version, version_text=how,
             )
+        if deployment.host is not None:
+            return self._host_engine(deployment.host, spec.engine)
         engine = self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
+        return engine
+
+    def _host_engine(self, host: str, name: str) -> EngineInstall:
+        if self._hosts is None:
+            raise InvalidConfig(f"host {host!r}: this CapyCTL runs alone (start standalone); deployments run on "
+                                "hosts with capyctl start server")
+        engine = self._hosts.engine(host, name)
+        if engine is None:
+            raise EngineNotFound(name, host=host)
         return engine
 
     def _controller(self, deployment: Deployment) -> Controller:
@@ -193,6 +213,14 @@ class Fleet:
         controller: Controller
         if deployment.spec.attached:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
+        elif deployment.host is not None and self._hosts is not None:
+            # memory on a host's devices is not charged yet: no switching there
+            effects = self._remote[deployment.spec.name] = RemoteEngineEffects(
+                deployment.spec, engine, deployment.host, self._hosts, self._clock, self._canary)
+            controller = ManagedController(
+                deployment, engine, adapter, effects, self._clock, self._events, self._settings, fields, None,
+                self._keep,
+            )
         else:
             effects = LocalEngineEffects(
                 deployment.spec, engine, adapter, self._processes, self._clock, self._pick_port,
@@ -233,8 +261,24 @@ class Fleet:
         self._events.emit(None, "engine_removed", engine=name)
 
     # --- deployments --------------------------------------------------------
-    async def _check(self, spec: DeploymentSpec) -> str | None:
-        """Refuse a deployment that cannot work; an attached engine's probed version."""
+    def _placement(self, spec: DeploymentSpec) -> str | None:
+        """The host ``spec`` runs on: the one it names, or (when its engine is not on this machine) one of the
+        hosts that have its engine; None: this machine."""
+        if spec.attached:
+            return None
+        if spec.host is not None:
+            if self._hosts is None:
+                self._host_engine(spec.host, spec.engine)  # refused: no hosts here
+            assert self._hosts is not None
+            self._hosts.state(spec.host)  # host_not_found for a name no host joined under
+            return spec.host
+        if self._hosts is None or self._store.get_engine(spec.engine) is not None:
+            return None
+        return place(self._hosts.hosts_with(spec.engine))
+
+    async def _check(self, spec: DeploymentSpec, host: str | None) -> str | None:
+        """Refuse a deployment that cannot work (on ``host``, when it runs on one); an attached engine's probed
+        version."""
         if spec.attached:
             probed = None
             if not spec.engine_version:
@@ -251,7 +295,7 @@ class Fleet:
                     "does not (vLLM 0.32 and later, SGLang 0.5.21 and later, and llama.cpp builds with the route do)"
                 )
             return probed
-        engine = self._store.get_engine(spec.engine)
+        engine = self._host_engine(host, spec.engine) if host is not None else self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
         if spec.residency not in PARKING[engine.family]:
@@ -259,9 +303,13 @@ class Fleet:
                 f"residency {spec.residency} is not something {engine.family} can do; it can: "
                 f"{', '.join(PARKING[engine.family])}"
             )
-        self._check_device(spec)
         adapter = self._adapters[engine.family]
-        if spec.api == "decisions" and not await anyio.to_thread.run_sync(adapter.serves_decisions, engine):
+        if host is not None:  # its files are on the host's disk: what the version tells is what is checked here
+            decides = serves_decisions(str(engine.family), engine.version) is not False
+        else:
+            self._check_device(spec)
+            decides = await anyio.to_thread.run_sync(adapter.serves_decisions, engine)
+        if spec.api == "decisions" and not decides:
             raise InvalidConfig(
                 f"api: decisions needs an engine that answers POST /v1/systemone; {engine.name} "
                 f"({engine.family} {engine.version}) does not (vLLM 0.32 and later, SGLang 0.5.21 and later, "
@@ -269,7 +317,7 @@ class Fleet:
             )
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)
-        if not local_path(str(spec.model), "model", InvalidConfig).exists():
+        if host is None and not local_path(str(spec.model), "model", InvalidConfig).exists():
             raise InvalidConfig(f"model {spec.model!r} does not exist on this machine; set model to the path of "
                                 f"the model file or directory for {engine.name} to load")
         return None
@@ -285,14 +333,17 @@ class Fleet:
 
     async def apply(self, document: Any, activate: bool) -> tuple[str, Controller]:
         spec = decode_spec(document)
-        if not spec.attached and spec.model:  # engines get the path the operator meant, not a literal "~"
-            spec = msgspec.structs.replace(spec, model=str(local_path(spec.model, "model", InvalidConfig)))
+        if not spec.attached and spec.model and spec.host is None:  # engines get the path the operator meant,
+            spec = msgspec.structs.replace(spec, model=str(local_path(spec.model, "model", InvalidConfig)))  # not "~"
         async with self._changes:
-            probed = await self._check(spec)
+            host = self._placement(spec)
+            probed = await self._check(spec, host)
+            placed = host if spec.host is None else None
             current = self._controllers.get(spec.name)
             outcome = "created"
             if current is not None:
-                if current.deployment.spec == spec and current.deployment.probed_version == probed:
+                before = current.deployment
+                if before.spec == spec and before.probed_version == probed and before.host == host:
                     outcome = "unchanged"
                 else:
                     outcome = "updated"
@@ -303,7 +354,7 @@ class Fleet:
                 deployment = current.deployment
                 deployment.operator_stopped = False
             else:
-                deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
+                deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed, placed_on=placed)
             self._store.put_deployment(deployment)
             controller = current or self._controller(deployment)
             self._events.emit(spec.name, f"deployment_{outcome}")

@@ -60,12 +60,18 @@ class HostEngines:
         action, args = command.action, command.args
         if action == "launch":
             return await self._launch(command)
-        if action not in ("stop", "probe", "park", "wake"):
+        if action not in ("adopt", "stop", "probe", "load", "park", "wake"):
             return None
         running = self._running.get(command.instance)
         if running is None or running.generation != command.generation:
             raise InvalidRequest(f"no launch {command.generation} of {command.instance!r} runs on this host")
         engine = running.launched
+        if action == "adopt":  # a server that restarted takes the engine over: a gate key of its own
+            gate = _gate_of(args)
+            self._gates.close_gate(running.gate)
+            self._gates.open_gate(gate, engine.port or 0)
+            running.gate = gate
+            return self._described(running)
         if action == "stop":
             status = await running.effects.stop(engine, float(args.get("grace", 10.0)))
             self._gates.close_gate(running.gate)
@@ -73,7 +79,11 @@ class HostEngines:
             return {"status": status}
         if action == "probe":
             exited = running.effects.exited(engine)
-            return {"ready": exited is None and await running.effects.ready(engine), "exited": exited}
+            ready = exited is None and await running.effects.ready(engine)
+            return {"ready": ready, "exited": exited, "parked": await running.effects.parked(engine) if ready else None}
+        if action == "load":
+            load = await running.effects.load(engine)
+            return {"running": load[0], "waiting": load[1]} if load is not None else {"running": None, "waiting": None}
         if action == "park":
             await running.effects.park(engine)
         else:
@@ -87,9 +97,9 @@ class HostEngines:
             engine = msgspec.convert(args.get("engine"), EngineInstall)
         except msgspec.ValidationError as exc:
             raise InvalidRequest(f"the launch names no usable deployment or engine: {exc}") from exc
-        gate = args.get("gate")
-        if not isinstance(gate, str) or len(gate) < 16:
-            raise InvalidRequest("a launch needs its gate key (at least 16 characters)")
+        if spec.model:  # a path on this host, as its operator wrote it ("~" is this host's home)
+            spec = msgspec.structs.replace(spec, model=str(Path(spec.model).expanduser()))
+        gate = _gate_of(args)
         adapter = self._adapters.get(str(engine.family))
         if adapter is None:
             raise InvalidRequest(f"this host has no adapter for engine family {engine.family!r}")
@@ -101,10 +111,14 @@ class HostEngines:
         effects = LocalEngineEffects(spec, engine, adapter, self._processes, self._clock, self._pick_port, log_dir)
         launched = await effects.launch(command.generation)
         self._gates.open_gate(gate, launched.port or 0)
-        launch_id = uuid.uuid4().hex
-        self._running[command.instance] = _Running(effects, launched, gate, launch_id, command.generation,
-                                                   self._clock.wall())
-        return {"pid": launched.pid, "port": launched.port, "log_path": launched.log_path, "launch_id": launch_id}
+        running = self._running[command.instance] = _Running(effects, launched, gate, uuid.uuid4().hex,
+                                                             command.generation, self._clock.wall())
+        return self._described(running)
+
+    @staticmethod
+    def _described(running: _Running) -> dict[str, Any]:
+        engine = running.launched
+        return {"pid": engine.pid, "port": engine.port, "log_path": engine.log_path, "launch_id": running.launch_id}
 
     def running(self) -> list[RunningInstance]:
         return [RunningInstance(instance=name, deployment=name, number=r.generation, generation=r.generation,
@@ -131,3 +145,10 @@ class HostEngines:
             await running.effects.stop(running.launched, grace)
             self._gates.close_gate(running.gate)
             del self._running[name]
+
+
+def _gate_of(args: Mapping[str, Any]) -> str:
+    gate = args.get("gate")
+    if not isinstance(gate, str) or len(gate) < 16:
+        raise InvalidRequest("a launch or an adoption needs its gate key (at least 16 characters)")
+    return gate

@@ -23,7 +23,17 @@ from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import AlreadyExists, CapyError, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
 from capyctl.domain.hosts import HostRecord, HostState, LinkTimings, link_state
 from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
-from capyctl.domain.link import Action, Command, CommandResult, Hello, Inventory, LoadSample, Message, ProcessExit
+from capyctl.domain.link import (
+    Action,
+    Command,
+    CommandResult,
+    Hello,
+    Inventory,
+    LoadSample,
+    Message,
+    ProcessExit,
+    RunningInstance,
+)
 from capyctl.domain.ports import Clock, HostStore
 from capyctl.services.events import Events
 
@@ -166,6 +176,26 @@ class HostRegistry:
             raise DeviceOffline(name, self.state(name).value if done.is_set() else "not answering")
         return answer[0]
 
+    async def run(self, name: str, action: Action, args: dict[str, Any], instance: str = "", generation: int = 0,
+                  timeout: float = COMMAND_TIMEOUT) -> dict[str, Any]:
+        """``command``, and the detail of its result; a refusal by the host is raised with the host's own code
+        (``invalid_engine``: no engine at that path ...)."""
+        result = await self.command(name, action, args, instance, generation, timeout)
+        if not result.ok:
+            failure = CapyError(f"host {name!r}: {result.message or f'could not {action}'}", host=name)
+            failure.code = result.code or "internal_error"
+            raise failure
+        return result.detail
+
+    async def until_online(self, name: str) -> None:
+        """Returns once host ``name`` is online and linked (at once when it is)."""
+        while not self._linked(name):
+            await anyio.sleep(WATCH_EVERY)
+
+    def _linked(self, name: str) -> bool:
+        link = self._links.get(name)
+        return link is not None and link.send is not None and self.state(name) == HostState.ONLINE
+
     async def add_engine(self, name: str, path: str, engine: str | None, family: str | None) -> EngineInstall:
         """The installation at ``path`` on host ``name``'s own disk, inspected there and registered for it."""
         record = self._records.get(name)
@@ -173,13 +203,9 @@ class HostRegistry:
             raise HostNotFound(name)
         if engine is not None and any(e.name == engine for e in record.engines):
             raise AlreadyExists(f"host {name!r} has an engine named {engine!r} already; pick another --name")
-        result = await self.command(name, "inspect_engine", {"path": path, "name": engine, "family": family})
-        if not result.ok:  # the host's own error, its code kept (invalid_engine: no engine at that path ...)
-            failure = CapyError(f"host {name!r}: {result.message or 'could not inspect the engine'}", host=name)
-            failure.code = result.code or "internal_error"
-            raise failure
+        detail = await self.run(name, "inspect_engine", {"path": path, "name": engine, "family": family})
         try:
-            install = msgspec.convert(result.detail, EngineInstall)
+            install = msgspec.convert(detail, EngineInstall)
         except msgspec.ValidationError as exc:
             raise HostAnswerInvalid(name, f"the engine's inspection: {exc}") from exc
         record = self._records[name]
@@ -191,6 +217,54 @@ class HostRegistry:
         self._events.emit(None, "engine_added", engine=install.name, family=str(install.family),
                           version=install.version, host=name)
         return install
+
+    # --- what the server's deployments on hosts read -----------------------------------------------
+    def engine(self, name: str, engine: str) -> EngineInstall | None:
+        """The engine named ``engine`` that host ``name`` has (``add_engine``); None when it has none."""
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        return next((e for e in record.engines if e.name == engine), None)
+
+    def hosts_with(self, engine: str) -> list[tuple[str, HostState]]:
+        """Each host that has an engine named ``engine``, and its state."""
+        return [(name, self.state(name)) for name, record in sorted(self._records.items())
+                if any(e.name == engine for e in record.engines)]
+
+    def ingress(self, name: str) -> tuple[str, int]:
+        """Where host ``name``'s ingress answers: its address on the link, the port its hello named."""
+        link = self._links.get(name)
+        if link is None or link.address is None or link.hello is None or not link.hello.ingress_port:
+            raise DeviceOffline(name, "not linked, or runs no ingress")
+        return link.address, link.hello.ingress_port
+
+    def offline(self, name: str, model: str) -> DeviceOffline | None:
+        """Why a request for ``model`` on host ``name`` cannot go there now; None while the host is online."""
+        state = self.state(name)
+        if state == HostState.ONLINE:
+            return None
+        return DeviceOffline(name, state.value, model=model, retry_after=max(1, round(self.timings.suspend_after)))
+
+    def proven(self, name: str) -> tuple[int, list[RunningInstance]] | None:
+        """(the link's session, what the host said runs in its hello) while host ``name`` is linked."""
+        link = self._links.get(name)
+        if link is None or not link.connected or link.hello is None:
+            return None
+        return link.session, link.hello.running
+
+    def session(self, name: str) -> int:
+        """The current link's session number (0: never linked since the server started)."""
+        link = self._links.get(name)
+        return link.session if link is not None else 0
+
+    def exit_of(self, name: str, instance: str, pid: int) -> int | None:
+        """The exit status host ``name`` told for ``instance``'s process ``pid``; None if none was told (-1 when
+        the host could not read one)."""
+        link = self._links.get(name)
+        for told in reversed(link.exits if link is not None else []):
+            if told.instance == instance and told.pid == pid:
+                return told.returncode if told.returncode is not None else -1
+        return None
 
     # --- states -------------------------------------------------------------------------------------
     def state(self, name: str) -> HostState:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.errors import CapyError
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.lifecycle import Launched
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, ProcessHandle
@@ -77,3 +78,9 @@ class LocalEngineEffects(EngineEffects):
         if self._canary is None:
             return None
         return await self._canary(engine.url, self._spec.served_model)
+
+    async def load(self, engine: Launched) -> tuple[int, int] | None:
+        return await self._adapter.load(engine.url)
+
+    def offline(self) -> CapyError | None:
+        return None  # this machine

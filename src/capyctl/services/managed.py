@@ -58,6 +58,7 @@ class ManagedController(ControllerBase):
     ) -> None:
         super().__init__(deployment, engine, adapter, clock, events, fields)
         self._state = ManagedState(deployment, clock, events, keep)
+        self._effects = effects
         self._task = EngineTask(self, self._state, effects, room or NoSwitchboard(), clock, events, settings,
                                 self.settlement)
         self._task_scope: anyio.CancelScope | None = None
@@ -146,8 +147,14 @@ class ManagedController(ControllerBase):
             await state.changed()
 
     # --- what requests ask ------------------------------------------------------
+    async def read_load(self) -> tuple[int, int] | None:
+        engine = self._state.engine
+        return None if engine is None else await self._effects.load(engine)
+
     def route_now(self) -> Route | None:
-        return Route(self._state.url, self._state.launch) if self._state.status.state is S.READY else None
+        if self._state.status.state is S.READY and self._effects.offline() is None:
+            return Route(self._state.url, self._state.launch)
+        return None
 
     async def route(self, timeout: float) -> Route:
         if (ready := self.route_now()) is not None:  # the common case: no scope, no waiting
@@ -157,6 +164,8 @@ class ManagedController(ControllerBase):
         attempt = state.asks
         with anyio.move_on_after(timeout):
             while True:
+                if (offline := self._effects.offline()) is not None:  # its machine is out of reach: said now
+                    raise offline
                 refused = state.refused is not None and state.refused[0] == attempt
                 step = route_step(state.desired, state.status.state, refused, state.done())
                 if step is RouteStep.SERVE:

@@ -14,7 +14,7 @@ import anyio
 
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.errors import CapyError
-from capyctl.domain.lifecycle import OnDesire, keep_last, on_desire, stop_path
+from capyctl.domain.lifecycle import Launched, OnDesire, keep_last, on_desire, stop_path
 from capyctl.domain.ports import Clock
 from capyctl.services.controller_base import InstanceStatus, initial_desire, move
 from capyctl.services.events import Events
@@ -34,6 +34,7 @@ class ManagedState:
         self.status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
         self.launch = 0  # the latest launch's number
         self.base_url = ""  # the latest launch's address
+        self.engine: Launched | None = None  # the latest launch, while its engine may run
         self.url = ""  # where requests go: the address of the launch that became ready
         self.failures = 0  # launches in a row that never became stable
         self.relaunch = False  # the last launch ended by itself: the next one comes after a backoff

@@ -10,11 +10,11 @@ the controller reports the engine's end (stop or restart) with
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 
-from capyctl.domain.ports import Clock, EngineAdapter
+from capyctl.domain.ports import Clock
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.settlement import ENGINE_IDLE, Ledger, Settled
 from capyctl.services.events import Events
@@ -22,15 +22,14 @@ from capyctl.services.events import Events
 
 class Settlement:
     def __init__(
-        self, name: str, adapter: EngineAdapter, clock: Clock, events: Events, base_url: Callable[[], str],
+        self, name: str, read_load: Callable[[], Awaitable[tuple[int, int] | None]], clock: Clock, events: Events,
         poll: float = 0.1,
     ) -> None:
         self.ledger = Ledger()
         self._name = name
-        self._adapter = adapter
+        self._read_load = read_load  # the engine's (running, waiting) counts; None when it cannot tell
         self._clock = clock
         self._events = events
-        self._base_url = base_url
         self._poll = poll
         self._task_group: anyio.abc.TaskGroup | None = None
         self._polling = False
@@ -54,7 +53,7 @@ class Settlement:
         try:
             while self.ledger.waits_for_idle():
                 taken_at = self._clock.monotonic()  # before the reading: only cuts before it can be settled
-                load = await self._adapter.load(self._base_url())
+                load = await self._read_load()
                 if load is not None:
                     self._report(self.ledger.reading(load[0], load[1], taken_at))
                 if self.ledger.waits_for_idle():

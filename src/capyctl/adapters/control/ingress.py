@@ -34,7 +34,8 @@ PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/systemone"})
 GATE = b"x-capyctl-gate"
 MAX_BODY = 8 << 20
 MAX_HEAD = 64 << 10
-HEAD_TIMEOUT = 10.0
+HEAD_TIMEOUT = 10.0  # seconds from a request's first byte to the end of its head
+IDLE_TIMEOUT = 60.0  # seconds a connection opened ahead (the server's spare) may wait for its request
 _READ = 64 << 10
 
 
@@ -69,9 +70,14 @@ class Ingress:
             writer.close()
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:  # the server opens a connection ahead of its next request: one with no request yet just closes
+            async with asyncio.timeout(IDLE_TIMEOUT):
+                first = await reader.readexactly(1)
+        except (asyncio.IncompleteReadError, TimeoutError):
+            return
         try:
             async with asyncio.timeout(HEAD_TIMEOUT):
-                head = await reader.readuntil(b"\r\n\r\n")
+                head = first + await reader.readuntil(b"\r\n\r\n")
         except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError):
             await _answer(writer, 400, "invalid_request", "no complete request head")
             return

@@ -9,11 +9,19 @@ per engine address; a stream that was cut short closes its connection, which
 is how an engine learns that its client is gone. The same session, over the
 same pool, makes CapyCTL's other calls to an engine (``request``: probes,
 metrics, park and wake), so that one client reaches the engines.
+
+An engine on another machine is reached through its host's ingress, over
+TLS: its address is ``https://<host>:<gate key>@<address>:<port>``. The
+host's certificate must be of the CA given to ``trust`` and name ``<host>``;
+the gate key goes in each request's ``X-CapyCTL-Gate`` header. The ingress
+takes one request per connection, so a connection is opened ahead to stand
+idle each time one ends (the handshake is off the next request's way).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -136,6 +144,12 @@ class WireEngineSession(EngineSession):
         self._max_event = max_event
         self._targets: dict[tuple[str, str, str, str], tuple[str, int, bytes]] = {}
         self._spares: dict[tuple[str, int], asyncio.Future[None]] = {}  # connections being opened ahead
+        self._tls: ssl.SSLContext | None = None
+        self._tls_names: dict[tuple[str, int], str] = {}  # an ingress's address -> the host its certificate names
+
+    def trust(self, tls: ssl.SSLContext) -> None:
+        """Reach ``https://`` engine addresses (hosts' ingresses) with ``tls``: the CA their certificates are of."""
+        self._tls = tls
 
     def _target(self, base_url: str, route: str, accept: str, method: str = "POST") -> tuple[str, int, bytes]:
         """(host, port, the request's head up to its Content-Length value) for ``method`` on ``route`` (a path,
@@ -147,7 +161,11 @@ class WireEngineSession(EngineSession):
             host, port = url.hostname or "127.0.0.1", url.port or 80
             path = url.path.rstrip("/") + route
             typed = "Content-Type: application/json\r\n" if method == "POST" else ""
-            head = (f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{typed}"
+            named = host
+            if url.scheme == "https":  # a host's ingress: its name for TLS, the launch's gate key
+                named = self._tls_names[(host, port)] = url.username or host
+                typed += f"X-CapyCTL-Gate: {url.password or ''}\r\n"
+            head = (f"{method} {path} HTTP/1.1\r\nHost: {named}:{port}\r\n{typed}"
                     f"Accept: {accept}\r\nContent-Length: ").encode()
             if len(self._targets) >= _TARGETS:  # engines restart on new ports: keep the newest few
                 self._targets.clear()
@@ -167,12 +185,25 @@ class WireEngineSession(EngineSession):
         conn = self._idle_connection(host, port)
         if conn is not None:
             return conn, True
-        loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(_Response, host, port)
-        except OSError as exc:
+            conn = await self._open((host, port))
+        except (OSError, ssl.SSLError) as exc:
             raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
         return conn, False
+
+    async def _open(self, key: tuple[str, int]) -> _Response:
+        """A new connection to the engine at ``key``: plain on this machine, TLS to a host's ingress."""
+        loop = asyncio.get_running_loop()
+        name = self._tls_names.get(key)
+        if name is None:
+            _, conn = await loop.create_connection(_Response, *key)
+            return conn
+        if self._tls is None:
+            raise EngineUnavailable(f"the engine at {key[0]}:{key[1]} is behind a host's ingress, and this "
+                                    "process has no CA to check hosts with (only capyctl start server does)")
+        _, conn = await loop.create_connection(_Response, *key, ssl=self._tls, server_hostname=name,
+                                               ssl_handshake_timeout=10.0)
+        return conn
 
     async def _send(self, host: str, port: int, head: bytes, body: bytes, written: _Response | None = None
                     ) -> _Response:
@@ -273,8 +304,8 @@ class WireEngineSession(EngineSession):
 
         async def spare() -> None:
             try:
-                _, conn = await asyncio.get_running_loop().create_connection(_Response, *key)
-            except OSError:
+                conn = await self._open(key)
+            except (OSError, ssl.SSLError, EngineUnavailable):
                 return
             finally:
                 del self._spares[key]
@@ -288,6 +319,10 @@ class WireEngineSession(EngineSession):
 
     def _release(self, conn: _Response, key: tuple[str, int]) -> None:
         """Keep a finished connection for the next request to this engine."""
+        if key in self._tls_names:  # an ingress takes one request per connection: the next one is opened now
+            conn.close()
+            self._spare(key)
+            return
         idle = self._idle.setdefault(key, [])
         if len(idle) >= _IDLE_PER_ENGINE:
             conn.close()

@@ -69,6 +69,7 @@ def deployment_view(controller: Controller, now: float, room: Switchboard | NoSw
         "engine_version": controller.engine.version,
         "model": spec.model,
         "endpoint": spec.endpoint,
+        "host": controller.deployment.host,
         "state": str(status.state),
         "fields": controller.fields.describe(controller.engine.version),
         "desired": str(controller.desired),

@@ -1,0 +1,168 @@
+"""A deployment's engine on a host: ``EngineEffects`` over the control link (``HostRegistry``).
+
+The same controller that runs a local child process drives this one; each
+effect is a command to the host, which runs the engine with the very
+``LocalEngineEffects`` a standalone server uses (``services/host_engines``).
+
+- A launch gets a gate key of its own; its address is the host's ingress,
+  ``https://<host>:<gate key>@<address>:<port>`` (the engine session checks
+  the ingress's certificate under ``<host>`` and sends the key with each
+  request). Its generation is a wall-clock count, so that it is newer than
+  any launch a server before a restart sent to the same host.
+- A host that is not online takes no request (``offline``) and no launch
+  (a launch waits for it); its engine is not counted gone for that. It is
+  gone only on evidence: the host told its exit, said on its return that it
+  no longer runs, or answered a stop; or the host was revoked (its agent
+  ends its engines).
+- When the server itself stops (``leave``) its engines on hosts are left
+  running; the server that starts next adopts them (``adopt``: a new gate
+  key for the same process) instead of launching them again.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+
+from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import CapyError, DeviceOffline
+from capyctl.domain.hosts import HostState
+from capyctl.domain.lifecycle import Launched
+from capyctl.domain.link import Action, RunningInstance
+from capyctl.domain.ports import Clock, EngineEffects
+from capyctl.services.hosts import HostRegistry
+
+Canary = Callable[[str, str], Awaitable[str]]  # (engine URL, served model) -> the engine's answer
+GONE = -1  # the exit status of an engine known gone without one (its host said it no longer runs)
+RETRY_EVERY = 0.5  # seconds between two tries of a stop while the host is out of reach
+
+
+@dataclass
+class _Launch:
+    generation: int
+    session: int  # the link's session when it was launched or adopted
+    pid: int
+    code: int | None = None  # its exit status, once known
+
+
+class RemoteEngineEffects(EngineEffects):
+    def __init__(self, spec: DeploymentSpec, engine: EngineInstall, host: str, hosts: HostRegistry, clock: Clock,
+                 canary: Canary | None = None) -> None:
+        self._spec = spec
+        self._engine = engine
+        self.host = host
+        self._hosts = hosts
+        self._clock = clock
+        self._canary = canary
+        self._launches: dict[int, _Launch] = {}
+        self._generation = 0
+        self._leaving = False
+
+    @property
+    def _instance(self) -> str:
+        return self._spec.name
+
+    async def _run(self, action: Action, launch: _Launch | None, **args: Any) -> dict[str, Any]:
+        generation = launch.generation if launch is not None else self._generation
+        return await self._hosts.run(self.host, action, args, instance=self._instance, generation=generation)
+
+    async def launch(self, number: int) -> Launched:
+        await self._hosts.until_online(self.host)
+        gate = secrets.token_urlsafe(24)
+        running = self._adoptable() if not self._launches else None
+        if running is not None:  # what a server before this one launched: taken over, not started again
+            self._generation = running.generation
+            detail = await self._run("adopt", None, gate=gate)
+        else:
+            self._generation = max(int(self._clock.wall() * 1000), self._generation + 1)
+            detail = await self._run("launch", None, gate=gate, spec=msgspec.to_builtins(self._spec),
+                                     engine=msgspec.to_builtins(self._engine))
+        address, port = self._hosts.ingress(self.host)
+        pid = int(detail.get("pid") or 0)
+        self._launches[number] = _Launch(self._generation, self._hosts.session(self.host), pid)
+        return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid, port=port,
+                        log_path=f"{self.host}:{detail.get('log_path')}")
+
+    def _adoptable(self) -> RunningInstance | None:
+        proof = self._hosts.proven(self.host)
+        return next((r for r in proof[1] if r.instance == self._instance), None) if proof is not None else None
+
+    def exited(self, engine: Launched) -> int | None:
+        launch = self._launches[engine.number]
+        if launch.code is None:
+            launch.code = self._hosts.exit_of(self.host, self._instance, launch.pid)
+        if launch.code is None and self._hosts.state(self.host) == HostState.REVOKED:
+            launch.code = GONE  # its agent is cut off and ends its engines; nothing more will be heard
+        if launch.code is None and (proof := self._hosts.proven(self.host)) is not None and proof[0] > launch.session:
+            if not any(r.instance == self._instance and r.pid == launch.pid for r in proof[1]):
+                launch.code = GONE  # the host came back and said it no longer runs
+        return launch.code
+
+    async def ready(self, engine: Launched) -> bool:
+        launch = self._launches[engine.number]
+        try:
+            detail = await self._run("probe", launch)
+        except DeviceOffline:
+            return False
+        except CapyError:  # the host runs no such launch
+            launch.code = GONE
+            return False
+        if detail.get("exited") is not None:
+            launch.code = int(detail["exited"])
+        return bool(detail.get("ready"))
+
+    async def stop(self, engine: Launched, grace: float) -> int:
+        launch = self._launches[engine.number]
+        while self.exited(engine) is None:
+            if self._leaving:
+                return GONE  # the server stops, the engine goes on: the next server adopts it
+            try:
+                detail = await self._run("stop", launch, grace=grace)
+            except DeviceOffline:  # held (memory, cut requests) until the host is back and says
+                await anyio.sleep(RETRY_EVERY)
+                continue
+            except CapyError:  # the host runs no such launch: it is gone
+                launch.code = GONE
+                break
+            launch.code = int(detail.get("status", GONE))
+        return launch.code if launch.code is not None else GONE
+
+    async def park(self, engine: Launched) -> None:
+        await self._run("park", self._launches[engine.number])
+
+    async def wake(self, engine: Launched) -> None:
+        await self._run("wake", self._launches[engine.number])
+
+    async def parked(self, engine: Launched) -> bool | None:
+        try:
+            detail = await self._run("probe", self._launches[engine.number])
+        except DeviceOffline:
+            return None
+        parked = detail.get("parked")
+        return None if parked is None else bool(parked)
+
+    async def canary(self, engine: Launched) -> str | None:
+        if self._canary is None:
+            return None
+        return await self._canary(engine.url, self._spec.served_model)
+
+    async def load(self, engine: Launched) -> tuple[int, int] | None:
+        try:
+            detail = await self._run("load", self._launches[engine.number])
+        except CapyError:
+            return None
+        running, waiting = detail.get("running"), detail.get("waiting")
+        return (int(running), int(waiting)) if running is not None and waiting is not None else None
+
+    def offline(self) -> CapyError | None:
+        return self._hosts.offline(self.host, self._spec.name)
+
+    def leave(self) -> None:
+        """The server stops: its engines on hosts are left running, for the next server to adopt."""
+        self._leaving = True
