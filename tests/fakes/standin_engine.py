@@ -30,6 +30,8 @@ Environment
                                before answering) | ``wrong_after_wake`` (after a completed wake,
                                every answer differs from the deterministic one)
 ``STANDIN_TIMELINE``           a file the stand-in appends JSON lines to (see Timeline)
+``STANDIN_HEADS`` (unset)      ``1`` adds a ``received`` line for each POST: ``path``, ``headers``
+                               (the sorted, lower-cased names of its headers)
 ``VLLM_SERVER_DEV_MODE``       ``1`` registers vLLM's dev routes (sleep & co.); otherwise they are 404
 
 Routes, vLLM
@@ -730,6 +732,7 @@ class Settings:
         if self.mode not in MODES:
             raise SystemExit(f"standin: STANDIN_MODE must be one of {', '.join(MODES)}, not {self.mode!r}")
         self.timeline = env.get("STANDIN_TIMELINE") or None
+        self.heads = env.get("STANDIN_HEADS") == "1"
         self.dev_mode = env.get("VLLM_SERVER_DEV_MODE", "") == "1"
 
 
@@ -916,6 +919,8 @@ class Engine:
         self.tasks.add(task)
         try:
             while (request := await conn.read_request()) is not None:
+                if self.cfg.heads and request.method == "POST":
+                    self.mark("received", path=request.path, headers=sorted(request.headers))
                 if request.path == "/v1/chat/completions" and request.method == "POST":
                     keep = await self.watched(self.chat(conn, request), conn)
                 elif request.path == "/v1/systemone" and request.method == "POST" and self.serves_decisions:

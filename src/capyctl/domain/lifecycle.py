@@ -41,6 +41,7 @@ class Launched(msgspec.Struct, frozen=True, kw_only=True):
     pid: int | None = None  # its process, where the effects can tell
     port: int | None = None
     log_path: str | None = None  # where its output goes
+    adopted: bool = False  # already running (on a host, launched by a server before this one): taken over
 
 
 class Watch(enum.StrEnum):

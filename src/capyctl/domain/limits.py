@@ -16,6 +16,13 @@ from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.units import parse_size as parse_size  # re-exported: the CLI parses flags with it
 
 MIB = 1024 * 1024
+HOST_MAX_BODY = 8 * MIB  # a request body a host's ingress takes: with several machines, no body is larger
+
+
+def across_hosts(limits: Limits) -> Limits:
+    """The limits of a server whose requests may go to hosts: no body past what an ingress takes, refused
+    (413) at the server's door before any host sees a byte of it."""
+    return msgspec.structs.replace(limits, max_body=min(limits.max_body, HOST_MAX_BODY))
 
 
 class Limits(msgspec.Struct, kw_only=True, frozen=True):

@@ -16,6 +16,7 @@ import signal
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from capyctl import __version__
 from capyctl.adapters.dashboard import with_dashboard
@@ -26,7 +27,7 @@ from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
 from capyctl.adapters.devices import read_devices
 from capyctl.domain.config import ServerConfig, Settings, resolve
-from capyctl.domain.limits import Limits
+from capyctl.domain.limits import HOST_MAX_BODY, Limits, across_hosts
 from capyctl.entrypoints.container import Container
 from capyctl.entrypoints.hosts import server_role
 
@@ -70,6 +71,10 @@ async def serve_server(state_dir: Path, listen: str, management: str, control_li
     advertised = control_advertise or (None if control_addr[0] in ("0.0.0.0", "::", "") else control_listen)
     if control_advertise is not None:
         parse_listen(control_advertise, "--control-advertise")
+    if settings.limits.max_body > HOST_MAX_BODY:
+        log.info("limits.max_body is %d bytes; with several machines a request body is at most %d bytes",
+                 settings.limits.max_body, HOST_MAX_BODY)
+    settings = msgspec.structs.replace(settings, limits=across_hosts(settings.limits))
     raise_open_files_limit(settings.limits)
     container = build_container(state_dir, settings, several=True)
     container.init_resources()
@@ -189,7 +194,8 @@ async def _serve(
                     log.info("control: hosts join and link at %s:%s (TLS)", *control_sock.getsockname()[:2])
                     servers.start_soon(listener.serve, control_sock, stopping)
             state.clear_management()
-            tg.cancel_scope.cancel()  # fleet.run stops every engine on its way out
+            fleet.leave_hosts()
+            tg.cancel_scope.cancel()  # fleet.run stops every engine on its way out (on this machine)
         watcher.cancel_scope.cancel()
     log.info("capyctl stopped; every engine is stopped")
 

@@ -129,7 +129,8 @@ class EngineTask:
         engine = await self._effects.launch(state.launch)
         state.base_url, state.engine = engine.url, engine
         state.status.port, state.status.log_path, state.status.pid = engine.port, engine.log_path, engine.pid
-        self._events.emit(self._name, "engine_started", instance=0, pid=engine.pid, port=engine.port)
+        self._events.emit(self._name, "engine_adopted" if engine.adopted else "engine_started", instance=0,
+                          pid=engine.pid, port=engine.port)
         cancelled = False
         try:
             if not await self._until_ready(engine):
@@ -171,7 +172,8 @@ class EngineTask:
                 state.set(shown)
         await self._effects.stop(engine, self._settings.stop_grace)
         state.status.pid, state.engine = None, None
-        self._settlement.engine_ended()
+        if self._effects.exited(engine) is not None:  # not an engine a stopping server left running on a host
+            self._settlement.engine_ended()
         state.notify()
 
     async def _until_ready(self, engine: Launched) -> bool:

@@ -171,10 +171,15 @@ class Fleet:
                 self._events.emit(None, "engine_version_changed", engine=engine.name, previous=engine.version,
                                   version=version)
 
-    async def shutdown(self) -> None:
-        """Every engine on this machine stopped; those on hosts are left running for the next server to adopt."""
+    def leave_hosts(self) -> None:
+        """The server stops: the engines on hosts are left running, for the next server to adopt. Called before
+        the controllers are cancelled, whose launches end their engines on their way out."""
         for effects in self._remote.values():
             effects.leave()
+
+    async def shutdown(self) -> None:
+        """Every engine on this machine stopped; those on hosts are left running for the next server to adopt."""
+        self.leave_hosts()
         async with anyio.create_task_group() as tg:
             for controller in self._controllers.values():
                 tg.start_soon(controller.close)

@@ -87,7 +87,7 @@ class RemoteEngineEffects(EngineEffects):
         pid = int(detail.get("pid") or 0)
         self._launches[number] = _Launch(self._generation, self._hosts.session(self.host), pid)
         return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid, port=port,
-                        log_path=f"{self.host}:{detail.get('log_path')}")
+                        log_path=f"{self.host}:{detail.get('log_path')}", adopted=running is not None)
 
     def _adoptable(self) -> RunningInstance | None:
         proof = self._hosts.proven(self.host)

@@ -17,9 +17,10 @@ import httpx
 import msgspec
 import pytest
 
+from tests.fakes.standin_engine import read_timeline
 from tests.fakes.standin_venv import make_standin_venv
 from tests.integration.harness import llama_paths
-from tests.integration.machines import INFERENCE_PORT, Machine, hosts, joined, until
+from tests.integration.machines import CONTROL_PORT, INFERENCE_PORT, Machine, _listed, hosts, joined, until
 from tests.integration.netns import Lan
 
 pytestmark = pytest.mark.integration
@@ -111,3 +112,79 @@ def test_a_silent_host_answers_device_offline_then_serves_again_with_the_same_en
         agent.send_signal(signal.SIGCONT)
     until(lambda: chat(lan, key, "chat-a", stream=False).status_code == 200, 10, "chat-a served again")
     assert instance_pid(server, "chat-a") == pid  # the same engine: nothing was started again
+
+    two_hosts["gpu-a"].node.link_down()  # longer than lost_after (4 s here)
+    try:
+        until(lambda: hosts(server)["gpu-a"]["state"] == "lost", 10, "gpu-a lost")
+        lost = chat(lan, key, "chat-a", stream=False)
+        assert lost.status_code == 503 and lost.json()["error"]["reason"] == "lost"
+        held = json.loads(server.cli("status", "deployment", "chat-a", "--json").stdout)
+        assert held["state"] == "ready" and held["instances"][0]["pid"] == pid  # held until the host says
+    finally:
+        two_hosts["gpu-a"].node.link_up()
+    until(lambda: chat(lan, key, "chat-a", stream=False).status_code == 200, 30, "chat-a served once gpu-a is back")
+    assert instance_pid(server, "chat-a") == pid and pid in lan.hosts["gpu-a"].pids()
+
+    server.cli("revoke", "host", "gpu-a")
+    revoked = chat(lan, key, "chat-a", stream=False)  # refused at once
+    assert revoked.status_code == 503 and revoked.json()["error"]["reason"] == "revoked"
+    until(lambda: pid not in lan.hosts["gpu-a"].pids(), 15, "the revoked host's engine ended with its agent")
+
+
+def test_a_restarted_server_adopts_the_engines_its_hosts_still_run(
+        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    key = key_of(server)
+    deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
+    deploy(server, tmp_path, "chat-b", "vllm", "gpu-b", str(tmp_path / "model"))
+    pids = {name: instance_pid(server, name) for name in ("chat-a", "chat-b")}
+    assert server.process is not None
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(30)
+    for name, host in (("chat-a", "gpu-a"), ("chat-b", "gpu-b")):
+        assert pids[name] in lan.hosts[host].pids()  # the server's stop left the engines on hosts running
+    server.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
+                 "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
+    until(lambda: _listed(server, "gpu-a") == "online" and _listed(server, "gpu-b") == "online", 40,
+          "both hosts linked to the restarted server")
+    for name in ("chat-a", "chat-b"):
+        answered = chat(lan, key, name, stream=True)
+        assert answered.status_code == 200, answered.text
+        assert instance_pid(server, name) == pids[name]  # adopted: the same process serves, nothing reloaded
+    assert "engine_adopted" in server.cli("events").stdout
+
+
+def test_what_reaches_a_host_and_what_a_hang_up_does_there(
+        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    key = key_of(server)
+    timeline = tmp_path / "timeline.jsonl"
+    deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"), engine_config={
+        "env": {"STANDIN_TIMELINE": str(timeline), "STANDIN_HEADS": "1", "STANDIN_TOKEN_DELAY_MS": "100"}})
+
+    def received() -> list[dict[str, Any]]:
+        return [line for line in read_timeline(timeline) if line["event"] == "received"]
+
+    answered = chat(lan, key, "chat-a", stream=False, **{"x-request-id": "caller-7"})
+    assert answered.status_code == 200 and answered.headers["x-request-id"] == "caller-7"
+    heads = received()
+    assert len(heads) == 1 and heads[0]["path"] == "/v1/chat/completions"
+    # neither the caller's ID, nor its key, nor the gate key go past the host's ingress
+    assert not {"x-request-id", "authorization", "x-capyctl-gate"} & set(heads[0]["headers"])
+
+    big = b'{"model": "chat-a", "messages": [{"role": "user", "content": "' + b"x" * (8 << 20) + b'"}]}'
+    refused = httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", content=big,
+                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"}, timeout=60)
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "too_large"
+    assert len(received()) == 1  # refused at the server's door: the host saw nothing of it
+
+    body = {"model": "chat-a", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {key}"}, timeout=60) as streamed:
+        assert streamed.status_code == 200
+        for line in streamed.iter_lines():  # the first token came: hang up mid-stream
+            if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
+                break
+    until(lambda: any(line["event"] == "client_gone" for line in read_timeline(timeline)), 10,
+          "the engine on gpu-a told that its client left")
+    until(lambda: "request_settled" in server.cli("events", "--deployment", "chat-a").stdout, 10,
+          "the cut request settled by the host's load readings")
+    assert "rule=engine_idle" in server.cli("events", "--deployment", "chat-a").stdout

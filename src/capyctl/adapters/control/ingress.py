@@ -29,10 +29,12 @@ import ssl
 import anyio
 import msgspec
 
+from capyctl.domain.limits import HOST_MAX_BODY
+
 log = logging.getLogger("capyctl.ingress")
 PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/systemone"})
 GATE = b"x-capyctl-gate"
-MAX_BODY = 8 << 20
+MAX_BODY = HOST_MAX_BODY
 MAX_HEAD = 64 << 10
 HEAD_TIMEOUT = 10.0  # seconds from a request's first byte to the end of its head
 IDLE_TIMEOUT = 60.0  # seconds a connection opened ahead (the server's spare) may wait for its request
