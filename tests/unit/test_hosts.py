@@ -315,3 +315,13 @@ def test_adoption_accounts_for_every_instance_once(wanted: list[ExpectedInstance
             assert step.expected.pid_start_time in (None, step.running.pid_start_time)
     assert [s.instance for s in steps] == sorted(s.instance for s in steps)
     assert adoption(list(reversed(wanted)), list(reversed(found))) == steps
+
+
+def test_a_deployment_with_no_host_named_goes_to_an_online_host_with_its_engine_the_same_each_time() -> None:
+    from capyctl.domain.hosts import place
+
+    assert place([]) is None
+    assert place([("gpu-b", HostState.ONLINE), ("gpu-a", HostState.ONLINE)]) == "gpu-a"  # by name, every time
+    assert place([("gpu-a", HostState.SUSPENDED), ("gpu-c", HostState.ONLINE)]) == "gpu-c"  # online first
+    assert place([("gpu-a", HostState.LOST), ("gpu-b", HostState.SUSPENDED)]) == "gpu-a"  # none online: it waits
+    assert place([("gpu-a", HostState.REVOKED)]) is None  # never a revoked host

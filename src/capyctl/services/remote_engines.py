@@ -41,6 +41,7 @@ from capyctl.services.hosts import HostRegistry
 Canary = Callable[[str, str], Awaitable[str]]  # (engine URL, served model) -> the engine's answer
 GONE = -1  # the exit status of an engine known gone without one (its host said it no longer runs)
 RETRY_EVERY = 0.5  # seconds between two tries of a stop while the host is out of reach
+NOT_READY_PAUSE = 0.1  # seconds a probe that found the engine not ready yet waits: each probe is a round trip
 
 
 @dataclass
@@ -115,7 +116,10 @@ class RemoteEngineEffects(EngineEffects):
             return False
         if detail.get("exited") is not None:
             launch.code = int(detail["exited"])
-        return bool(detail.get("ready"))
+        if not detail.get("ready"):
+            await anyio.sleep(NOT_READY_PAUSE)
+            return False
+        return True
 
     async def stop(self, engine: Launched, grace: float) -> int:
         launch = self._launches[engine.number]

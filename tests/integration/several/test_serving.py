@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,12 @@ def key_of(server: Machine) -> str:
     return str(json.loads((server.state / "identity" / "server-credentials.json").read_text())["api_key"])
 
 
-def deploy(server: Machine, tmp: Path, name: str, engine: str, host: str, model: str, **extra: Any) -> None:
+def deploy(server: Machine, tmp: Path, name: str, engine: str, host: str | None, model: str, check: bool = True,
+           **extra: Any) -> subprocess.CompletedProcess[str]:
     path = tmp / f"{name}.yaml"
-    path.write_bytes(msgspec.yaml.encode({"name": name, "engine": engine, "model": model, "host": host, **extra}))
-    server.cli("deploy", "model", "--file", str(path), "--activate", "--wait", timeout=180)
+    named = {"host": host} if host is not None else {}
+    path.write_bytes(msgspec.yaml.encode({"name": name, "engine": engine, "model": model, **named, **extra}))
+    return server.cli("deploy", "model", "--file", str(path), "--activate", "--wait", timeout=180, check=check)
 
 
 def chat(lan: Lan, key: str, model: str, stream: bool, **headers: str) -> httpx.Response:
@@ -70,8 +73,14 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
     key = key_of(server)
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
     deploy(server, tmp_path, "decide-b", "vllm", "gpu-b", str(tmp_path / "model"), api="decisions")
-    deploy(server, tmp_path, "llama-a", "llama", "gpu-a", str(llama_paths().model),
-           engine_config={"context_length": 2048})
+    # no host named: placed on the one host that has its engine
+    deploy(server, tmp_path, "llama-a", "llama", None, str(llama_paths().model), engine_config={"context_length": 2048})
+    shown = json.loads(server.cli("status", "deployment", "llama-a", "--json").stdout)
+    assert shown["host"] == "gpu-a" and shown["engine_family"] == "llamacpp"
+    unknown = deploy(server, tmp_path, "nowhere", "vllm", "gpu-q", "/m", check=False)
+    assert unknown.returncode != 0 and "error [host_not_found]" in unknown.stderr
+    missing = deploy(server, tmp_path, "no-engine", "llama", "gpu-b", "/m", check=False)
+    assert missing.returncode != 0 and "error [engine_not_found]" in missing.stderr and "gpu-b" in missing.stderr
     for model in ("chat-a", "llama-a"):
         whole = chat(lan, key, model, stream=False)
         assert whole.status_code == 200, whole.text
