@@ -19,6 +19,8 @@ Markers in the pages, on the line right before a code block:
                             engine that is not running)
     <!-- other: WHAT -->    a YAML block that is not a deployment file (a Prometheus
                             configuration, ...): only checked to be a YAML mapping
+    <!-- host: NAME -->     a deployment file for host NAME: decoded with the strict schema here;
+                            tests/integration/several/test_serving.py deploys it on a host
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ DOC_REPLAY = "http://127.0.0.1:8100"  # where replay.md's demo runs its replay e
 DOC_MANAGEMENT = "http://127.0.0.1:7443"
 SED_KEY = "KEY=$(sed -n 's/^api_key: //p' ~/.local/state/capyctl/identity/credentials)"
 # a fence may be indented (a code block inside a list item): its closing ``` is then indented too
-FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other|config): (.+?) -->\n)?```(\w+)\n(.*?)^ *```", re.S | re.M)
+FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other|config|host): (.+?) -->\n)?```(\w+)\n(.*?)^ *```",
+                   re.S | re.M)
 ADAPTERS = {str(a.family): a for a in (LlamaCppEngine, VllmEngine, SglangEngine, TensorfoldEngine)}
 
 
@@ -419,6 +422,14 @@ def test_other_yaml_blocks_are_what_they_say(tmp_path: Path) -> None:
         check_env(spec.engine_config.env, adapter.owned_env)
     for block in others:
         assert isinstance(load_yaml(block.text, block.page), dict), block.text
+
+
+def test_deployment_files_for_a_host_decode_and_name_it() -> None:
+    examples = [b for b in blocks("yaml") if b.mark == "host"]
+    assert examples
+    for block in examples:
+        spec = decode_spec(load_yaml(block.text, block.page))
+        assert spec.host == block.expect and not spec.attached, f"{block.page}:\n{block.text}"
 
 
 def test_documented_field_table_matches_the_code() -> None:

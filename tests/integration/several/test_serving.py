@@ -9,6 +9,7 @@ checked at the server's inference API: chat streamed and not, and a decision, ve
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.fakes.standin_venv import make_standin_venv
 from tests.integration.harness import llama_paths
 from tests.integration.machines import CONTROL_PORT, INFERENCE_PORT, Machine, _listed, hosts, joined, until
 from tests.integration.netns import Lan
+from tests.integration.test_docs import page_blocks
 
 pytestmark = pytest.mark.integration
 DECISION = {"state": "The sky is green.", "questions": {"q": {"type": "noul", "instructions": "Is it true?"}}}
@@ -73,15 +75,23 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
     key = key_of(server)
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
     deploy(server, tmp_path, "decide-b", "vllm", "gpu-b", str(tmp_path / "model"), api="decisions")
-    # no host named: placed on the one host that has its engine
-    deploy(server, tmp_path, "llama-a", "llama", None, str(llama_paths().model), engine_config={"context_length": 2048})
-    shown = json.loads(server.cli("status", "deployment", "llama-a", "--json").stdout)
+    # the deployment file of docs/several-machines.md, on gpu-a with the real llama-server
+    (documented,) = [b for b in page_blocks("several-machines.md") if b.mark == "host"]
+    text = documented.text.replace(f"host: {documented.expect}", "host: gpu-a")
+    text = re.sub(r"(?m)^model: .*$", f"model: {llama_paths().model}", text)
+    (tmp_path / "documented.yaml").write_text(text)
+    server.cli("deploy", "model", "--file", str(tmp_path / "documented.yaml"), "--activate", "--wait", timeout=180)
+    llama = str(msgspec.yaml.decode(text)["name"])
+    shown = json.loads(server.cli("status", "deployment", llama, "--json").stdout)
     assert shown["host"] == "gpu-a" and shown["engine_family"] == "llamacpp"
+    # no host named: both hosts have the engine and are online, so the first by name
+    deploy(server, tmp_path, "placed", "vllm", None, str(tmp_path / "model"))
+    assert json.loads(server.cli("status", "deployment", "placed", "--json").stdout)["host"] == "gpu-a"
     unknown = deploy(server, tmp_path, "nowhere", "vllm", "gpu-q", "/m", check=False)
     assert unknown.returncode != 0 and "error [host_not_found]" in unknown.stderr
     missing = deploy(server, tmp_path, "no-engine", "llama", "gpu-b", "/m", check=False)
     assert missing.returncode != 0 and "error [engine_not_found]" in missing.stderr and "gpu-b" in missing.stderr
-    for model in ("chat-a", "llama-a"):
+    for model in ("chat-a", llama):
         whole = chat(lan, key, model, stream=False)
         assert whole.status_code == 200, whole.text
         answer = whole.json()

@@ -62,6 +62,12 @@ class Ingress:
             await stopping.wait()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # each event leaves as it comes: asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP,
+        # and a listening socket made with proto 0 accepts sockets of proto 0 (Nagle, then the delayed ACK,
+        # held the event after the head some 40 ms)
+        raw = writer.get_extra_info("socket")
+        if raw is not None:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             await self._forward(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
