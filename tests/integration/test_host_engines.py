@@ -49,7 +49,8 @@ async def chat(ca: bytes, port: int, gate: str) -> bytes:
     with anyio.fail_after(30):
         async with await anyio.connect_tcp("127.0.0.1", port, ssl_context=tls, tls_hostname="gpu-a") as stream:
             await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n"
-                              b"X-CapyCTL-Gate: " + gate.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                              b"X-CapyCTL-Gate: " + gate.encode() + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                              + body)
             answer = b""
             try:
                 while True:

@@ -100,8 +100,47 @@ async def test_a_request_with_an_open_gate_reaches_the_engine_and_its_answer_com
     assert answer.endswith(b'data: {"n": 0}\n\ndata: {"n": 1}\n\ndata: {"n": 2}\n\n')
     (seen,) = stand_in.requests
     assert seen.startswith(b"POST /v1/chat/completions HTTP/1.1\r\n") and seen.endswith(b"\r\n\r\n" + body)
-    assert b"x-capyctl-gate" not in seen.lower() and b"keep-alive" not in seen.lower()
-    assert b"Connection: close\r\n" in seen
+    assert b"x-capyctl-gate" not in seen.lower()  # the key stays at the ingress
+    server.close()
+
+
+class KeptAlive:
+    """An engine that answers each request on a connection with a length, keeping the connection open."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[bytes] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                self.requests.append(await reader.readexactly(length))
+                answer = b"answer %d" % len(self.requests)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(answer), answer))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+
+async def test_one_connection_carries_request_after_request_and_the_engines_is_kept_too(setup: Setup) -> None:
+    stand_in = KeptAlive()
+    server = await asyncio.start_server(stand_in.serve, "127.0.0.1", 0)
+    setup.ingress.open_gate("k1", server.sockets[0].getsockname()[1])
+    tls = client_ssl_context(setup.ca.cert_pem, server_name="gpu-a")
+    reader, writer = await asyncio.open_connection("127.0.0.1", setup.port, ssl=tls, server_hostname="gpu-a")
+    try:
+        with anyio.fail_after(10):
+            for n in (1, 2, 3):
+                writer.write(post(b'{"n": %d}' % n))
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 OK") and await reader.readexactly(8) == b"answer %d" % n
+    finally:
+        writer.close()
+    assert stand_in.requests == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}']
+    assert stand_in.connections == 1  # no connect, and no handshake, per request on either side
+    setup.ingress.close_gate("k1")  # the launch ended: its kept connections go with it
     server.close()
 
 

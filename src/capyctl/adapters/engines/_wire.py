@@ -13,9 +13,9 @@ metrics, park and wake), so that one client reaches the engines.
 An engine on another machine is reached through its host's ingress, over
 TLS: its address is ``https://<host>:<gate key>@<address>:<port>``. The
 host's certificate must be of the CA given to ``trust`` and name ``<host>``;
-the gate key goes in each request's ``X-CapyCTL-Gate`` header. The ingress
-takes one request per connection, so a connection is opened ahead to stand
-idle each time one ends (the handshake is off the next request's way).
+the gate key goes in each request's ``X-CapyCTL-Gate`` header. Those
+connections are pooled like any other, so a request finds its TLS handshake
+done.
 """
 
 from __future__ import annotations
@@ -319,10 +319,6 @@ class WireEngineSession(EngineSession):
 
     def _release(self, conn: _Response, key: tuple[str, int]) -> None:
         """Keep a finished connection for the next request to this engine."""
-        if key in self._tls_names:  # an ingress takes one request per connection: the next one is opened now
-            conn.close()
-            self._spare(key)
-            return
         idle = self._idle.setdefault(key, [])
         if len(idle) >= _IDLE_PER_ENGINE:
             conn.close()
