@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.relay import cpu_seconds, find_nginx, load, paced_ttft, tree_cpu_seconds  # noqa: E402
+from bench.relay import cpu_seconds, find_nginx, hang_up_delay, load, paced_ttft, tree_cpu_seconds  # noqa: E402
 
 RECORDING = ROOT / "tests/contract/recordings/vllm/0.32.0"
 CASE = "chat_stream_usage"
@@ -58,6 +58,9 @@ def client(argv: list[str]) -> None:
     if spec["what"] == "paced":
         firsts = [asyncio.run(paced_ttft(host, port, body, key)) for _ in range(spec["count"])]
         print(json.dumps({"firsts": firsts}))
+    elif spec["what"] == "hangup":
+        delays = [asyncio.run(hang_up_delay(host, port, body, key, spec["stats"])) for _ in range(spec["count"])]
+        print(json.dumps({"delays": delays}))
     else:
         done = asyncio.run(load(host, port, body, key, spec["n"], spec["seconds"], spec["expect"]))
         print(json.dumps({"chunks": done["chunks"], "elapsed": done["elapsed"]}))
@@ -170,6 +173,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds of load per path, N and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paced", type=int, default=30, help="paced streams per path and round (first token)")
+    parser.add_argument("--hangups", type=int, default=20, help="client hang-ups to time per path (0: none)")
     parser.add_argument("--nginx", default=find_nginx())
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -191,7 +195,7 @@ def main() -> None:
             (server.state / "config.yaml").write_text(
                 f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
                 f"  max_pending_total: {most}\n")
-            server.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
+            server.start("server", "--listen", f"0.0.0.0:{INFERENCE_PORT}",
                          "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
             until(lambda: (server.state / "management.json").exists(), 30, "the server")
             host = Machine(lan.hosts["gpu-a"], tmp / "gpu-a")
@@ -219,8 +223,7 @@ def main() -> None:
             for i, name in enumerate(("fast", "paced")):
                 nginx.start(lan.hosts["gpu-a"], f"back-{name}", f"{address}:{9444 + i} ssl",
                             f"127.0.0.1:{ports[name]}", certificate=certificate)
-                nginx.start(lan.server, f"front-{name}", f"{lan.server.address}:{9440 + i}", f"{address}:{9444 + i}",
-                            "https", tls)
+                nginx.start(lan.server, f"front-{name}", f"0.0.0.0:{9440 + i}", f"{address}:{9444 + i}", "https", tls)
             time.sleep(0.5)  # (nginx has no readiness signal; the warm-up below fails loudly if it is not up)
             server_pid = server.process.pid  # type: ignore[union-attr]
             agent_pid = host.process.pid  # type: ignore[union-attr]
@@ -290,6 +293,22 @@ def main() -> None:
                     line += f"{statistics.median(rates[(path, n)]):>15.0f}"
                     line += f"{statistics.median(cpu[(path, n)]):>18.1f}" if (path, n) in cpu else f"{'-':>18}"
                 print(line)
+            if args.hangups:  # from the host's machine: the client reaches the server, and reads the engine's count
+                for path in ("nginx chain", "capyctl"):
+                    _, _, port_of, auth, _ = paths[path]
+                    paced_body = body("fast")[:-1] + ',"replay_pace":"recorded"}'
+                    spec = {"what": "hangup", "host": lan.server_address_for["gpu-a"], "port": port_of["fast"],
+                            "key": auth, "body": paced_body, "count": args.hangups,
+                            "stats": f"http://127.0.0.1:{ports['fast']}/replay/stats"}
+                    done = lan.hosts["gpu-a"].run([sys.executable, str(Path(__file__).resolve()), "client",
+                                                   json.dumps(spec)], timeout=600)
+                    if done.returncode != 0:
+                        raise SystemExit(f"bench: the {path} hang-up client failed: {done.stdout}{done.stderr}")
+                    delays = sorted(json.loads(done.stdout)["delays"])
+                    print(f"client hang-up at the {'server' if path == 'capyctl' else 'front nginx'} -> the engine's "
+                          f"connection on the host closed, {path}: p50 {statistics.median(delays) * 1000:.2f} ms, "
+                          f"p99 {delays[min(len(delays) - 1, int(0.99 * len(delays)))] * 1000:.2f} ms over "
+                          f"{len(delays)} streams (includes one stats poll)")
             capy, chain = statistics.median(added["capyctl"]), statistics.median(added["nginx chain"])
             ratios = f"ratio capyctl / nginx chain: added first token {capy / chain:.2f}" if chain > 0 else ""
             for n in ns:
