@@ -181,3 +181,22 @@ async def test_a_missing_model_is_refused_saying_what_to_set(world: World) -> No
     assert caught.value.message == (f"model {str(gone)!r} does not exist on this machine; set model to the path of "
                                     "the model file or directory for e to load")
     assert list(world.fleet.controllers()) == []
+
+
+async def test_a_stored_deployment_that_cannot_be_set_up_is_left_out_and_the_others_serve(tmp_path: Path) -> None:
+    from capyctl.domain.deployments import Deployment
+    from capyctl.services.fleet import decode_spec
+
+    w = World(tmp_path)
+    # made on a server of several machines; this CapyCTL runs alone
+    w.store.put_deployment(Deployment(spec=decode_spec({"name": "far", "engine": "e", "model": "/m", "host": "gpu-a"})))
+    w.store.put_deployment(Deployment(spec=decode_spec(w.document())))
+    async with anyio.create_task_group() as tg:
+        await tg.start(w.fleet.run)
+        assert w.fleet.names() == ["m"]
+        await w.fleet.start("m")
+        await w.settled()
+        assert w.fleet.get("m").status.state is InstanceState.READY
+        tg.cancel_scope.cancel()
+    unloaded = [e for e in w.store.events if e["kind"] == "deployment_unloaded"]
+    assert [e["deployment"] for e in unloaded] == ["far"] and "alone" in unloaded[0]["detail"]["reason"]

@@ -150,7 +150,10 @@ class Fleet:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
                 for deployment in self._store.list_deployments():
-                    self._controller(deployment)
+                    try:
+                        self._controller(deployment)
+                    except CapyError as exc:  # (a deployment on a host, in a CapyCTL started alone): the others
+                        self._events.emit(deployment.spec.name, "deployment_unloaded", reason=exc.message)  # serve
                 tg.start_soon(self._room.run)  # the idle timers
                 task_status.started()
                 await anyio.sleep_forever()
@@ -352,8 +355,10 @@ class Fleet:
                     outcome = "unchanged"
                 else:
                     outcome = "updated"
+                    self._reachable(current)
                     await current.close()  # the old engine is gone before the new deployment exists
                     del self._controllers[spec.name]
+                    self._remote.pop(spec.name, None)
                     current = None
             if current is not None:  # unchanged: the same record, with what was measured of it
                 deployment = current.deployment
@@ -404,6 +409,7 @@ class Fleet:
         """An operator's stop: sticky until an operator's start; returns once the engine is gone."""
         async with self._changes:
             controller = self.get(name)
+            self._reachable(controller)
             self._command(controller, Desired.STOP)
         await controller.until_settled()  # outside the lock: a start given meanwhile is not kept waiting
         return controller
@@ -424,10 +430,19 @@ class Fleet:
     async def delete(self, name: str) -> None:
         async with self._changes:
             controller = self.get(name)
+            self._reachable(controller)
             await controller.close()
             del self._controllers[name]
+            self._remote.pop(name, None)
             self._store.delete_deployment(name)
             self._events.emit(name, "deployment_deleted")
+
+    def _reachable(self, controller: Controller) -> None:
+        """Refuses (``device_offline``) to end an engine on a host that cannot be told now: the engine is held
+        until its host is back, and the command would wait as long."""
+        effects = self._remote.get(controller.name)
+        if effects is not None and controller.status.pid is not None and (refusal := effects.offline()) is not None:
+            raise refusal
 
     def _command(self, controller: Controller, desired: Desired) -> None:
         controller.want(desired)

@@ -139,6 +139,10 @@ def test_a_silent_host_answers_device_offline_then_serves_again_with_the_same_en
         assert lost.status_code == 503 and lost.json()["error"]["reason"] == "lost"
         held = json.loads(server.cli("status", "deployment", "chat-a", "--json").stdout)
         assert held["state"] == "ready" and held["instances"][0]["pid"] == pid  # held until the host says
+        # its engine cannot be told to stop now: refused at once, rather than a command waiting for the host
+        for command in (("stop", "deployment", "chat-a"), ("delete", "deployment", "chat-a")):
+            refused_now = server.cli(*command, check=False)
+            assert refused_now.returncode != 0 and "error [device_offline]" in refused_now.stderr, refused_now.stderr
     finally:
         two_hosts["gpu-a"].node.link_up()
     until(lambda: chat(lan, key, "chat-a", stream=False).status_code == 200, 30, "chat-a served once gpu-a is back")
