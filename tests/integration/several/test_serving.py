@@ -73,8 +73,9 @@ def two_hosts(lan: Lan, server: Machine, tmp_path: Path) -> dict[str, Machine]:
 def test_chat_and_decisions_are_served_from_each_host_through_the_server(
         lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
     key = key_of(server)
-    deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
-    deploy(server, tmp_path, "decide-b", "vllm", "gpu-b", str(tmp_path / "model"), api="decisions")
+    for host in ("a", "b"):
+        deploy(server, tmp_path, f"chat-{host}", "vllm", f"gpu-{host}", str(tmp_path / "model"))
+        deploy(server, tmp_path, f"decide-{host}", "vllm", f"gpu-{host}", str(tmp_path / "model"), api="decisions")
     # the deployment file of docs/several-machines.md, on gpu-a with the real llama-server
     (documented,) = [b for b in page_blocks("several-machines.md") if b.mark == "host"]
     text = documented.text.replace(f"host: {documented.expect}", "host: gpu-a")
@@ -91,7 +92,7 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
     assert unknown.returncode != 0 and "error [host_not_found]" in unknown.stderr
     missing = deploy(server, tmp_path, "no-engine", "llama", "gpu-b", "/m", check=False)
     assert missing.returncode != 0 and "error [engine_not_found]" in missing.stderr and "gpu-b" in missing.stderr
-    for model in ("chat-a", llama):
+    for model in ("chat-a", "chat-b", llama):
         whole = chat(lan, key, model, stream=False)
         assert whole.status_code == 200, whole.text
         answer = whole.json()
@@ -100,13 +101,17 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
         streamed = chat(lan, key, model, stream=True)
         assert streamed.status_code == 200, streamed.text
         assert streamed_metrics(streamed.text)["ttft_ms"]["value"] > 0
-    decided = httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/systemone", timeout=60,
-                         json={"model": "decide-b", **DECISION}, headers={"authorization": f"Bearer {key}"})
-    assert decided.status_code == 200, decided.text
-    assert set(decided.json()["answers"]) == {"q"}
+    for model in ("decide-a", "decide-b"):
+        decided = httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/systemone", timeout=60,
+                             json={"model": model, **DECISION}, headers={"authorization": f"Bearer {key}"})
+        assert decided.status_code == 200, decided.text
+        assert set(decided.json()["answers"]) == {"q"}
     # each engine runs on its own host, listening on that host's loopback only
-    assert instance_pid(server, "chat-a") in lan.hosts["gpu-a"].pids()
-    assert instance_pid(server, "decide-b") in lan.hosts["gpu-b"].pids()
+    for host in ("a", "b"):
+        assert instance_pid(server, f"chat-{host}") in lan.hosts[f"gpu-{host}"].pids()
+        assert instance_pid(server, f"decide-{host}") in lan.hosts[f"gpu-{host}"].pids()
+    # the server's log names the host each request went to
+    assert re.search(r"request \w+ chat-b -> gpu-b instance 0", server.read_log())
 
 
 def test_a_silent_host_answers_device_offline_then_serves_again_with_the_same_engine(
