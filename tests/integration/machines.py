@@ -71,9 +71,12 @@ def invite(server: Machine, lan: Lan, name: str, *extra: str) -> Path:
     return path
 
 
-def joined(lan: Lan, server: Machine, name: str, tmp: Path) -> Machine:
+def joined(lan: Lan, server: Machine, name: str, tmp: Path, config: str | None = None) -> Machine:
+    """Host ``name`` joined and started (with ``config`` as its configuration file, when given), once online."""
     host = Machine(lan.hosts[name], tmp / name)
     host.cli("join", "host", "--join-file", str(invite(server, lan, name)))
+    if config is not None:
+        (host.state / "config.yaml").write_text(config)
     host.start("host")
     until(lambda: hosts(server)[name]["state"] == "online", 20, f"{name} online")
     return host

@@ -65,9 +65,13 @@ def open_keyring(store: SqliteStore, clock: SystemClock, events: Events, state_d
 
 
 def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
-    """The fleet, with the switchboard reading its controllers."""
+    """The fleet, with the switchboard reading its controllers (and the hosts' devices, on a server of
+    several machines)."""
     fleet = Fleet(room=room, **parts)
     room.bind(fleet.controllers)
+    hosts = parts.get("hosts")
+    if hosts is not None:
+        room.bind_hosts(hosts.devices)
     return fleet
 
 

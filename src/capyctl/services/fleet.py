@@ -222,11 +222,10 @@ class Fleet:
         if deployment.spec.attached:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
         elif deployment.host is not None and self._hosts is not None:
-            # memory on a host's devices is not charged yet: no switching there
             effects = self._remote[deployment.spec.name] = RemoteEngineEffects(
                 deployment.spec, engine, deployment.host, self._hosts, self._clock, self._canary)
-            controller = ManagedController(
-                deployment, engine, adapter, effects, self._clock, self._events, self._settings, fields, None,
+            controller = ManagedController(  # charged on its host's device: the same switchboard
+                deployment, engine, adapter, effects, self._clock, self._events, self._settings, fields, self._room,
                 self._keep,
             )
         else:
@@ -314,6 +313,7 @@ class Fleet:
         adapter = self._adapters[engine.family]
         if host is not None:  # its files are on the host's disk: what the version tells is what is checked here
             decides = serves_decisions(str(engine.family), engine.version) is not False
+            self._check_host_device(spec, host)
         else:
             self._check_device(spec)
             decides = await anyio.to_thread.run_sync(adapter.serves_decisions, engine)
@@ -329,6 +329,19 @@ class Fleet:
             raise InvalidConfig(f"model {spec.model!r} does not exist on this machine; set model to the path of "
                                 f"the model file or directory for {engine.name} to load")
         return None
+
+    def _check_host_device(self, spec: DeploymentSpec, host: str) -> None:
+        """``resources.device`` among the devices host ``host`` reported (unchecked until it has reported)."""
+        if not isinstance(self._room, Switchboard):
+            return
+        devices = self._room.host_devices(host)
+        named = spec.resources.device
+        if devices and named is not None and named not in devices:
+            raise InvalidConfig(f"resources.device {named!r} is not one of host {host!r}'s devices "
+                                f"({', '.join(devices)}); see: capyctl list hosts")
+        if devices and spec.resources.memory is not None and named is None and len(devices) > 1:
+            raise InvalidConfig(f"resources.device is required: host {host!r} has several devices "
+                                f"({', '.join(devices)})")
 
     def _check_device(self, spec: DeploymentSpec) -> None:
         devices = self._room.devices

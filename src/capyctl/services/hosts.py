@@ -22,6 +22,7 @@ import msgspec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import AlreadyExists, CapyError, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
 from capyctl.domain.hosts import HostRecord, HostState, LinkTimings, link_state
+from capyctl.domain.memory import Device
 from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
 from capyctl.domain.link import (
     Action,
@@ -225,6 +226,13 @@ class HostRegistry:
         if record is None:
             raise HostNotFound(name)
         return next((e for e in record.engines if e.name == engine), None)
+
+    def devices(self, name: str) -> list[Device]:
+        """The devices host ``name`` reported in its inventory (none before it has, since the server started)."""
+        link = self._links.get(name)
+        if link is None or link.inventory is None:
+            return []
+        return [Device(name=d.name, capacity=d.capacity, reserve=d.reserve) for d in link.inventory.devices]
 
     def hosts_with(self, engine: str) -> list[tuple[str, HostState]]:
         """Each host that has an engine named ``engine``, and its state."""

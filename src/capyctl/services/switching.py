@@ -71,6 +71,9 @@ class Occupant(Protocol):
     def movable(self) -> bool: ...
     @property
     def ready(self) -> bool: ...
+    @property
+    def host(self) -> str | None:
+        """The host its engine runs on; None: the server's own machine."""
 
     def unsettled_before_output(self) -> int: ...
     def grant_room(self) -> None: ...
@@ -90,13 +93,29 @@ class Switchboard:
         self._clock = clock
         self._events = events
         self._occupants: Callable[[], Sequence[Occupant]] = lambda: ()
+        self._host_devices: Callable[[str], Sequence[Device]] = lambda host: ()
         self._busy: set[str] = set()  # devices with a switch (or a plan) under way
-        self._claims: dict[str, dict[str, float]] = {name: {} for name in self.devices}  # device -> name -> since
+        self._claims: dict[str, dict[str, float]] = {}  # device -> name -> since
         self.last_switch: dict[str, dict[str, object]] = {}  # device -> what its last switch did
 
     def bind(self, occupants: Callable[[], Sequence[Occupant]]) -> None:
         """Where the switchboard finds every deployment's controller (the fleet's)."""
         self._occupants = occupants
+
+    def bind_hosts(self, devices: Callable[[str], Sequence[Device]]) -> None:
+        """Where it finds each host's devices, as the host reported them (several machines). A host's device
+        is charged under ``<host>/<device>``, apart from the server's devices and other hosts' alike."""
+        self._host_devices = devices
+
+    def host_devices(self, host: str) -> dict[str, Device]:
+        """Host ``host``'s devices by their name on the host, each named ``<host>/<name>`` here."""
+        return {d.name: Device(name=f"{host}/{d.name}", capacity=d.capacity, reserve=d.reserve)
+                for d in self._host_devices(host)}
+
+    def every_device(self) -> list[Device]:
+        """The server's devices, then the devices of each host a deployment runs on."""
+        hosts = sorted({o.host for o in self._occupants() if o.host is not None})
+        return [*self.devices.values(), *(d for host in hosts for d in self.host_devices(host).values())]
 
     # --- an operator's park, and the idle timers --------------------------------------------------
     async def park(self, occupant: Occupant) -> None:
@@ -155,13 +174,16 @@ class Switchboard:
         finally:
             self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
 
-    def device_of(self, spec: DeploymentSpec) -> Device | None:
-        """The device a deployment is charged against; None when it is not accounted."""
-        if spec.resources.memory_bytes is None or not self.devices:
+    def device_of(self, occupant: Occupant) -> Device | None:
+        """The device a deployment is charged against (on its host's, when it runs on one); None when it is
+        not accounted."""
+        spec = occupant.spec
+        devices = self.devices if occupant.host is None else self.host_devices(occupant.host)
+        if spec.resources.memory_bytes is None or not devices:
             return None
         if spec.resources.device is not None:
-            return self.devices.get(spec.resources.device)
-        return next(iter(self.devices.values())) if len(self.devices) == 1 else None
+            return devices.get(spec.resources.device)
+        return next(iter(devices.values())) if len(devices) == 1 else None
 
     def resident(self, occupant: Occupant) -> Resident:
         spec, name = occupant.spec, occupant.name
@@ -184,15 +206,15 @@ class Switchboard:
         return {o.name: self.resident(o).charged for o in self._on(device) if o.holding is not Holding.NONE}
 
     def _on(self, device: Device) -> list[Occupant]:
-        return [o for o in self._occupants() if self.device_of(o.spec) is device]
+        return [o for o in self._occupants() if (on := self.device_of(o)) is not None and on.name == device.name]
 
     async def claim(self, occupant: Occupant) -> None:
         """Room for ``occupant``'s engine; it holds its footprint once this returns (``grant_room``)."""
-        device = self.device_of(occupant.spec)
+        device = self.device_of(occupant)
         if device is None:
             occupant.grant_room()
             return
-        claims = self._claims[device.name]
+        claims = self._claims.setdefault(device.name, {})
         claims[occupant.name] = self._clock.monotonic()
         try:
             while True:
@@ -301,5 +323,8 @@ class NoSwitchboard:
     def charged(self, device: Device) -> dict[str, int]:
         return {}
 
-    def device_of(self, spec: DeploymentSpec) -> Device | None:
+    def device_of(self, occupant: Occupant) -> Device | None:
         return None
+
+    def every_device(self) -> list[Device]:
+        return []

@@ -77,7 +77,7 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
         deploy(server, tmp_path, f"chat-{host}", "vllm", f"gpu-{host}", str(tmp_path / "model"))
         deploy(server, tmp_path, f"decide-{host}", "vllm", f"gpu-{host}", str(tmp_path / "model"), api="decisions")
     # the deployment file of docs/several-machines.md, on gpu-a with the real llama-server
-    (documented,) = [b for b in page_blocks("several-machines.md") if b.mark == "host"]
+    documented = next(b for b in page_blocks("several-machines.md") if b.mark == "host")  # the llama.cpp one
     text = documented.text.replace(f"host: {documented.expect}", "host: gpu-a")
     text = re.sub(r"(?m)^model: .*$", f"model: {llama_paths().model}", text)
     (tmp_path / "documented.yaml").write_text(text)
@@ -216,3 +216,40 @@ def test_what_reaches_a_host_and_what_a_hang_up_does_there(
     until(lambda: "request_settled" in server.cli("events", "--deployment", "chat-a").stdout, 10,
           "the cut request settled by the host's load readings")
     assert "rule=engine_idle" in server.cli("events", "--deployment", "chat-a").stdout
+
+
+def test_memory_on_a_hosts_device_is_charged_there_and_models_switch_per_device(
+        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    device = "memory:\n  devices:\n    - name: gpu0\n      capacity: 10GiB\n"
+    for name in ("gpu-a", "gpu-b"):
+        joined(lan, server, name, tmp_path, config=device)
+        venv = make_standin_venv(tmp_path / f"vllm-{name}", "vllm", "0.32.0")
+        server.cli("engine", "add", str(venv), "--host", name, "--name", "vllm")
+    key = key_of(server)
+    sized = {"residency": "host_backed", "resources": {"memory": "6GiB", "parked_memory": "1GiB"}}
+    deploy(server, tmp_path, "one-a", "vllm", "gpu-a", str(tmp_path / "model"), **sized)
+    deploy(server, tmp_path, "one-b", "vllm", "gpu-b", str(tmp_path / "model"), **sized)
+    wrong = deploy(server, tmp_path, "bad", "vllm", "gpu-a", "/m", check=False,
+                   resources={"memory": "1GiB", "device": "gpu9"})
+    assert wrong.returncode != 0 and "gpu9" in wrong.stderr and "gpu0" in wrong.stderr
+
+    def shown(name: str) -> dict[str, Any]:
+        return dict(json.loads(server.cli("status", "deployment", name, "--json").stdout))
+
+    assert shown("one-a")["memory"]["device"] == "gpu-a/gpu0"
+    assert shown("one-a")["memory"]["charged_bytes"] == 6 << 30
+    # a second 6 GiB model on gpu-a's 10 GiB: one-a is parked (through its host) to make room
+    deploy(server, tmp_path, "two-a", "vllm", "gpu-a", str(tmp_path / "model"), **sized)
+    until(lambda: shown("one-a")["state"] == "parked", 30, "one-a parked for two-a")
+    assert shown("one-a")["memory"]["charged_bytes"] == 1 << 30
+    assert shown("one-b")["state"] == "ready"  # gpu-b's device of the same name is another device
+    listed = {d["name"]: d for d in json.loads(server.cli("list", "devices", "--json").stdout)}
+    assert listed["gpu-a/gpu0"]["capacity_bytes"] == 10 << 30 and "gpu-b/gpu0" in listed
+    assert listed["gpu-a/gpu0"]["charged_bytes"] == (6 << 30) + (1 << 30)  # two-a awake, one-a parked
+    (gpu0,) = hosts(server)["gpu-a"]["devices"]
+    assert (gpu0["name"], gpu0["charged_bytes"]) == ("gpu0", (6 << 30) + (1 << 30))
+    assert "gpu0 7.00 GiB of 10.00 GiB" in server.cli("list", "hosts").stdout
+    # a request for the parked model wakes it, through its host, parking two-a in turn
+    woken = chat(lan, key, "one-a", stream=False)
+    assert woken.status_code == 200, woken.text
+    assert shown("one-a")["state"] == "ready" and shown("two-a")["state"] == "parked"

@@ -163,7 +163,7 @@ def _pct(size: int, capacity: int) -> float:
 
 
 def outlook(room: Switchboard, controller: Controller, others: Sequence[Controller]) -> Outlook:
-    device = room.device_of(controller.spec)
+    device = room.device_of(controller)
     assert device is not None
     return _outlook(device, room.resident(controller), [room.resident(o) for o in others])
 
@@ -193,8 +193,8 @@ def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller],
     if not isinstance(room, Switchboard):
         return []
     out = []
-    for device in room.devices.values():
-        on = [c for c in controllers if room.device_of(c.spec) is device]
+    for device in room.every_device():
+        on = [c for c in controllers if (at := room.device_of(c)) is not None and at.name == device.name]
         charged = room.charged(device)
         segments, at = [], 0
         for c in on:
@@ -237,7 +237,7 @@ def consequences(action: str, controller: Controller, admission: AdmissionServic
     """What an action will do, in the words of the confirmation page: requests, memory, what waits."""
     name, status = controller.name, controller.status
     in_flight, waiting = admission.state.in_flight(name), admission.state.waiting(name)
-    device = room.device_of(controller.spec)
+    device = room.device_of(controller)
     charged = room.charged(device).get(name, 0) if device is not None else 0
     out: list[str] = []
     if action == "start":
@@ -251,7 +251,8 @@ def consequences(action: str, controller: Controller, admission: AdmissionServic
             out.append("It starts the engine and keeps it running.")
         if isinstance(room, Switchboard) and device is not None and isinstance(controller, ManagedController) \
                 and controller.holding is Holding.NONE:
-            others = [c for c in controllers if c is not controller and room.device_of(c.spec) is device]
+            others = [c for c in controllers if c is not controller and (at := room.device_of(c)) is not None
+                      and at.name == device.name]
             out.append(f"Memory on {device.name}: {outlook(room, controller, others).text}.")
         if waiting:
             out.append(f"{waiting} waiting request(s) are served once it is ready.")

@@ -24,6 +24,7 @@ from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, dev
 from capyctl.domain.errors import InvalidConfig, InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
+from capyctl.services.switching import Switchboard
 from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
@@ -164,14 +165,25 @@ def _hosts(hosts: Hosts | None) -> Hosts:
     return hosts
 
 
+def _charged(view: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
+    """A host's view with what its devices hold, as the switchboard charges them."""
+    room = fleet.room
+    if isinstance(room, Switchboard):
+        devices = room.host_devices(view["name"])
+        for shown in view["devices"]:
+            device = devices.get(shown["name"])
+            shown["charged_bytes"] = sum(room.charged(device).values()) if device is not None else 0
+    return view
+
+
 @get("/hosts", sync_to_thread=False)
-def list_hosts(hosts: HostsDep) -> list[dict[str, Any]]:
-    return _hosts(hosts).registry.views()
+def list_hosts(hosts: HostsDep, fleet: FleetDep) -> list[dict[str, Any]]:
+    return [_charged(view, fleet) for view in _hosts(hosts).registry.views()]
 
 
 @get("/hosts/{name:str}", sync_to_thread=False)
-def get_host(hosts: HostsDep, name: str) -> dict[str, Any]:
-    return _hosts(hosts).registry.view(name)
+def get_host(hosts: HostsDep, fleet: FleetDep, name: str) -> dict[str, Any]:
+    return _charged(_hosts(hosts).registry.view(name), fleet)
 
 
 @post("/hosts/invites", status_code=201, sync_to_thread=False)

@@ -62,7 +62,7 @@ class _LiveCollector(Collector):
         capacity = GaugeMetricFamily("capyctl_memory_capacity_bytes", "A device's capacity and its reserve",
                                      labels=["device", "kind"])
         room = self._fleet.room
-        for device in room.devices.values():
+        for device in room.every_device():
             capacity.add_metric([device.name, "capacity"], device.capacity)
             capacity.add_metric([device.name, "reserve"], device.reserve)
             for name, size in room.charged(device).items():

@@ -29,7 +29,7 @@ def engine_view(engine: EngineInstall) -> dict[str, Any]:
 def memory_view(controller: Controller, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
     """What the deployment declares and holds on its device; ``device`` None when it is not accounted."""
     resources = controller.spec.resources
-    device = room.device_of(controller.spec)
+    device = room.device_of(controller)
     holding = controller.holding if isinstance(controller, ManagedController) else Holding.NONE
     return {
         "device": None if device is None else device.name,
@@ -43,7 +43,7 @@ def memory_view(controller: Controller, room: Switchboard | NoSwitchboard) -> di
 
 def devices_view(room: Switchboard | NoSwitchboard) -> list[dict[str, Any]]:
     out = []
-    for device in room.devices.values():
+    for device in room.every_device():
         charged = room.charged(device)
         out.append({
             "name": device.name,

@@ -26,6 +26,7 @@ from capyctl.entrypoints.cli.common import (
     revoke_app,
     start_app,
 )
+from capyctl.entrypoints.cli.deployments import gib
 from capyctl.entrypoints.cli.output import duration, show, stamp, table
 
 
@@ -116,11 +117,14 @@ def start_host(
 @list_app.command("hosts")
 @reports_errors
 def list_hosts(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
-    """The hosts that joined this server: state, address, last heartbeat, version, devices, engines."""
+    """The hosts that joined this server: state, address, last heartbeat, version, devices (what is charged on
+    each, of its capacity), engines, instances."""
     hosts: list[dict[str, Any]] = client(state_dir).call("GET", "/hosts")
     rows = [[h["name"], h["state"], h["address"],
              None if h["silent_s"] is None else f"{duration(h['silent_s']) or '0s'} ago",
-             h["version"], len(h["devices"]), ",".join(e["name"] for e in h["engines"]) or None,
+             h["version"], ", ".join(f"{d['name']} {gib(d.get('charged_bytes', 0))} of {gib(d['capacity_bytes'])}"
+                                     for d in h["devices"]) or None,
+             ",".join(e["name"] for e in h["engines"]) or None,
              len(h["instances"])] for h in hosts]
     show(hosts, json, table(["NAME", "STATE", "ADDRESS", "HEARD", "VERSION", "DEVICES", "ENGINES", "INSTANCES"],
                             rows) if hosts else "no hosts; invite one with: capyctl invite host NAME")
