@@ -33,8 +33,10 @@ class FakeHosts:
         self.running: list[RunningInstance] | None = []  # the hello's list; None: not linked
         self.exits: dict[tuple[str, int], int] = {}
         self.sent: list[tuple[str, dict[str, Any], int]] = []  # (action, args, generation)
-        self.answers: dict[str, dict[str, Any] | Exception] = {"launch": {"pid": 4242, "log_path": "/l/1.log"},
-                                                               "adopt": {"pid": 777, "log_path": "/l/0.log"},
+        self.answers: dict[str, dict[str, Any] | Exception] = {"launch": {"pid": 4242, "log_path": "/l/1.log",
+                                                                          "launch_id": "L1"},
+                                                               "adopt": {"pid": 777, "log_path": "/l/0.log",
+                                                                         "launch_id": "x"},
                                                                "stop": {"status": -15}, "probe": {"ready": True},
                                                                "load": {"running": 0, "waiting": 0}}
 
@@ -119,10 +121,17 @@ async def test_an_engine_counts_gone_only_on_the_hosts_word() -> None:
     assert remote.exited(engine) is None
     hosts.state_now, hosts.link_session = HostState.ONLINE, 2
     hosts.running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=1, pid=4242,
-                                     pid_start_time=1.0, port=40000, launch_id="x")]
+                                     pid_start_time=1.0, port=40000, launch_id="L1")]
     assert remote.exited(engine) is None  # back, and it says the engine still runs: kept
     hosts.link_session, hosts.running = 3, []
     assert remote.exited(engine) == GONE  # back, and it says the engine no longer runs
+    again = effects(hosts)
+    hosts.running, hosts.link_session = [], 4
+    relaunched = await again.launch(1)
+    hosts.link_session = 5  # back once more: a process under the same pid, but another launch (a pid reused)
+    hosts.running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=1, pid=4242,
+                                     pid_start_time=9.0, port=40000, launch_id="other")]
+    assert again.exited(relaunched) == GONE
 
 
 async def test_a_revoked_hosts_engine_counts_gone_and_a_told_exit_keeps_its_status() -> None:

@@ -103,7 +103,7 @@ def one_attached_vllm(clock: VirtualClock) -> tuple[Events, Any]:
                                     row_for(engine.family, engine.version))
     controller.want(Desired.RUN)
     fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True, get=lambda name: controller,
-                            names=lambda: ["m"])
+                            names=lambda: ["m"], lost_host=lambda name: False)
     return events, fleet
 
 

@@ -151,6 +151,16 @@ class DeviceOffline(CapyError):
         self.retry_after = retry_after
 
 
+class HostLost(CapyError):
+    """A request's engine was on a host that was lost while it answered: its answer is incomplete."""
+
+    code = "device_offline"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the host running {model!r} went silent for longer than hosts.lost_after while it "
+                         "answered; the answer is incomplete (see: capyctl list hosts)", model=model, reason="lost")
+
+
 class HostAnswerInvalid(CapyError):
     """A host answered a command with what CapyCTL cannot read (the host's counterpart of ``edge_error``)."""
 

@@ -29,6 +29,7 @@ class CancelCause(enum.StrEnum):
     IDLE = "stream_idle"
     ENGINE_EXITED = "engine_exited"
     UNVERIFIED = "unverified"
+    HOST_LOST = "host_lost"  # the host its engine runs on went silent past hosts.lost_after while it answered
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):

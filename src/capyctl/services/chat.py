@@ -117,7 +117,11 @@ class RequestService:
 
     def overdue(self, record: RequestRecord, received_at: float) -> bool:
         """CAN-1: True (and ``record`` marked cancelled) once it has had no answer within the request
-        deadline, or once its answer has been silent for the stream idle timeout. Cheap: no I/O."""
+        deadline, or once its answer has been silent for the stream idle timeout, or once the host its engine
+        runs on is lost. Cheap: no I/O."""
+        if record.instance is not None and self._fleet.lost_host(record.deployment):
+            record.cancelled(CancelCause.HOST_LOST)
+            return True
         now = self._clock.monotonic()
         if not record.answered:
             if now - received_at > self._settings.request_deadline:

@@ -450,6 +450,14 @@ class Fleet:
             self._store.delete_deployment(name)
             self._events.emit(name, "deployment_deleted")
 
+    def lost_host(self, name: str) -> bool:
+        """True when deployment ``name`` runs on a host that is lost (or revoked) now."""
+        effects = self._remote.get(name)
+        if effects is None:
+            return False
+        refusal = effects.offline()
+        return refusal is not None and refusal.extra.get("reason") in ("lost", "revoked")
+
     def _reachable(self, controller: Controller) -> None:
         """Refuses (``device_offline``) to end an engine on a host that cannot be told now: the engine is held
         until its host is back, and the command would wait as long."""

@@ -49,6 +49,7 @@ class _Launch:
     generation: int
     session: int  # the link's session when it was launched or adopted
     pid: int
+    launch_id: str  # the host's own name for this launch: with the pid, what proves it is the same process
     code: int | None = None  # its exit status, once known
 
 
@@ -86,7 +87,8 @@ class RemoteEngineEffects(EngineEffects):
                                      engine=msgspec.to_builtins(self._engine))
         address, port = self._hosts.ingress(self.host)
         pid = int(detail.get("pid") or 0)
-        self._launches[number] = _Launch(self._generation, self._hosts.session(self.host), pid)
+        self._launches[number] = _Launch(self._generation, self._hosts.session(self.host), pid,
+                                         str(detail.get("launch_id") or ""))
         return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid, port=port,
                         log_path=f"{self.host}:{detail.get('log_path')}", adopted=running is not None)
 
@@ -101,8 +103,9 @@ class RemoteEngineEffects(EngineEffects):
         if launch.code is None and self._hosts.state(self.host) == HostState.REVOKED:
             launch.code = GONE  # its agent is cut off and ends its engines; nothing more will be heard
         if launch.code is None and (proof := self._hosts.proven(self.host)) is not None and proof[0] > launch.session:
-            if not any(r.instance == self._instance and r.pid == launch.pid for r in proof[1]):
-                launch.code = GONE  # the host came back and said it no longer runs
+            if not any(r.instance == self._instance and r.pid == launch.pid and r.launch_id == launch.launch_id
+                       for r in proof[1]):
+                launch.code = GONE  # the host came back and said it no longer runs (a pid reused is not it)
         return launch.code
 
     async def ready(self, engine: Launched) -> bool:

@@ -253,3 +253,26 @@ def test_memory_on_a_hosts_device_is_charged_there_and_models_switch_per_device(
     woken = chat(lan, key, "one-a", stream=False)
     assert woken.status_code == 200, woken.text
     assert shown("one-a")["state"] == "ready" and shown("two-a")["state"] == "parked"
+
+
+def test_a_stream_from_a_host_that_is_lost_ends_with_an_error_event(
+        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    key = key_of(server)
+    deploy(server, tmp_path, "slow-a", "vllm", "gpu-a", str(tmp_path / "model"),
+           engine_config={"env": {"STANDIN_TOKEN_DELAY_MS": "200"}})
+    body = {"model": "slow-a", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {key}"}, timeout=60) as streamed:
+        assert streamed.status_code == 200
+        lines = streamed.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it answers
+        two_hosts["gpu-a"].node.link_down()
+        try:
+            rest = list(lines)  # until the server ends the stream: the host is lost after 4 s here
+        finally:
+            two_hosts["gpu-a"].node.link_up()
+    events = [line[len("data: "):] for line in rest if line.startswith("data: ")]
+    assert events and events[-1] != "[DONE]"  # never a finished answer
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "device_offline" and error["reason"] == "lost" and error["model"] == "slow-a"
+    assert re.search(r"request \w+ slow-a: host_lost, engine connection closed", server.read_log())

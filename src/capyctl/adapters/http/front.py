@@ -27,6 +27,7 @@ from capyctl.adapters.http.request_rows import broken_row, finished_row, refused
 from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
+    HostLost,
     InternalError,
     InvalidJson,
     InvalidRequest,
@@ -98,6 +99,7 @@ _TIMEOUTS = {
     CancelCause.IDLE: lambda record: StreamIdleTimeout(
         f"the answer from {record.deployment!r} went silent for longer than the stream idle timeout; "
         "the request was cut and the engine told to stop", model=record.deployment),
+    CancelCause.HOST_LOST: lambda record: HostLost(record.deployment),
 }
 
 
