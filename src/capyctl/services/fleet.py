@@ -43,6 +43,7 @@ from capyctl.domain.errors import (
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
+from capyctl.domain.link import RunningInstance
 from capyctl.services.hosts import HostRegistry
 from capyctl.services.local_engines import LocalEngineEffects
 from capyctl.services.remote_engines import RemoteEngineEffects
@@ -137,6 +138,8 @@ class Fleet:
         self._log_root = log_root
         self._settings = settings
         self._hosts = hosts  # the server's hosts (start server); None: this machine only
+        if hosts is not None:
+            hosts.on_linked(self._adopt)
         self._remote: dict[str, RemoteEngineEffects] = {}  # deployment -> its engine's effects on its host
         self._controllers: dict[str, Controller] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -173,6 +176,15 @@ class Fleet:
                 self._store.put_engine(msgspec.structs.replace(engine, version=version, version_text=text))
                 self._events.emit(None, "engine_version_changed", engine=engine.name, previous=engine.version,
                                   version=version)
+
+    def _adopt(self, host: str, running: list[RunningInstance]) -> None:
+        """A host linked, running engines of deployments here that run none (a server before this one
+        launched them): each is taken over now, so that its memory is charged before anything else starts."""
+        for instance in running:
+            controller = self._controllers.get(instance.deployment)
+            if (isinstance(controller, ManagedController) and controller.host == host
+                    and controller.status.pid is None):
+                controller.ask()
 
     def leave_hosts(self) -> None:
         """The server stops: the engines on hosts are left running, for the next server to adopt. Called before

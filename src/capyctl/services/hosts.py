@@ -70,6 +70,7 @@ class HostRegistry:
         self._links: dict[str, _Link] = {}
         self._sessions = 0
         self._waiting: dict[str, tuple[str, anyio.Event, list[CommandResult]]] = {}  # command ID -> its answer
+        self._on_linked: list[Callable[[str, list[RunningInstance]], None]] = []
 
     # --- invitations and joins ---------------------------------------------------------------------
     def invite(self, name: str, secret: bytes, ttl: float = DEFAULT_TTL) -> Invite:
@@ -121,7 +122,13 @@ class HostRegistry:
         self._heard(link)
         self._events.emit(None, "host_connected", host=name, address=address, version=hello.version)
         self._tell(name, link)
+        for told in self._on_linked:
+            told(name, hello.running)
         return link.session, replaced
+
+    def on_linked(self, told: Callable[[str, list[RunningInstance]], None]) -> None:
+        """``told(host, what runs there)`` each time a host's link comes up, after its hello."""
+        self._on_linked.append(told)
 
     def heard(self, name: str, session: int, message: Message) -> None:
         link = self._links.get(name)

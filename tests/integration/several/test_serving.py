@@ -174,6 +174,8 @@ def test_a_restarted_server_adopts_the_engines_its_hosts_still_run(
                  "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
     until(lambda: _listed(server, "gpu-a") == "online" and _listed(server, "gpu-b") == "online", 40,
           "both hosts linked to the restarted server")
+    for name in ("chat-a", "chat-b"):  # taken over as their hosts link, before any request asks
+        until(lambda: instance_pid(server, name) == pids[name], 20, f"{name} adopted")  # noqa: B023
     for name in ("chat-a", "chat-b"):
         answered = chat(lan, key, name, stream=True)
         assert answered.status_code == 200, answered.text
