@@ -217,7 +217,7 @@ async def test_a_command_fails_when_the_link_closes_or_the_host_is_silent() -> N
 
 
 async def test_each_link_that_comes_up_is_told_with_what_runs_on_the_host() -> None:
-    from capyctl.domain.link import RunningInstance
+    from capyctl.domain.link import DeviceReport, Inventory, RunningInstance
 
     hosts, _, _ = registry()
     hosts.joined("gpu-a", "f1")
@@ -225,7 +225,11 @@ async def test_each_link_that_comes_up_is_told_with_what_runs_on_the_host() -> N
     hosts.on_linked(lambda name, running: told.append((name, [r.instance for r in running])))
     running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=7, pid=42,
                                pid_start_time=1.0, port=40000, launch_id="L")]
-    hosts.connected("gpu-a", "10.0.0.2", Hello(host="gpu-a", version="0", protocol=1,
-                                                 running=running), close=_no_close)
-    assert told == [("gpu-a", ["chat"])]
-    assert hosts.proven("gpu-a") == (1, running) and hosts.devices("gpu-a") == []  # no inventory yet
+    session, _ = hosts.connected("gpu-a", "10.0.0.2", Hello(host="gpu-a", version="0", protocol=1,
+                                                            running=running), close=_no_close)
+    assert told == [] and hosts.devices("gpu-a") == []  # its devices are not known yet: nothing to charge on
+    inventory = Inventory(devices=[DeviceReport(name="gpu0", capacity=10, reserve=1)])
+    hosts.heard("gpu-a", session, inventory)
+    assert told == [("gpu-a", ["chat"])] and [d.name for d in hosts.devices("gpu-a")] == ["gpu0"]
+    hosts.heard("gpu-a", session, inventory)  # told once per link
+    assert told == [("gpu-a", ["chat"])] and hosts.proven("gpu-a") == (session, running)

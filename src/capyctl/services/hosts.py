@@ -58,6 +58,7 @@ class _Link:
     send: Callable[[Message], Awaitable[None]] | None = None  # sends a message on the link
     state: HostState | None = None  # as last told in an event
     exits: list[ProcessExit] = field(default_factory=list)
+    inventoried: int = 0  # the session whose inventory came (the link is whole from then on)
 
 
 class HostRegistry:
@@ -122,12 +123,11 @@ class HostRegistry:
         self._heard(link)
         self._events.emit(None, "host_connected", host=name, address=address, version=hello.version)
         self._tell(name, link)
-        for told in self._on_linked:
-            told(name, hello.running)
         return link.session, replaced
 
     def on_linked(self, told: Callable[[str, list[RunningInstance]], None]) -> None:
-        """``told(host, what runs there)`` each time a host's link comes up, after its hello."""
+        """``told(host, what its hello said runs there)`` each time a host's link comes up, once the host has
+        sent its inventory too (its devices known: what runs can be charged there)."""
         self._on_linked.append(told)
 
     def heard(self, name: str, session: int, message: Message) -> None:
@@ -137,6 +137,10 @@ class HostRegistry:
         self._heard(link)
         if isinstance(message, Inventory):
             link.inventory = message
+            if link.inventoried != session and link.hello is not None:  # the link's first: it is up, whole
+                link.inventoried = session
+                for told in self._on_linked:
+                    told(name, link.hello.running)
         elif isinstance(message, LoadSample):
             link.loads = message
         elif isinstance(message, ProcessExit):
