@@ -44,7 +44,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.relay import cpu_seconds, find_nginx, hang_up_delay, load, paced_ttft, tree_cpu_seconds  # noqa: E402
+from bench.relay import (  # noqa: E402
+    NGINX_HTTP_BASICS,
+    cpu_seconds,
+    find_nginx,
+    hang_up_delay,
+    load,
+    paced_ttft,
+    tree_cpu_seconds,
+)
 
 RECORDING = ROOT / "tests/contract/recordings/vllm/0.32.0"
 CASE = "chat_stream_usage"
@@ -93,12 +101,7 @@ error_log {prefix}/error.log warn;
 user root;
 events {{ worker_connections 4096; }}
 http {{
-    access_log off;
-    client_body_temp_path {prefix}/client_body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
+{basics}
     upstream back {{ server {upstream}; keepalive 64; }}
     server {{
         listen {listen};
@@ -126,8 +129,9 @@ class ChainedNginx:
               certificate: str = "") -> None:
         prefix = self.tmp / name
         prefix.mkdir()
-        (prefix / "nginx.conf").write_text(NGINX_FRONT.format(prefix=prefix, listen=listen, upstream=upstream,
-                                                              scheme=scheme, tls=tls, certificate=certificate))
+        (prefix / "nginx.conf").write_text(NGINX_FRONT.format(
+            prefix=prefix, basics=NGINX_HTTP_BASICS.format(prefix=prefix), listen=listen, upstream=upstream,
+            scheme=scheme, tls=tls, certificate=certificate))
         with open(prefix / "stdout.log", "ab") as out:
             self.processes.append(node.popen([self.binary, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c",
                                               str(prefix / "nginx.conf"), "-g", "daemon off;"],
