@@ -320,8 +320,11 @@ def test_adoption_accounts_for_every_instance_once(wanted: list[ExpectedInstance
 def test_a_deployment_with_no_host_named_goes_to_an_online_host_with_its_engine_the_same_each_time() -> None:
     from capyctl.domain.hosts import place
 
+    online, suspended, lost = HostState.ONLINE, HostState.SUSPENDED, HostState.LOST
     assert place([]) is None
-    assert place([("gpu-b", HostState.ONLINE), ("gpu-a", HostState.ONLINE)]) == "gpu-a"  # by name, every time
-    assert place([("gpu-a", HostState.SUSPENDED), ("gpu-c", HostState.ONLINE)]) == "gpu-c"  # online first
-    assert place([("gpu-a", HostState.LOST), ("gpu-b", HostState.SUSPENDED)]) == "gpu-a"  # none online: it waits
-    assert place([("gpu-a", HostState.REVOKED)]) is None  # never a revoked host
+    assert place([("gpu-b", online, True), ("gpu-a", online, True)]) == "gpu-a"  # by name, every time
+    assert place([("gpu-a", online, False), ("gpu-b", online, True)]) == "gpu-b"  # where it fits now
+    assert place([("gpu-a", online, False), ("gpu-b", online, False)]) == "gpu-a"  # nowhere: by name (switching)
+    assert place([("gpu-a", suspended, True), ("gpu-c", online, False)]) == "gpu-c"  # online before room
+    assert place([("gpu-a", lost, True), ("gpu-b", suspended, True)]) == "gpu-a"  # none online: it waits
+    assert place([("gpu-a", HostState.REVOKED, True)]) is None  # never a revoked host

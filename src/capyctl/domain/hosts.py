@@ -238,9 +238,11 @@ def _step_key(step: AdoptionStep) -> tuple[str, int, str, int]:
     return (step.instance, _ORDER[step.action], process.launch_id if process else "", process.pid if process else 0)
 
 
-def place(candidates: list[tuple[str, HostState]]) -> str | None:
+def place(candidates: list[tuple[str, HostState, bool]]) -> str | None:
     """The host for a deployment whose file names none, among ``candidates`` (each host that has its engine,
-    and its state): an online one before any other, then by name, so that the choice is the same each time;
-    a revoked host never. None when there is none."""
-    usable = [(state != HostState.ONLINE, name) for name, state in candidates if state != HostState.REVOKED]
-    return min(usable)[1] if usable else None
+    its state, and whether the deployment's memory fits on its device now): online with room first, then
+    online, then the others, each by name, so that the choice is the same each time; a revoked host never.
+    None when there is none."""
+    usable = [(state != HostState.ONLINE, not fits, name) for name, state, fits in candidates
+              if state != HostState.REVOKED]
+    return min(usable)[2] if usable else None

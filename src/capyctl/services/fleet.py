@@ -293,7 +293,19 @@ class Fleet:
             return spec.host
         if self._hosts is None or self._store.get_engine(spec.engine) is not None:
             return None
-        return place(self._hosts.hosts_with(spec.engine))
+        return place([(host, state, self._fits(spec, host)) for host, state in self._hosts.hosts_with(spec.engine)])
+
+    def _fits(self, spec: DeploymentSpec, host: str) -> bool:
+        """Whether ``spec``'s memory is free on its device of ``host`` now (True when nothing is accounted)."""
+        memory = spec.resources.memory_bytes
+        if memory is None or not isinstance(self._room, Switchboard):
+            return True
+        devices = self._room.host_devices(host)
+        device = devices.get(spec.resources.device) if spec.resources.device is not None else (
+            next(iter(devices.values())) if len(devices) == 1 else None)
+        if device is None:
+            return not devices  # none reported yet: unknown, not refused; several and none named: not here
+        return device.usable - sum(self._room.charged(device).values()) >= memory
 
     async def _check(self, spec: DeploymentSpec, host: str | None) -> str | None:
         """Refuse a deployment that cannot work (on ``host``, when it runs on one); an attached engine's probed
