@@ -255,6 +255,10 @@ def test_memory_on_a_hosts_device_is_charged_there_and_models_switch_per_device(
     woken = chat(lan, key, "one-a", stream=False)
     assert woken.status_code == 200, woken.text
     assert shown("one-a")["state"] == "ready" and shown("two-a")["state"] == "parked"
+    # no host named: of the two hosts with the engine, the one whose device has room for it now (gpu-a has 3 GiB
+    # free, gpu-b 4 GiB), though gpu-a comes first by name
+    deploy(server, tmp_path, "roomy", "vllm", None, str(tmp_path / "model"), resources={"memory": "4GiB"})
+    assert shown("roomy")["host"] == "gpu-b" and shown("roomy")["state"] == "ready"
 
 
 def test_a_stream_from_a_host_that_is_lost_ends_with_an_error_event(
@@ -278,7 +282,3 @@ def test_a_stream_from_a_host_that_is_lost_ends_with_an_error_event(
     error = json.loads(events[-1])["error"]
     assert error["code"] == "device_offline" and error["reason"] == "lost" and error["model"] == "slow-a"
     assert re.search(r"request \w+ slow-a: host_lost, engine connection closed", server.read_log())
-    # no host named: of the two hosts with the engine, the one whose device has room for it now (gpu-a has 3 GiB
-    # free, gpu-b 4 GiB), though gpu-a comes first by name
-    deploy(server, tmp_path, "roomy", "vllm", None, str(tmp_path / "model"), resources={"memory": "4GiB"})
-    assert shown("roomy")["host"] == "gpu-b" and shown("roomy")["state"] == "ready"
