@@ -110,6 +110,9 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
     for host in ("a", "b"):
         assert instance_pid(server, f"chat-{host}") in lan.hosts[f"gpu-{host}"].pids()
         assert instance_pid(server, f"decide-{host}") in lan.hosts[f"gpu-{host}"].pids()
+    listed = hosts(server)
+    assert sorted(listed["gpu-a"]["instances"]) == sorted(["chat-a", "decide-a", llama, "placed"])
+    assert sorted(listed["gpu-b"]["instances"]) == ["chat-b", "decide-b"]
     # the server's log names the host each request went to
     assert re.search(r"request \w+ chat-b -> gpu-b instance 0", server.read_log())
 

@@ -166,7 +166,9 @@ def _hosts(hosts: Hosts | None) -> Hosts:
 
 
 def _charged(view: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
-    """A host's view with what its devices hold, as the switchboard charges them."""
+    """A host's view with what its devices hold, as the switchboard charges them, and the deployments whose
+    engines run there now (its hello's list is what ran when it linked)."""
+    view["instances"] = [c.name for c in fleet.controllers() if c.host == view["name"] and c.status.pid is not None]
     room = fleet.room
     if isinstance(room, Switchboard):
         devices = room.host_devices(view["name"])
