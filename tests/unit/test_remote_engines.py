@@ -183,3 +183,26 @@ async def test_a_host_that_runs_no_such_launch_ends_it_and_offline_says_why_for_
     assert isinstance(refusal, DeviceOffline) and refusal.extra["model"] == "chat"
     assert refusal.extra["reason"] == "suspended" and refusal.retry_after > 0
     assert await remote.load(engine) is None  # a reading that cannot be had settles nothing
+
+
+async def test_an_engine_kept_while_its_host_was_away_serves_again_once_a_probe_finds_it_ready() -> None:
+    hosts = FakeHosts()
+    remote = effects(hosts)
+    engine = await remote.launch(1)
+    assert remote.offline() is None
+    hosts.link_session = 2  # the host linked again, saying the engine still runs: not taken on trust all the same
+    hosts.running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=1, pid=4242,
+                                     pid_start_time=1.0, port=40000, launch_id="L1")]
+    refusal = remote.offline()
+    assert isinstance(refusal, DeviceOffline) and refusal.extra["reason"] == "reconnecting"
+    hosts.answers["probe"] = {"ready": False}  # not ready yet: still refused, probed again
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(remote.reprove)
+        await anyio.sleep(2)
+        assert remote.offline() is not None and hosts.actions().count("probe") >= 2
+        hosts.answers["probe"] = {"ready": True}
+    assert remote.offline() is None and remote.exited(engine) is None  # kept, not restarted
+    hosts.link_session = 3
+    hosts.answers["probe"] = InvalidRequest("no launch 1 of 'chat' runs on this host")
+    await remote.reprove()
+    assert remote.exited(engine) == GONE and remote.offline() is None  # gone: the controller starts it again

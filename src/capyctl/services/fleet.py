@@ -179,12 +179,18 @@ class Fleet:
 
     def _adopt(self, host: str, running: list[RunningInstance]) -> None:
         """A host linked, running engines of deployments here that run none (a server before this one
-        launched them): each is taken over now, so that its memory is charged before anything else starts."""
+        launched them): each is taken over now, so that its memory is charged before anything else starts.
+        Those it kept running while it was away serve again once a probe finds them ready."""
         for instance in running:
             controller = self._controllers.get(instance.deployment)
             if (isinstance(controller, ManagedController) and controller.host == host
                     and controller.status.pid is None):
                 controller.ask()
+        for name, effects in self._remote.items():  # what it kept running while away: ready again?
+            controller = self._controllers.get(name)
+            if effects.host == host and self._task_group is not None and controller is not None \
+                    and controller.status.pid is not None:
+                self._task_group.start_soon(effects.reprove)
 
     def leave_hosts(self) -> None:
         """The server stops: the engines on hosts are left running, for the next server to adopt. Called before

@@ -63,6 +63,8 @@ class RemoteEngineEffects(EngineEffects):
         self._clock = clock
         self._canary = canary
         self._launches: dict[int, _Launch] = {}
+        self._current: _Launch | None = None  # the latest launch
+        self._proven = 0  # the link session in which the latest launch was last seen ready
         self._generation = 0
         self._leaving = False
 
@@ -87,8 +89,9 @@ class RemoteEngineEffects(EngineEffects):
                                      engine=msgspec.to_builtins(self._engine))
         address, port = self._hosts.ingress(self.host)
         pid = int(detail.get("pid") or 0)
-        self._launches[number] = _Launch(self._generation, self._hosts.session(self.host), pid,
-                                         str(detail.get("launch_id") or ""))
+        self._launches[number] = self._current = _Launch(self._generation, self._hosts.session(self.host), pid,
+                                                         str(detail.get("launch_id") or ""))
+        self._proven = self._current.session
         return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid, port=port,
                         log_path=f"{self.host}:{detail.get('log_path')}", adopted=running is not None)
 
@@ -122,6 +125,7 @@ class RemoteEngineEffects(EngineEffects):
         if not detail.get("ready"):
             await anyio.sleep(NOT_READY_PAUSE)
             return False
+        self._proven = max(self._proven, launch.session)
         return True
 
     async def stop(self, engine: Launched, grace: float) -> int:
@@ -168,7 +172,35 @@ class RemoteEngineEffects(EngineEffects):
         return (int(running), int(waiting)) if running is not None and waiting is not None else None
 
     def offline(self) -> CapyError | None:
-        return self._hosts.offline(self.host, self._spec.name)
+        refusal = self._hosts.offline(self.host, self._spec.name)
+        launch = self._current
+        if refusal is None and launch is not None and launch.code is None and self._proven < self._hosts.session(
+                self.host):
+            return DeviceOffline(self.host, "reconnecting", model=self._spec.name, retry_after=1)  # until reproved
+        return refusal
+
+    async def reprove(self, attempts: int = 20) -> None:
+        """The host linked again: its engine serves again once it answers a probe as ready on this link (it
+        was kept, not restarted); one that is no longer there counts as gone."""
+        launch = self._current
+        for _ in range(attempts):
+            session = self._hosts.session(self.host)
+            if launch is None or launch.code is not None or self._proven >= session:
+                return
+            try:
+                detail = await self._run("probe", launch)
+            except DeviceOffline:
+                return  # away again: proved on its next return
+            except CapyError:  # the host runs no such launch
+                launch.code = GONE
+                return
+            if detail.get("exited") is not None:
+                launch.code = int(detail["exited"])
+                return
+            if detail.get("ready"):
+                self._proven = session
+                return
+            await anyio.sleep(RETRY_EVERY)
 
     def leave(self) -> None:
         """The server stops: its engines on hosts are left running, for the next server to adopt."""
