@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,6 +54,10 @@ from bench.relay import (  # noqa: E402
     paced_ttft,
     tree_cpu_seconds,
 )
+
+if TYPE_CHECKING:
+    from tests.integration.machines import Machine
+    from tests.integration.netns import Node
 
 RECORDING = ROOT / "tests/contract/recordings/vllm/0.32.0"
 CASE = "chat_stream_usage"
@@ -125,7 +130,7 @@ class ChainedNginx:
         self.binary, self.tmp = binary, tmp
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, node, name: str, listen: str, upstream: str, scheme: str = "http", tls: str = "",  # type: ignore[no-untyped-def]
+    def start(self, node: Node, name: str, listen: str, upstream: str, scheme: str = "http", tls: str = "",
               certificate: str = "") -> None:
         prefix = self.tmp / name
         prefix.mkdir()
@@ -158,7 +163,7 @@ def until(condition: Callable[[], object], timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def engine_port(server, name: str) -> int:  # type: ignore[no-untyped-def]
+def engine_port(server: Machine, name: str) -> int:
     status = json.loads(server.cli("status", "deployment", name, "--json").stdout)
     log = Path(status["instances"][0]["log"].split(":", 1)[1])
     until(lambda: _LISTENING.search(log.read_text(errors="replace")) if log.exists() else None, 30,

@@ -24,9 +24,9 @@ from capyctl.domain.deployments import (
     check_extra_args,
 )
 from capyctl.domain.decisions import serves_decisions
-from capyctl.domain.hosts import place
+from capyctl.domain.hosts import HostState, place
+from capyctl.domain.memory import Device, Residency
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.memory import Residency
 from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
     AlreadyExists,
@@ -221,11 +221,14 @@ class Fleet:
             raise EngineNotFound(spec.engine)
         return engine
 
-    def _host_engine(self, host: str, name: str) -> EngineInstall:
+    def _registry(self) -> HostRegistry:
         if self._hosts is None:
-            raise InvalidConfig(f"host {host!r}: this CapyCTL runs alone (start standalone); deployments run on "
-                                "hosts with capyctl start server")
-        engine = self._hosts.engine(host, name)
+            raise InvalidConfig("this CapyCTL runs alone (start standalone): deployments run on hosts with "
+                                "capyctl start server")
+        return self._hosts
+
+    def _host_engine(self, host: str, name: str) -> EngineInstall:
+        engine = self._registry().engine(host, name)
         if engine is None:
             raise EngineNotFound(name, host=host)
         return engine
@@ -292,26 +295,12 @@ class Fleet:
         if spec.attached:
             return None
         if spec.host is not None:
-            if self._hosts is None:
-                self._host_engine(spec.host, spec.engine)  # refused: no hosts here
-            assert self._hosts is not None
-            self._hosts.state(spec.host)  # host_not_found for a name no host joined under
+            self._registry().state(spec.host)  # host_not_found for a name no host joined under
             return spec.host
         if self._hosts is None or self._store.get_engine(spec.engine) is not None:
             return None
-        return place([(host, state, self._fits(spec, host)) for host, state in self._hosts.hosts_with(spec.engine)])
-
-    def _fits(self, spec: DeploymentSpec, host: str) -> bool:
-        """Whether ``spec``'s memory is free on its device of ``host`` now (True when nothing is accounted)."""
-        memory = spec.resources.memory_bytes
-        if memory is None or not isinstance(self._room, Switchboard):
-            return True
-        devices = self._room.host_devices(host)
-        device = devices.get(spec.resources.device) if spec.resources.device is not None else (
-            next(iter(devices.values())) if len(devices) == 1 else None)
-        if device is None:
-            return not devices  # none reported yet: unknown, not refused; several and none named: not here
-        return device.usable - sum(self._room.charged(device).values()) >= memory
+        fits = self._room.fits
+        return place([(host, state, fits(spec, host)) for host, state in self._hosts.hosts_with(spec.engine)])
 
     async def _check(self, spec: DeploymentSpec, host: str | None) -> str | None:
         """Refuse a deployment that cannot work (on ``host``, when it runs on one); an attached engine's probed
@@ -343,9 +332,9 @@ class Fleet:
         adapter = self._adapters[engine.family]
         if host is not None:  # its files are on the host's disk: what the version tells is what is checked here
             decides = serves_decisions(str(engine.family), engine.version) is not False
-            self._check_host_device(spec, host)
+            self._check_device(spec, self._room.host_devices(host), f"host {host!r}")
         else:
-            self._check_device(spec)
+            self._check_device(spec, self._room.devices, "this server")
             decides = await anyio.to_thread.run_sync(adapter.serves_decisions, engine)
         if spec.api == "decisions" and not decides:
             raise InvalidConfig(
@@ -360,27 +349,17 @@ class Fleet:
                                 f"the model file or directory for {engine.name} to load")
         return None
 
-    def _check_host_device(self, spec: DeploymentSpec, host: str) -> None:
-        """``resources.device`` among the devices host ``host`` reported (unchecked until it has reported)."""
-        if not isinstance(self._room, Switchboard):
+    def _check_device(self, spec: DeploymentSpec, devices: Mapping[str, Device], where: str) -> None:
+        """``resources.device`` among ``where``'s ``devices`` ("this server", or a host, whose devices are
+        unchecked until it has reported them)."""
+        if where != "this server" and not devices:
             return
-        devices = self._room.host_devices(host)
-        named = spec.resources.device
-        if devices and named is not None and named not in devices:
-            raise InvalidConfig(f"resources.device {named!r} is not one of host {host!r}'s devices "
-                                f"({', '.join(devices)}); see: capyctl list hosts")
-        if devices and spec.resources.memory is not None and named is None and len(devices) > 1:
-            raise InvalidConfig(f"resources.device is required: host {host!r} has several devices "
-                                f"({', '.join(devices)})")
-
-    def _check_device(self, spec: DeploymentSpec) -> None:
-        devices = self._room.devices
         named = spec.resources.device
         if named is not None and named not in devices:
-            known = ", ".join(devices) or "none: this server's memory.devices is empty"
-            raise InvalidConfig(f"resources.device {named!r} is not one of this server's devices ({known})")
+            known = ", ".join(devices) or f"none: {where}'s memory.devices is empty"
+            raise InvalidConfig(f"resources.device {named!r} is not one of {where}'s devices ({known})")
         if spec.resources.memory is not None and named is None and len(devices) > 1:
-            raise InvalidConfig(f"resources.device is required: this server has several devices ({', '.join(devices)})")
+            raise InvalidConfig(f"resources.device is required: {where} has several devices ({', '.join(devices)})")
 
     async def apply(self, document: Any, activate: bool) -> tuple[str, Controller]:
         spec = decode_spec(document)
@@ -483,10 +462,7 @@ class Fleet:
     def lost_host(self, name: str) -> bool:
         """True when deployment ``name`` runs on a host that is lost (or revoked) now."""
         effects = self._remote.get(name)
-        if effects is None:
-            return False
-        refusal = effects.offline()
-        return refusal is not None and refusal.extra.get("reason") in ("lost", "revoked")
+        return effects is not None and self._registry().state(effects.host) in (HostState.LOST, HostState.REVOKED)
 
     def _reachable(self, controller: Controller) -> None:
         """Refuses (``device_offline``) to end an engine on a host that cannot be told now: the engine is held

@@ -113,19 +113,27 @@ class RemoteEngineEffects(EngineEffects):
 
     async def ready(self, engine: Launched) -> bool:
         launch = self._launches[engine.number]
+        ready = await self._ready_now(launch)
+        if ready is False and launch.code is None:
+            await anyio.sleep(NOT_READY_PAUSE)
+        return bool(ready)
+
+    async def _ready_now(self, launch: _Launch) -> bool | None:
+        """Whether the host finds ``launch`` ready now (then proved on the current link); None when the host
+        is out of reach. A launch the host no longer runs, or that exited, gets its exit status."""
+        session = self._hosts.session(self.host)
         try:
             detail = await self._run("probe", launch)
         except DeviceOffline:
-            return False
+            return None
         except CapyError:  # the host runs no such launch
             launch.code = GONE
             return False
         if detail.get("exited") is not None:
             launch.code = int(detail["exited"])
         if not detail.get("ready"):
-            await anyio.sleep(NOT_READY_PAUSE)
             return False
-        self._proven = max(self._proven, launch.session)
+        self._proven = max(self._proven, session)
         return True
 
     async def stop(self, engine: Launched, grace: float) -> int:
@@ -184,22 +192,10 @@ class RemoteEngineEffects(EngineEffects):
         was kept, not restarted); one that is no longer there counts as gone."""
         launch = self._current
         for _ in range(attempts):
-            session = self._hosts.session(self.host)
-            if launch is None or launch.code is not None or self._proven >= session:
+            if launch is None or launch.code is not None or self._proven >= self._hosts.session(self.host):
                 return
-            try:
-                detail = await self._run("probe", launch)
-            except DeviceOffline:
-                return  # away again: proved on its next return
-            except CapyError:  # the host runs no such launch
-                launch.code = GONE
-                return
-            if detail.get("exited") is not None:
-                launch.code = int(detail["exited"])
-                return
-            if detail.get("ready"):
-                self._proven = session
-                return
+            if await self._ready_now(launch) is not False or launch.code is not None:
+                return  # ready, gone, or away again (proved on its next return)
             await anyio.sleep(RETRY_EVERY)
 
     def leave(self) -> None:

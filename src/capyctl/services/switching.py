@@ -177,13 +177,28 @@ class Switchboard:
     def device_of(self, occupant: Occupant) -> Device | None:
         """The device a deployment is charged against (on its host's, when it runs on one); None when it is
         not accounted."""
-        spec = occupant.spec
-        devices = self.devices if occupant.host is None else self.host_devices(occupant.host)
+        return self._device_for(occupant.spec, occupant.host)
+
+    def _device_for(self, spec: DeploymentSpec, host: str | None) -> Device | None:
+        devices = self.devices if host is None else self.host_devices(host)
         if spec.resources.memory_bytes is None or not devices:
             return None
         if spec.resources.device is not None:
             return devices.get(spec.resources.device)
         return next(iter(devices.values())) if len(devices) == 1 else None
+
+    def is_on(self, occupant: Occupant, device: Device) -> bool:
+        on = self.device_of(occupant)
+        return on is not None and on.name == device.name
+
+    def fits(self, spec: DeploymentSpec, host: str) -> bool:
+        """Whether ``spec``'s memory is free now on its device of ``host``: True when it is not accounted there
+        (no memory declared, or the host has reported no device yet), False when it names none of several."""
+        memory, devices = spec.resources.memory_bytes, self.host_devices(host)
+        if memory is None or not devices:
+            return True
+        device = self._device_for(spec, host)
+        return device is not None and device.usable - sum(self.charged(device).values()) >= memory
 
     def resident(self, occupant: Occupant) -> Resident:
         spec, name = occupant.spec, occupant.name
@@ -206,7 +221,7 @@ class Switchboard:
         return {o.name: self.resident(o).charged for o in self._on(device) if o.holding is not Holding.NONE}
 
     def _on(self, device: Device) -> list[Occupant]:
-        return [o for o in self._occupants() if (on := self.device_of(o)) is not None and on.name == device.name]
+        return [o for o in self._occupants() if self.is_on(o, device)]
 
     async def claim(self, occupant: Occupant) -> None:
         """Room for ``occupant``'s engine; it holds its footprint once this returns (``grant_room``)."""
@@ -328,3 +343,9 @@ class NoSwitchboard:
 
     def every_device(self) -> list[Device]:
         return []
+
+    def host_devices(self, host: str) -> dict[str, Device]:
+        return {}
+
+    def fits(self, spec: DeploymentSpec, host: str) -> bool:
+        return True

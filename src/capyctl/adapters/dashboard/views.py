@@ -194,7 +194,7 @@ def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller],
         return []
     out = []
     for device in room.every_device():
-        on = [c for c in controllers if (at := room.device_of(c)) is not None and at.name == device.name]
+        on = [c for c in controllers if room.is_on(c, device)]
         charged = room.charged(device)
         segments, at = [], 0
         for c in on:
@@ -251,8 +251,7 @@ def consequences(action: str, controller: Controller, admission: AdmissionServic
             out.append("It starts the engine and keeps it running.")
         if isinstance(room, Switchboard) and device is not None and isinstance(controller, ManagedController) \
                 and controller.holding is Holding.NONE:
-            others = [c for c in controllers if c is not controller and (at := room.device_of(c)) is not None
-                      and at.name == device.name]
+            others = [c for c in controllers if c is not controller and room.is_on(c, device)]
             out.append(f"Memory on {device.name}: {outlook(room, controller, others).text}.")
         if waiting:
             out.append(f"{waiting} waiting request(s) are served once it is ready.")
