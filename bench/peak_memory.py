@@ -5,7 +5,8 @@
 Samples the resident memory (RSS) of the command's whole process tree every 0.1 s, from ``/proc``, and
 prints the largest sum seen, with how many processes ran at that moment. Summed RSS counts a page shared
 by several processes once per process, so it overstates: a figure under a bound here is under it for real.
-Ctrl-C (or the command's end) stops it; the peak is printed either way. Linux only.
+Ctrl-C or SIGTERM (or the command's end) stops it, the command with it; the peak is printed either way.
+Linux only.
 """
 
 from __future__ import annotations
@@ -56,16 +57,19 @@ def main(argv: list[str]) -> int:
         return 2
     started = time.monotonic()
     child = subprocess.Popen(argv)
+    stop: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored there)
+        signal.signal(signum, lambda number, _: stop.append(number))
     peak, at_peak, when = 0, 0, 0.0
-    try:
-        while child.poll() is None:
-            rss, count = _tree_rss(child.pid)
-            if rss > peak:
-                peak, at_peak, when = rss, count, time.monotonic() - started
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        child.send_signal(signal.SIGINT)
-        child.wait()
+    while child.poll() is None:
+        if stop:
+            child.send_signal(signal.SIGINT)  # what Ctrl-C would have told it (the quick start stops its server)
+            child.wait()
+            break
+        rss, count = _tree_rss(child.pid)
+        if rss > peak:
+            peak, at_peak, when = rss, count, time.monotonic() - started
+        time.sleep(0.1)
     print(f"peak memory: {peak / 2**30:.2f} GiB summed RSS over {at_peak} processes, {when:.0f} s in; "
           f"exit {child.returncode} after {time.monotonic() - started:.0f} s", file=sys.stderr)
     return child.returncode or 0
