@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     peak, at_peak, when = 0, 0, 0.0
     while child.poll() is None:
         if stop:
-            child.send_signal(signal.SIGINT)  # what Ctrl-C would have told it (the quick start stops its server)
+            child.send_signal(signal.SIGTERM)  # (SIGINT may be ignored by a command started in the background)
             child.wait()
             break
         rss, count = _tree_rss(child.pid)
