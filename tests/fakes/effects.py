@@ -20,6 +20,7 @@ class FakeEngineEffects:
     def __init__(self) -> None:
         self.done: list[str] = []
         self.codes: dict[int, int | None] = {}  # launch -> exit status, None while it runs
+        self.causes: dict[int, str] = {}  # launch -> why it ended, when not by itself (``ended_by``)
         self.asleep: dict[int, bool] = {}
         self.healthy = True  # what every readiness probe answers
         self.parks: bool | None = True  # the engine's word after a park: sleeps, still awake, cannot tell
@@ -42,8 +43,10 @@ class FakeEngineEffects:
     def running(self) -> list[int]:
         return [n for n, code in self.codes.items() if code is None]
 
-    def crash(self, launch: int, code: int = -9) -> None:
+    def crash(self, launch: int, code: int = -9, cause: str | None = None) -> None:
         self.codes[launch] = code
+        if cause is not None:
+            self.causes[launch] = cause
         self.notify()
 
     # --- the port ----------------------------------------------------------------------------
@@ -58,6 +61,9 @@ class FakeEngineEffects:
 
     def exited(self, engine: Launched) -> int | None:
         return self.codes[engine.number]
+
+    def ended_by(self, engine: Launched) -> str | None:
+        return self.causes.get(engine.number) if self.codes[engine.number] is not None else None
 
     async def ready(self, engine: Launched) -> bool:
         return self.healthy

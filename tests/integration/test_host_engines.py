@@ -1,10 +1,12 @@
 """A host running an engine on the server's commands, in one process over real TLS and real sockets: the
 server's registry and control listener, the host's agent, ingress and engines (a stand-in vLLM as a real
-child process). Launch, readiness, a chat through the ingress's gate, fencing of an older launch, stop
-(gate closed, process gone), and an engine's exit told to the server."""
+child process). Launch, readiness, a chat through the ingress's gate (only with the server's caller
+certificate), fencing of an older launch, stop (gate closed, process gone), an engine's exit told to the
+server, and the agent's stop: goodbye first, then each engine's end told with its cause."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,8 +22,8 @@ import pytest
 from capyctl.adapters.control.agent import SERVER_NAME, HostAgent, join
 from capyctl.adapters.control.ingress import Ingress
 from capyctl.adapters.control.listener import ControlListener
-from capyctl.adapters.pki import CertificateAuthority, client_ssl_context, server_ssl_context
-from capyctl.domain.hosts import LinkTimings
+from capyctl.adapters.pki import CertificateAuthority, caller_certificate, client_ssl_context, server_ssl_context
+from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinFile, secret_text
 from capyctl.domain.link import Inventory
 from capyctl.entrypoints.host_role import host_commands, host_engines
@@ -43,11 +45,15 @@ async def until(condition: Callable[[], Any], what: str, timeout: float = 30) ->
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
-async def chat(ca: bytes, port: int, gate: str) -> bytes:
+CALLER = caller_certificate(SERVER_NAME)
+
+
+async def chat(ca: bytes, port: int, gate: str, caller: tuple[bytes, bytes] | None = CALLER) -> bytes:
     body = msgspec.json.encode({"model": "chat", "messages": [{"role": "user", "content": "hi"}]})
-    tls = client_ssl_context(ca, server_name="gpu-a")
+    tls = client_ssl_context(ca, *(caller or (None, None)), server_name="gpu-a")
     with anyio.fail_after(30):
-        async with await anyio.connect_tcp("127.0.0.1", port, ssl_context=tls, tls_hostname="gpu-a") as stream:
+        stream = await anyio.connect_tcp("127.0.0.1", port, ssl_context=tls, tls_hostname="gpu-a")
+        try:
             await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n"
                               b"X-CapyCTL-Gate: " + gate.encode() + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
                               + body)
@@ -57,6 +63,9 @@ async def chat(ca: bytes, port: int, gate: str) -> bytes:
                     answer += await stream.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError, ssl.SSLError):
                 return answer
+        finally:
+            with contextlib.suppress(ssl.SSLError, OSError, anyio.BrokenResourceError):
+                await stream.aclose()  # a refused handshake cannot be shut down cleanly
 
 
 async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> None:
@@ -72,17 +81,23 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
     stopping = anyio.Event()
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(ControlListener(registry, authority, server_ssl_context(
-            cert, key, authority.cert_pem, require_client=False)).serve, control, stopping)
+            cert, key, authority.cert_pem, require_client=False), CALLER[0]).serve, control, stopping)
         state = tmp_path / "host"
         await join(join_file, state)
         host_cert, host_key = (state / "identity" / "host-cert.pem").read_bytes(), (state / "identity" / "host-key.pem").read_bytes()
-        ingress = Ingress(server_ssl_context(host_cert, host_key, authority.cert_pem, require_client=False))
+        ingress = Ingress(host_cert, host_key)
         ingress_sock = socket.create_server(("127.0.0.1", 0))
         engines = host_engines(ingress, state / "logs")
+        agent_stopping = anyio.Event()  # the agent's own stop, apart from the test's end
+
+        async def leaving() -> None:
+            await engines.stop_all(agent.tell)
+
         agent = HostAgent(state, lambda: Inventory(), host_commands(ingress, engines), running=engines.running,
-                          ingress_port=ingress_sock.getsockname()[1])
+                          ingress_port=ingress_sock.getsockname()[1], callers=ingress.trust_callers,
+                          leaving=leaving)
         tasks.start_soon(ingress.serve, ingress_sock, stopping)
-        tasks.start_soon(agent.run, stopping)
+        tasks.start_soon(agent.run, agent_stopping)
         tasks.start_soon(engines.watch, agent.tell)
 
         async def linked() -> bool:
@@ -109,6 +124,9 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
         answer = await chat(authority.cert_pem, ingress_sock.getsockname()[1], "g" * 32)
         assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
         assert b'"chat.completion"' in answer
+        # the gate key alone opens nothing: a caller without the server's certificate gets no answer at all
+        for caller in (None, (host_cert, host_key)):
+            assert await chat(authority.cert_pem, ingress_sock.getsockname()[1], "g" * 32, caller) == b""
 
         stale = await registry.command("gpu-a", "stop", {}, instance="chat", generation=0)
         assert not stale.ok and stale.code == "stale_generation"
@@ -126,8 +144,19 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
             return registry.view("gpu-a")["exits"]
 
         (exit_,) = await until(told, "the engine's exit told to the server")
-        assert (exit_["instance"], exit_["pid"], exit_["returncode"]) == ("chat", again.detail["pid"], -9)
+        assert (exit_["instance"], exit_["pid"], exit_["returncode"], exit_["cause"]) == (
+            "chat", again.detail["pid"], -9, "exited")
         assert engines.running() == []  # an engine that exited is no longer reported as running
+
+        third = await registry.command("gpu-a", "launch", {**args, "gate": "i" * 32}, instance="chat", generation=3)
+        assert third.ok, third
+        agent_stopping.set()  # the agent is asked to stop (its SIGTERM): goodbye, then its engines end, told
+
+        async def ended() -> list[dict[str, Any]]:
+            return [e for e in registry.view("gpu-a")["exits"] if e["pid"] == third.detail["pid"]]
+
+        (last,) = await until(ended, "the stopped agent's engine end told to the server")
+        assert last["cause"] == "agent_stopped" and not pid_alive(third.detail["pid"])
+        assert registry.state("gpu-a") == HostState.DISCONNECTED  # from its goodbye on, not online
         stopping.set()
-        await engines.stop_all()
         tasks.cancel_scope.cancel()  # the watch of exits runs until cancelled

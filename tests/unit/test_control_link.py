@@ -14,7 +14,13 @@ from websockets.asyncio.client import connect
 
 from capyctl.adapters.control.agent import SERVER_NAME, HostAgent, LinkRefused, join
 from capyctl.adapters.control.listener import ControlListener
-from capyctl.adapters.pki import CertificateAuthority, client_ssl_context, host_key_and_csr, server_ssl_context
+from capyctl.adapters.pki import (
+    CertificateAuthority,
+    caller_certificate,
+    client_ssl_context,
+    host_key_and_csr,
+    server_ssl_context,
+)
 from capyctl.domain.errors import CapyError
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinFile, secret_text
@@ -22,6 +28,8 @@ from capyctl.domain.link import Goodbye, Hello, Inventory, JoinRequest, decode, 
 from capyctl.services.events import Events
 from capyctl.services.hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
+
+CALLER = caller_certificate(SERVER_NAME)[0]
 
 
 class Server:
@@ -45,7 +53,7 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
     made = Server(tmp_path)
     stopping = anyio.Event()
     async with anyio.create_task_group() as tasks:
-        tasks.start_soon(ControlListener(made.registry, made.authority, made.tls).serve, made.sock, stopping)
+        tasks.start_soon(ControlListener(made.registry, made.authority, made.tls, CALLER).serve, made.sock, stopping)
         yield made
         stopping.set()
 

@@ -14,7 +14,7 @@ import trio
 
 from capyctl.domain.deployments import Deployment, Desired, InstanceState, Step, next_step
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import DeploymentStopped, EngineRestarted, LlmUnavailable
+from capyctl.domain.errors import DeploymentStopped, EngineRestarted, EngineUnavailable, LlmUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.domain.memory import Holding
 from capyctl.domain.scheduling import Route
@@ -85,7 +85,7 @@ async def test_a_crash_is_restarted_after_a_backoff_and_counted(world: World) ->
     route = await world.controller.route(2)
     world.processes.spawned[0].crash()
     crashed_at = trio.current_time()
-    lost = await world.controller.lost(route, notice=1.0)
+    lost = await world.controller.lost(route, notice=1.0, broke=EngineUnavailable("connection reset"))
     assert isinstance(lost, EngineRestarted) and lost.extra["reason"] == "engine exited with status -9 while serving"
     await world.until(S.READY)
     assert len(world.processes.running()) == 1 and world.controller.status.restarts == 1
@@ -97,7 +97,7 @@ async def test_a_crash_is_restarted_after_a_backoff_and_counted(world: World) ->
 async def test_a_connection_that_broke_while_the_engine_runs_is_not_a_restart(world: World) -> None:
     route = await world.controller.route(2)
     began = trio.current_time()
-    assert await world.controller.lost(route, notice=1.0) is None
+    assert await world.controller.lost(route, notice=1.0, broke=EngineUnavailable("connection reset")) is None
     assert trio.current_time() - began == pytest.approx(1.0)  # it looked for an exit for the notice, no longer
 
 
@@ -303,7 +303,7 @@ async def test_an_operators_stop_of_a_failed_deployment_keeps_it_down(world: Wor
 async def test_an_operators_stop_cuts_requests_with_deployment_stopped_not_engine_restarted(world: World) -> None:
     route = await world.controller.route(2)
     world.controller.want(Desired.STOP)
-    lost = await world.controller.lost(route, notice=1.0)
+    lost = await world.controller.lost(route, notice=1.0, broke=EngineUnavailable("connection reset"))
     assert isinstance(lost, DeploymentStopped) and lost.code == "deployment_stopped"
 
 

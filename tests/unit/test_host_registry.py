@@ -11,7 +11,7 @@ import pytest
 from capyctl.domain.errors import AlreadyExists, DeviceOffline, HostNotFound, HostRevoked, HostAnswerInvalid
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinRefused
-from capyctl.domain.link import CommandResult, DeviceReport, Hello, Inventory
+from capyctl.domain.link import CommandResult, DeviceReport, Goodbye, Hello, Inventory, ProcessExit
 from capyctl.services.events import Events
 from capyctl.services.hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
@@ -68,7 +68,8 @@ def test_a_joined_host_is_admitted_with_its_certificate_only_and_a_new_join_reti
 async def test_states_follow_the_silence_and_are_told_once_each() -> None:
     hosts, store, clock = registry()
     hosts.joined("gpu-a", "fp1")
-    assert hosts.state("gpu-a") == HostState.LOST  # never heard
+    clock.now += 100
+    assert hosts.state("gpu-a") == HostState.JOINED  # never linked: joined, however long ago, never lost
     session, replaced = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
     assert replaced is None
     assert hosts.state("gpu-a") == HostState.ONLINE
@@ -83,6 +84,7 @@ async def test_states_follow_the_silence_and_are_told_once_each() -> None:
     hosts.heard("gpu-a", session, Inventory())
     assert hosts.state("gpu-a") == HostState.ONLINE
     assert states(store) == [("gpu-a", "online")]  # told when it changed, not at every message
+    assert store.hosts["gpu-a"].linked_at is not None  # kept: a server started later knows it linked once
     view = hosts.view("gpu-a")
     assert (view["state"], view["address"], view["version"], view["connected"]) == ("online", "10.0.0.2", "0.1.0", True)
 
@@ -107,6 +109,63 @@ async def test_the_watch_tells_each_change_as_time_passes() -> None:
     assert states(store) == [("gpu-a", "online"), ("gpu-a", "suspended"), ("gpu-a", "lost")]
     befores = [e["detail"]["before"] for e in store.events if e["kind"] == "host_state"]
     assert befores == [None, "online", "suspended"]
+
+
+async def test_a_closed_link_is_known_at_once_and_a_goodbye_takes_the_host_out_before_it_closes() -> None:
+    hosts, store, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+    session, _ = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+    hosts.heard("gpu-a", session, Goodbye(code="agent_stopping", message="stopping"))  # the agent stops
+    assert hosts.state("gpu-a") == HostState.DISCONNECTED  # at once: nothing new goes there
+    refusal = hosts.offline("gpu-a", "chat")
+    assert refusal is not None and refusal.extra["reason"] == "disconnected" and refusal.retry_after == 1
+    with pytest.raises(DeviceOffline):
+        await hosts.command("gpu-a", "probe", {})
+    hosts.heard("gpu-a", session, ProcessExit(instance="chat", pid=7, returncode=0, at=1.0, cause="agent_stopped"))
+    told = hosts.exit_of("gpu-a", "chat", 7)  # its last words on the link still count
+    assert told is not None and told.cause == "agent_stopped"
+    hosts.disconnected("gpu-a", session, "closed by the host")
+    assert states(store)[-1] == ("gpu-a", "disconnected")  # told at the close, not at the watch's next look
+    clock.now += 29.9
+    assert hosts.state("gpu-a") == HostState.DISCONNECTED
+    clock.now += 0.1
+    assert hosts.state("gpu-a") == HostState.LOST
+    again, _ = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)  # its agent back
+    assert hosts.state("gpu-a") == HostState.ONLINE
+    hosts.disconnected("gpu-a", again, "connection reset")  # killed: the link reset
+    assert hosts.state("gpu-a") == HostState.DISCONNECTED
+
+
+async def test_a_restarted_server_counts_silence_from_its_start_and_knows_who_never_linked() -> None:
+    hosts, store, clock = registry()
+    hosts.joined("gpu-a", "fp1")
+    hosts.joined("gpu-b", "fp2")
+    hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)
+    clock.now += 1000
+    restarted = HostRegistry(store, clock, Events(store, clock), LinkTimings(suspend_after=5, lost_after=30))
+    assert restarted.state("gpu-a") == HostState.DISCONNECTED  # not lost: silent only since this start
+    assert restarted.state("gpu-b") == HostState.JOINED  # never ran `capyctl start host`
+    clock.now += 29.9
+    assert restarted.state("gpu-a") == HostState.DISCONNECTED
+    clock.now += 0.1
+    assert restarted.state("gpu-a") == HostState.LOST
+    assert restarted.state("gpu-b") == HostState.JOINED
+
+
+def test_the_pinned_fingerprint_is_the_current_certificates_and_none_once_revoked() -> None:
+    hosts, _, _ = registry()
+    assert hosts.fingerprint("gpu-a") is None  # unknown
+    hosts.joined("gpu-a", "fp1")
+    assert hosts.fingerprint("gpu-a") == "fp1"
+    hosts.joined("gpu-a", "fp2")  # joined again: the old certificate is not it any more
+    assert hosts.fingerprint("gpu-a") == "fp2"
+
+
+async def test_a_revoked_host_pins_nothing() -> None:
+    hosts, _, _ = registry()
+    hosts.joined("gpu-a", "fp1")
+    await hosts.revoke("gpu-a")
+    assert hosts.fingerprint("gpu-a") is None
 
 
 async def test_a_replaced_link_cannot_speak_for_the_host() -> None:
@@ -170,7 +229,7 @@ async def test_a_command_gets_the_hosts_result_or_device_offline() -> None:
                                                             "version_text": "version: b1"}
                                                     if message.args["path"] != "/bad" else {"name": 3}))
 
-    with pytest.raises(DeviceOffline, match="not linked|lost"):  # never linked
+    with pytest.raises(DeviceOffline, match="joined"):  # never linked
         await hosts.command("gpu-a", "probe", {})
     closed: list[str] = []
 
@@ -211,6 +270,9 @@ async def test_a_command_fails_when_the_link_closes_or_the_host_is_silent() -> N
         tasks.start_soon(cut)
         with pytest.raises(DeviceOffline):
             await hosts.command("gpu-a", "probe", {}, timeout=30)
+    with pytest.raises(DeviceOffline, match="disconnected"):  # its link closed: said at once
+        await hosts.command("gpu-a", "probe", {})
+    hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close, send=nothing)
     clock.now += 6
     with pytest.raises(DeviceOffline, match="suspended"):
         await hosts.command("gpu-a", "probe", {})

@@ -1,5 +1,6 @@
 """The rules of a host's control link (``domain/hosts``), in virtual time: ``now`` is a number, nothing sleeps."""
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from capyctl.domain.hosts import (
     CommandLedger,
     ExpectedInstance,
     HostState,
+    LinkFacts,
     LinkTimings,
     Verdict,
     adoption,
@@ -26,6 +28,10 @@ HEARD = 1000.0
 
 # --- the link's state ------------------------------------------------------------------------------------
 
+def linked(last_heard: float | None = HEARD, **facts: object) -> LinkFacts:
+    return LinkFacts(linked=True, last_heard=last_heard, **facts)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("silent", "state"), [
     (0.0, H.ONLINE),
     (4.999, H.ONLINE),  # just before suspend_after
@@ -37,23 +43,47 @@ HEARD = 1000.0
     (86_400.0, H.LOST),
     (-1.0, H.ONLINE),  # heard "after" now: a caller's race, not silence
 ])
-def test_link_state_by_silence(silent: float, state: HostState) -> None:
-    assert link_state(revoked=False, last_heard=HEARD, now=HEARD + silent, timings=T) is state
+def test_a_linked_hosts_state_by_silence(silent: float, state: HostState) -> None:
+    assert link_state(linked(), HEARD + silent, T) is state
 
 
-def test_a_host_never_heard_is_lost() -> None:
-    assert link_state(revoked=False, last_heard=None, now=0.0, timings=T) is H.LOST
+@pytest.mark.parametrize(("silent", "state"), [
+    (0.0, H.DISCONNECTED),  # the instant its link closed: never online on the strength of its last beat
+    (4.999, H.DISCONNECTED),
+    (5.0, H.DISCONNECTED),  # not suspended: there is no link to be silent on
+    (29.999, H.DISCONNECTED),
+    (30.0, H.LOST),
+])
+def test_a_host_whose_link_closed_is_disconnected_at_once_then_lost(silent: float, state: HostState) -> None:
+    assert link_state(LinkFacts(linked=False, last_heard=HEARD), HEARD + silent, T) is state
 
 
-@pytest.mark.parametrize("last_heard", [None, HEARD, HEARD - 10.0, HEARD - 100.0])
-def test_revoked_wins_whatever_was_heard(last_heard: float | None) -> None:
-    assert link_state(revoked=True, last_heard=last_heard, now=HEARD, timings=T) is H.REVOKED
+@pytest.mark.parametrize(("since_start", "state"), [
+    (0.0, H.DISCONNECTED), (3.0, H.DISCONNECTED), (29.999, H.DISCONNECTED), (30.0, H.LOST),
+])
+def test_after_a_server_start_a_host_not_yet_heard_is_silent_from_the_start(since_start: float,
+                                                                             state: HostState) -> None:
+    assert link_state(LinkFacts(last_heard=None, since=HEARD), HEARD + since_start, T) is state
+
+
+def test_a_host_that_joined_and_never_linked_is_joined_however_long_ago() -> None:
+    never = LinkFacts(ever_linked=False, last_heard=None, since=0.0)
+    assert link_state(never, 86_400.0, T) is H.JOINED
+    assert link_state(linked(ever_linked=False), HEARD, T) is H.ONLINE  # its first link: online
+
+
+@pytest.mark.parametrize("facts", [
+    LinkFacts(), LinkFacts(linked=True, last_heard=HEARD), LinkFacts(last_heard=HEARD - 100.0),
+    LinkFacts(ever_linked=False),
+])
+def test_revoked_wins_whatever_was_heard(facts: LinkFacts) -> None:
+    assert link_state(msgspec.structs.replace(facts, revoked=True), HEARD, T) is H.REVOKED
 
 
 def test_the_timings_are_the_callers() -> None:
     quick = LinkTimings(suspend_after=0.5, lost_after=2.0)
-    assert link_state(revoked=False, last_heard=0.0, now=0.5, timings=quick) is H.SUSPENDED
-    assert link_state(revoked=False, last_heard=0.0, now=2.0, timings=quick) is H.LOST
+    assert link_state(linked(0.0), 0.5, quick) is H.SUSPENDED
+    assert link_state(linked(0.0), 2.0, quick) is H.LOST
 
 
 def test_default_timings() -> None:
@@ -70,7 +100,8 @@ def test_timings_that_cannot_work_are_refused_naming_both_keys(suspend_after: fl
 
 
 @pytest.mark.parametrize(("state", "takes"), [
-    (H.ONLINE, True), (H.SUSPENDED, False), (H.LOST, False), (H.REVOKED, False),
+    (H.ONLINE, True), (H.SUSPENDED, False), (H.DISCONNECTED, False), (H.LOST, False), (H.REVOKED, False),
+    (H.JOINED, False),
 ])
 def test_only_an_online_host_takes_requests(state: HostState, takes: bool) -> None:
     assert takes_requests(state) is takes

@@ -9,6 +9,7 @@ from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.link import (
     PROTOCOL_VERSION,
     TYPES,
+    Callers,
     Command,
     CommandResult,
     DeviceReport,
@@ -39,12 +40,14 @@ EVERY_MESSAGE: list[Message] = [
     LoadSample(at=812.5, loads=[InstanceLoad(instance="qwen/1", running=2, waiting=5)]),
     ProcessExit(instance="qwen/1", pid=4242, returncode=-9, at=900.25),
     ProcessExit(instance="qwen/1", pid=4242, returncode=None, at=900.25),
+    ProcessExit(instance="qwen/1", pid=4242, returncode=-15, at=900.25, cause="agent_stopped"),
     Command(id="c-1", generation=7, instance="qwen/1", action="launch",
             args={"argv": ["vllm", "serve"], "env": {"A": "1"}, "port": 30001}),
     CommandResult(id="c-1", generation=7, ok=True, detail={"pid": 4242, "pid_start_time": 123456.78}),
     CommandResult(id="c-2", generation=6, ok=False, code="stale_generation", message="older"),
     Heartbeat(seq=12, at=1.5),
     Goodbye(code="host_revoked", message="the server closed the link: host_revoked"),
+    Callers(cert_pem="-----BEGIN CERTIFICATE-----\n"),
     JoinRequest(host="gpu-1", secret="c2VjcmV0", csr_pem="-----BEGIN CERTIFICATE REQUEST-----\n"),
     JoinAccepted(host="gpu-1", cert_pem="-----BEGIN CERTIFICATE-----\n"),
 ]

@@ -12,7 +12,7 @@ import pytest
 
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import DeviceOffline, EngineRestarted, InsufficientMemory, LlmUnavailable
+from capyctl.domain.errors import DeviceOffline, EngineRestarted, EngineUnavailable, InsufficientMemory, LlmUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.domain.memory import Holding
 from capyctl.domain.requests import RequestRecord
@@ -96,7 +96,7 @@ async def test_a_request_launches_one_engine_and_is_routed_to_it(world: World) -
 async def test_a_crash_ends_the_old_engine_before_the_next_launch(world: World) -> None:
     route = await world.controller.route(5)
     world.effects.crash(1)
-    assert isinstance(await world.controller.lost(route, notice=1.0), EngineRestarted)
+    assert isinstance(await world.controller.lost(route, notice=1.0, broke=EngineUnavailable("connection reset")), EngineRestarted)
     await world.until(lambda: world.controller.ready)
     assert world.effects.done == ["launch 1", "stop 1", "launch 2"]
     assert world.controller.route_now() == Route("http://engine-2", 2)

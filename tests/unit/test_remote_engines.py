@@ -13,7 +13,7 @@ import pytest
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DeviceOffline, InvalidRequest
 from capyctl.domain.hosts import HostState
-from capyctl.domain.link import RunningInstance
+from capyctl.domain.link import ExitCause, ProcessExit, RunningInstance
 from capyctl.services.fleet import decode_spec
 from capyctl.services.remote_engines import GONE, RemoteEngineEffects
 from tests.fakes.ports import VirtualClock, virtual_time
@@ -31,7 +31,7 @@ class FakeHosts:
         self.state_now = HostState.ONLINE
         self.link_session = 1
         self.running: list[RunningInstance] | None = []  # the hello's list; None: not linked
-        self.exits: dict[tuple[str, int], int] = {}
+        self.exits: dict[tuple[str, int], ProcessExit] = {}
         self.sent: list[tuple[str, dict[str, Any], int]] = []  # (action, args, generation)
         self.answers: dict[str, dict[str, Any] | Exception] = {"launch": {"pid": 4242, "log_path": "/l/1.log",
                                                                           "launch_id": "L1"},
@@ -64,8 +64,11 @@ class FakeHosts:
     def proven(self, name: str) -> tuple[int, list[RunningInstance]] | None:
         return None if self.running is None else (self.link_session, self.running)
 
-    def exit_of(self, name: str, instance: str, pid: int) -> int | None:
+    def exit_of(self, name: str, instance: str, pid: int) -> ProcessExit | None:
         return self.exits.get((instance, pid))
+
+    def exit(self, pid: int, code: int | None, cause: ExitCause = "exited") -> None:
+        self.exits[("chat", pid)] = ProcessExit(instance="chat", pid=pid, returncode=code, at=1.0, cause=cause)
 
     def state(self, name: str) -> HostState:
         return self.state_now
@@ -107,8 +110,8 @@ async def test_an_engine_a_server_before_this_one_launched_is_adopted_not_starte
     assert adopted.adopted and adopted.pid == 777
     assert hosts.sent == [("adopt", {"gate": urlsplit(adopted.url).password}, 555)]  # its own generation
     assert remote.exited(adopted) is None
-    hosts.exits[("chat", 777)] = 0  # it ends later: the next launch is a launch, not an adoption
-    assert remote.exited(adopted) == 0
+    hosts.exit(777, 0)  # it ends later: the next launch is a launch, not an adoption
+    assert remote.exited(adopted) == 0 and remote.ended_by(adopted) is None
     await remote.launch(2)
     assert hosts.actions() == ["adopt", "launch"]
 
@@ -125,6 +128,7 @@ async def test_an_engine_counts_gone_only_on_the_hosts_word() -> None:
     assert remote.exited(engine) is None  # back, and it says the engine still runs: kept
     hosts.link_session, hosts.running = 3, []
     assert remote.exited(engine) == GONE  # back, and it says the engine no longer runs
+    assert remote.ended_by(engine) == "not_on_host"
     again = effects(hosts)
     hosts.running, hosts.link_session = [], 4
     relaunched = await again.launch(1)
@@ -138,12 +142,18 @@ async def test_a_revoked_hosts_engine_counts_gone_and_a_told_exit_keeps_its_stat
     hosts = FakeHosts()
     remote = effects(hosts)
     engine = await remote.launch(1)
-    hosts.exits[("chat", 4242)] = 3
-    assert remote.exited(engine) == 3
+    assert remote.ended_by(engine) is None  # it runs
+    hosts.exit(4242, 3)
+    assert remote.exited(engine) == 3 and remote.ended_by(engine) is None  # by itself: a crash
     other = effects(FakeHosts())
     launched = await other.launch(1)
     other._hosts.state_now = HostState.REVOKED  # type: ignore[attr-defined]
-    assert other.exited(launched) == GONE
+    assert other.exited(launched) == GONE and other.ended_by(launched) == "host_revoked"
+    stopped = effects(hosts := FakeHosts())
+    launched = await stopped.launch(1)
+    hosts.exit(4242, -15, "agent_stopped")  # its agent stopped, and told so before its link closed
+    assert stopped.exited(launched) == -15 and stopped.ended_by(launched) == "agent_stopped"
+
 
 
 async def test_a_stop_waits_for_an_offline_host_and_a_stopping_server_leaves_the_engine_running() -> None:

@@ -180,6 +180,35 @@ def host_key_and_csr(name: str) -> tuple[bytes, bytes]:
     return _pem_key(key), csr.public_bytes(serialization.Encoding.PEM)
 
 
+def caller_certificate(name: str, days: int = SERVER_DAYS) -> tuple[bytes, bytes]:
+    """A self-signed client certificate and its fresh key (PEM) for the server's calls to hosts' ingresses.
+
+    Not signed by the CA, on purpose: every host's certificate is, so an
+    ingress that trusted the CA for its callers would let any host in. An
+    ingress trusts this one certificate alone (it is handed over the
+    control link), so OpenSSL itself fails the handshake of any other
+    client. ``name`` is one no host may take (``check_host_name``).
+    """
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _SKEW)
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_usage(signing=True), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
 def fingerprint(cert: bytes) -> str:
     """The SHA-256 of a certificate (PEM or DER) in lower-case hex: how the server tells a host's certificates apart."""
     return _load(cert).fingerprint(hashes.SHA256()).hex()

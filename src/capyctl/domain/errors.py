@@ -194,6 +194,24 @@ class EngineUnavailable(CapyError):
     code = "engine_unavailable"
 
 
+class HostUnreachable(EngineUnavailable):
+    """A host's ingress could not be reached, or refused the server (a gate key its agent no longer knows), or
+    showed a certificate the host does not hold now: the machine, not its engine, is out of reach. Said in
+    the host's name, never with its address; a client reads it as ``device_offline``."""
+
+    code = "device_offline"
+
+    def __init__(self, host: str, why: str, reason: str = "unreachable", model: str | None = None) -> None:
+        what = f"model {model!r} runs on host {host!r}, which" if model is not None else f"host {host!r}"
+        super().__init__(f"{what} cannot be reached now: {why}; retry in 1 s, or see: capyctl list hosts",
+                         host=host, reason=reason, retry_after_s=1, **({"model": model} if model else {}))
+        self.host, self.why, self.reason, self.retry_after = host, why, reason, 1
+
+    def of(self, model: str) -> HostUnreachable:
+        """The same, said of ``model``, for its client."""
+        return HostUnreachable(self.host, self.why, self.reason, model)
+
+
 class EdgeError(CapyError):
     """The engine answered something CapyCTL cannot relay faithfully (Citadel's ``edge_error``).
 

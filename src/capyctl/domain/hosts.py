@@ -3,10 +3,12 @@
 Three sets of rules, each pure (times are passed in as the ``Clock`` port's
 monotonic seconds):
 
-- ``link_state``: what the server makes of a host from when it last heard
-  it. Silence first suspends a host (no new request goes there), then counts
-  it lost; neither releases what it holds, since a silent host proves
-  nothing about its engines.
+- ``link_state``: what the server makes of a host from its link and when it
+  last heard it. A closed link makes it ``disconnected`` at once; silence
+  first suspends a linked host (no new request goes there), then counts it
+  lost; none of these releases what it holds, since a silent host proves
+  nothing about its engines. A host that joined and never linked is
+  ``joined``, not lost.
 - ``CommandLedger``: the host's memory of the commands it was given. The
   server sends a command again whenever it is unsure it arrived (a dropped
   link, a restart), so a command seen before is answered with its first
@@ -41,15 +43,18 @@ class HostRecord(Strict, kw_only=True):
     joined_at: float  # wall clock
     revoked: list[str] = []  # fingerprints refused for this name for ever
     revoked_at: float | None = None  # set when an operator revoked the host itself
+    linked_at: float | None = None  # when its agent first linked (wall clock); None: never, since it joined
     engines: list[EngineInstall] = []  # installations registered on the host (paths on its own disk)
 
 
 # --- the link's state -------------------------------------------------------------------------------------
 
 class HostState(enum.StrEnum):
+    JOINED = "joined"  # joined, but its agent has never linked (``capyctl start host`` was not run there yet)
     ONLINE = "online"
-    SUSPENDED = "suspended"  # silent a while: takes no new request, keeps everything it holds
-    LOST = "lost"  # silent long, or never heard: still holds its charges until it proves what runs
+    DISCONNECTED = "disconnected"  # no link now (it closed, or the server started since): takes no request
+    SUSPENDED = "suspended"  # linked but silent a while: takes no new request, keeps everything it holds
+    LOST = "lost"  # silent long, or without a link long: still holds its charges until it proves what runs
     REVOKED = "revoked"  # refused for good; only a new invitation brings the machine back
 
 
@@ -67,15 +72,34 @@ class LinkTimings(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
-def link_state(*, revoked: bool, last_heard: float | None, now: float, timings: LinkTimings) -> HostState:
-    """A host's state ``now``, from when any message of it was last heard (None: never, since the server started)."""
-    if revoked:
+class LinkFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the server knows of a host's link at one moment (times: the ``Clock`` port's monotonic seconds)."""
+
+    revoked: bool = False
+    ever_linked: bool = True  # since it joined, whichever server it linked to
+    linked: bool = False  # a link is up now, and the host has not said it is leaving on it
+    last_heard: float | None = None  # since this server started (None: not yet)
+    since: float = 0.0  # when this server started: the silence of a host not heard yet counts from here
+
+
+def link_state(facts: LinkFacts, now: float, timings: LinkTimings) -> HostState:
+    """A host's state ``now``.
+
+    A link that closed is known at once: the host is ``disconnected`` from
+    that instant, never counted online on the strength of its last heartbeat.
+    Silence (counted from the last word heard, or from the server's start
+    when none was heard since) makes a linked host suspended, then lost, and
+    a host without a link lost; no state releases what a host holds.
+    """
+    if facts.revoked:
         return HostState.REVOKED
-    if last_heard is None:
-        return HostState.LOST
-    silent = now - last_heard
+    if not facts.ever_linked and not facts.linked:
+        return HostState.JOINED
+    silent = now - (facts.last_heard if facts.last_heard is not None else facts.since)
     if silent >= timings.lost_after:
         return HostState.LOST
+    if not facts.linked:
+        return HostState.DISCONNECTED
     if silent >= timings.suspend_after:
         return HostState.SUSPENDED
     return HostState.ONLINE

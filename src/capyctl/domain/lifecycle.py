@@ -39,7 +39,8 @@ class Launched(msgspec.Struct, frozen=True, kw_only=True):
     number: int  # the deployment's launches count from 1; a route names the launch it was given
     url: str  # where the engine answers requests
     pid: int | None = None  # its process, where the effects can tell
-    port: int | None = None
+    port: int | None = None  # where the engine listens, on its own machine's loopback
+    ingress_port: int | None = None  # on a host: its ingress's port, which the server reaches the engine through
     log_path: str | None = None  # where its output goes
     adopted: bool = False  # already running (on a host, launched by a server before this one): taken over
 

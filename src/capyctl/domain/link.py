@@ -8,7 +8,8 @@ lives in ``adapters/control``). Each frame on it is one JSON object whose
   first on every connection), ``inventory`` (its devices and engines),
   ``load_sample`` (each instance's running and waiting counts),
   ``process_exit`` and ``command_result``;
-- server -> host: ``command`` (launch, stop, park ... one instance), each
+- server -> host: ``callers`` (first: the certificate the host's ingress
+  must require of its callers), ``command`` (launch, stop, park ... one instance), each
   with an ID, so that a command sent again is answered, not applied again,
   and a generation, so that an order superseded by a newer one is refused
   (``domain.hosts.CommandLedger``);
@@ -31,7 +32,7 @@ import msgspec
 from capyctl.domain.deployments import Strict
 from capyctl.domain.errors import InvalidRequest
 
-PROTOCOL_VERSION = 1  # raised whenever a message changes in a way the other side could not read
+PROTOCOL_VERSION = 2  # raised whenever a message changes in a way the other side could not read
 
 Action = Literal["launch", "adopt", "stop", "park", "wake", "probe", "load", "open_gate", "close_gate",
                  "inspect_engine"]
@@ -105,11 +106,18 @@ class LoadSample(_Message, tag="load_sample", kw_only=True):
     loads: list[InstanceLoad] = []
 
 
+ExitCause = Literal["exited", "agent_stopped"]
+
+
 class ProcessExit(_Message, tag="process_exit", kw_only=True):
+    """An engine the host ran for the server ended: by itself (``exited``: it crashed, or was killed on the
+    host), or stopped by its agent on the way out (``agent_stopped``: the agent was asked to stop)."""
+
     instance: str
     pid: int
     returncode: int | None  # None: it ended without one the host could read
     at: float
+    cause: ExitCause = "exited"
 
 
 class Command(_Message, tag="command", kw_only=True):
@@ -141,6 +149,14 @@ class Goodbye(_Message, tag="goodbye", kw_only=True):
     message: str
 
 
+class Callers(_Message, tag="callers", kw_only=True):
+    """The certificate the host's ingress must require of whoever calls it: the server's own, made at its
+    start and sent first on every link (the link itself is mutual TLS under the pinned CA, so what comes
+    on it is the server's word). Any other client, a host's certificate included, fails the handshake."""
+
+    cert_pem: str
+
+
 class JoinRequest(_Message, tag="join_request", kw_only=True):
     host: str
     secret: str  # the invitation's secret, base64url without padding
@@ -153,7 +169,7 @@ class JoinAccepted(_Message, tag="join_accepted", kw_only=True):
 
 
 Message = (Hello | Inventory | LoadSample | ProcessExit | Command | CommandResult | Heartbeat | Goodbye
-           | JoinRequest | JoinAccepted)
+           | Callers | JoinRequest | JoinAccepted)
 TYPES = tuple(sorted(str(kind.__struct_config__.tag) for kind in get_args(Message)))
 
 _encoder = msgspec.json.Encoder()

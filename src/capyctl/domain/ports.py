@@ -167,6 +167,11 @@ class EngineEffects(Protocol):
     def exited(self, engine: Launched) -> int | None:
         """The engine's exit status once its process is gone; None while it runs. Never blocks."""
 
+    def ended_by(self, engine: Launched) -> str | None:
+        """Why an engine that is gone ended, when it was not by itself: ``agent_stopped`` (its host's agent was
+        stopped, and stopped its engines), ``host_revoked``, ``not_on_host`` (its host came back without it);
+        None for an engine that exited on its own (a crash, a kill) or still runs. Never blocks."""
+
     async def ready(self, engine: Launched) -> bool:
         """True once the engine answers requests; False while it loads or cannot be reached."""
 

@@ -11,7 +11,13 @@ import msgspec
 from capyctl.adapters.control.agent import SERVER_NAME
 from capyctl.adapters.control.listener import ControlListener
 from capyctl.adapters.http.management import Hosts
-from capyctl.adapters.pki import CertificateAuthority, client_ssl_context, server_ssl_context, write_private
+from capyctl.adapters.pki import (
+    CertificateAuthority,
+    caller_certificate,
+    client_ssl_context,
+    server_ssl_context,
+    write_private,
+)
 from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.joining import SECRET_BYTES, JoinFile, secret_text
@@ -28,8 +34,12 @@ def server_role(state: StateDir, container: Container, control: tuple[str, int],
     tls = server_ssl_context(cert_pem, key_pem, authority.cert_pem, require_client=False)
     registry = container.hosts()
     assert registry is not None, "the container was built for a CapyCTL that runs alone"
-    # the engines on hosts are reached through their ingresses, whose certificates are of this CA
-    container.engine_session().trust(client_ssl_context(authority.cert_pem, names_checked=True))
+    # the engines on hosts are reached through their ingresses: each host held to the certificate it holds now,
+    # and this server known there by a certificate of its own, made afresh at each start and handed to each
+    # host over its link (no host's certificate, all of this CA's, opens an ingress)
+    caller_pem, caller_key = caller_certificate(SERVER_NAME)
+    container.engine_session().trust(
+        client_ssl_context(authority.cert_pem, caller_pem, caller_key, names_checked=True), registry.fingerprint)
     write_server_credentials(state)
 
     def invite(name: str, ttl: float, server: str | None) -> dict[str, Any]:
@@ -43,7 +53,7 @@ def server_role(state: StateDir, container: Container, control: tuple[str, int],
                         secret=secret_text(secret), expires_at=made.expires_at)
         return msgspec.to_builtins(join)
 
-    return Hosts(registry, invite), ControlListener(registry, authority, tls)
+    return Hosts(registry, invite), ControlListener(registry, authority, tls, caller_pem)
 
 
 def write_server_credentials(state: StateDir) -> None:

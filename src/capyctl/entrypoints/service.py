@@ -27,6 +27,7 @@ from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
 from capyctl.adapters.devices import read_devices
 from capyctl.domain.config import ServerConfig, Settings, resolve
+from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import HOST_MAX_BODY, Limits, across_hosts
 from capyctl.entrypoints.container import Container
 from capyctl.entrypoints.hosts import server_role
@@ -68,12 +69,16 @@ async def serve_server(state_dir: Path, listen: str, management: str, control_li
     inference_addr = parse_listen(listen, "--listen")
     management_addr = parse_listen(management, "--management")
     control_addr = parse_listen(control_listen, "--control-listen")
+    if (state_dir / "identity" / "host.json").exists():  # one directory, one role
+        raise InvalidConfig(f"{state_dir} holds a host's identity (identity/host.json): a server on this machine "
+                            "needs a state directory of its own (--state-dir DIR)")
     advertised = control_advertise or (None if control_addr[0] in ("0.0.0.0", "::", "") else control_listen)
     if control_advertise is not None:
         parse_listen(control_advertise, "--control-advertise")
-    if settings.limits.max_body > HOST_MAX_BODY:
-        log.info("limits.max_body is %d bytes; with several machines a request body is at most %d bytes",
-                 settings.limits.max_body, HOST_MAX_BODY)
+    if HOST_MAX_BODY < settings.limits.max_body != Limits().max_body:  # set so, not the default: said once
+        log.warning("limits.max_body is %d bytes, but a server of several machines takes at most %d bytes "
+                    "(what a host's ingress takes): larger bodies get 413 too_large", settings.limits.max_body,
+                    HOST_MAX_BODY)
     settings = msgspec.structs.replace(settings, limits=across_hosts(settings.limits))
     raise_open_files_limit(settings.limits)
     container = build_container(state_dir, settings, several=True)
@@ -90,7 +95,6 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
     SIGTERM."""
     from capyctl.adapters.control.agent import HostAgent, HostIdentity, LinkRefused
     from capyctl.adapters.control.ingress import Ingress
-    from capyctl.adapters.pki import server_ssl_context
     from capyctl.domain.link import DeviceReport, Inventory
     from capyctl.entrypoints.host_role import host_commands, host_engines
 
@@ -98,12 +102,18 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
     devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
     inventory = Inventory(devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve)
                                    for d in devices], engines=[])
-    identity, cert, key = HostIdentity.load(state_dir)
-    ingress = Ingress(server_ssl_context(cert, key, identity.ca_pem.encode(), require_client=False))
+    _, cert, key = HostIdentity.load(state_dir)
+    ingress = Ingress(cert, key, header_timeout=settings.limits.header_timeout,  # whom it lets in, the server
+                      body_timeout=settings.limits.body_timeout)  # says over the link (``callers``)
     ingress_sock = listen_socket(*ingress_addr, "--ingress-listen")
     engines = host_engines(ingress, state_dir / "logs")
+
+    async def leaving() -> None:  # asked to stop while linked: the server hears each engine's end, and why
+        await engines.stop_all(agent.tell)
+
     agent = HostAgent(state_dir, lambda: inventory, host_commands(ingress, engines),
-                      ingress_port=ingress_sock.getsockname()[1], running=engines.running)
+                      ingress_port=ingress_sock.getsockname()[1], running=engines.running,
+                      callers=ingress.trust_callers, leaving=leaving)
     stopping = anyio.Event()
     log.info("capyctl %s host %s: linking to the server at %s; ingress on %s:%s (HTTPS)", __version__, agent.name,
              agent.server, *ingress_sock.getsockname()[:2])
@@ -118,7 +128,7 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
             refused = exc
         finally:
             with anyio.CancelScope(shield=True):
-                await engines.stop_all()  # a host's engines do not outlive its agent (yet)
+                await engines.stop_all()  # what is left (the link was down): a host's engines end with its agent
         tg.cancel_scope.cancel()
     if refused is not None:
         raise refused

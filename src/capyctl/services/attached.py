@@ -101,7 +101,7 @@ class AttachedController(ControllerBase):
             model=self.name,
         )
 
-    async def lost(self, route: Route, notice: float) -> CapyError | None:
+    async def lost(self, route: Route, notice: float, broke: EngineUnavailable) -> CapyError | None:
         """A broken connection to an attached engine: check it again on the next request."""
         if self.status.state is S.READY:
             self._set(S.UNAVAILABLE, f"lost the connection to the attached engine at {self.base_url}")

@@ -235,7 +235,7 @@ class ChatService(RequestService):
                         yield self._call(controller, record, meter, answer)
                 except EngineUnavailable as exc:
                     # stopped, or crashed and restarting
-                    gone = await controller.lost(route, self._settings.crash_notice)
+                    gone = await controller.lost(route, self._settings.crash_notice, exc)
                     if gone is not None:
                         raise gone from exc
                     if streaming:  # the engine is still there, but its answer broke off

@@ -9,7 +9,7 @@ import msgspec
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec, Desired, InstanceState, check_transition
 from capyctl.domain.engines import EngineInstall
-from capyctl.domain.errors import CapyError
+from capyctl.domain.errors import CapyError, EngineUnavailable
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.ports import Clock, EngineAdapter
 from capyctl.domain.requests import RequestRecord
@@ -48,9 +48,10 @@ class Serving(Protocol):
     def route_now(self) -> Route | None:
         """The engine's route while it is ready (what ``route`` returns at once then); None otherwise."""
 
-    async def lost(self, route: Route, notice: float) -> CapyError | None:
-        """After a broken engine connection: the error that says why, when the engine of ``route`` is gone
-        (waiting up to ``notice`` seconds to see it exit); None while it still runs."""
+    async def lost(self, route: Route, notice: float, broke: EngineUnavailable) -> CapyError | None:
+        """After a broken engine connection (``broke``): the error that says why, when the engine of ``route``
+        is gone (waiting up to ``notice`` seconds to see it exit) or its machine is out of reach (a host's:
+        at once when ``broke`` says so); None while it still runs and can be reached."""
 
     def loading(self) -> Loading: ...
 
@@ -77,7 +78,8 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
     index: int = 0
     state: InstanceState = S.STOPPED
     pid: int | None = None
-    port: int | None = None
+    port: int | None = None  # the engine's, on its machine's loopback
+    ingress_port: int | None = None  # on a host: its ingress's, where the server reaches the engine
     started_at: float | None = None
     ready_at: float | None = None
     restarts: int = 0
@@ -133,6 +135,11 @@ class ControllerBase:
     @property
     def host(self) -> str | None:
         return self.deployment.host
+
+    def held(self) -> CapyError | None:
+        """Why the engine that runs cannot be reached now (its host is not online): it is held, neither serving
+        nor released; None when it can be reached, or none runs."""
+        return None
 
     async def read_load(self) -> tuple[int, int] | None:
         """The engine's running and waiting counts, as its adapter reads them (what settles cut requests)."""

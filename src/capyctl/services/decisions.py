@@ -54,7 +54,7 @@ class DecisionService(RequestService):
                 except EngineError as exc:
                     raise EngineRejected(exc.status, exc.message) from exc
                 except EngineUnavailable as exc:
-                    gone = await controller.lost(route, self._settings.crash_notice)
+                    gone = await controller.lost(route, self._settings.crash_notice, exc)
                     if gone is not None:
                         raise gone from exc
                     raise

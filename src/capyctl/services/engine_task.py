@@ -32,6 +32,12 @@ S = InstanceState
 CANARY_WAIT = 120.0  # seconds the canary may take before the engine counts as not answering
 
 
+ENDED_BY = {  # the words for ``EngineEffects.ended_by``'s causes
+    "agent_stopped": "its host's agent was stopped, and stopped its engines",
+    "host_revoked": "its host was revoked",
+    "not_on_host": "its host came back without it (its agent was restarted, or killed)",
+}
+
 class EngineTask:
     def __init__(
         self, occupant: Occupant, state: ManagedState, effects: EngineEffects, room: Room, clock: Clock,
@@ -129,6 +135,7 @@ class EngineTask:
         engine = await self._effects.launch(state.launch)
         state.base_url, state.engine = engine.url, engine
         state.status.port, state.status.log_path, state.status.pid = engine.port, engine.log_path, engine.pid
+        state.status.ingress_port = engine.ingress_port
         self._events.emit(self._name, "engine_adopted" if engine.adopted else "engine_started", instance=0,
                           pid=engine.pid, port=engine.port)
         cancelled = False
@@ -139,8 +146,13 @@ class EngineTask:
             state.set(S.READY)
             ready_at = self._clock.monotonic()
             code = await self._watch(engine)
-            state.status.last_error = f"engine exited with status {code} while serving"
-            self._events.emit(self._name, "engine_crashed", instance=0, status=code, log=engine.log_path)
+            cause = self._effects.ended_by(engine)
+            if cause is None:  # by itself: a crash
+                state.status.last_error = f"engine exited with status {code} while serving"
+                self._events.emit(self._name, "engine_crashed", instance=0, status=code, log=engine.log_path)
+            else:  # not the engine's doing: said as what it was, and started again once its machine allows
+                state.status.last_error = f"engine ended while serving: {ENDED_BY.get(cause, cause)}"
+                self._events.emit(self._name, "engine_ended", instance=0, cause=cause, status=code)
             state.set(S.STARTING)  # at once: no request may be routed to the dead engine
             return self._clock.monotonic() - ready_at
         except anyio.get_cancelled_exc_class():
@@ -181,8 +193,11 @@ class EngineTask:
         deadline = self._clock.monotonic() + self._settings.startup_timeout
         while self._clock.monotonic() < deadline:
             if (code := self._effects.exited(engine)) is not None:
-                status.last_error = f"engine exited with status {code} while starting"
-                self._events.emit(self._name, "engine_start_failed", instance=0, status=code)
+                cause = self._effects.ended_by(engine)
+                status.last_error = (f"engine exited with status {code} while starting" if cause is None
+                                     else f"engine ended while starting: {ENDED_BY.get(cause, cause)}")
+                self._events.emit(self._name, "engine_start_failed", instance=0, status=code,
+                                  **({"cause": cause} if cause is not None else {}))
                 return False
             if await self._effects.ready(engine):
                 return True

@@ -42,6 +42,7 @@ class _Running:
     launch_id: str
     generation: int
     started: float  # wall clock, as the hello reports it
+    ending: bool = False  # being stopped here: its end is told by whoever stops it, not by ``watch``
 
 
 class HostEngines:
@@ -73,6 +74,7 @@ class HostEngines:
             running.gate = gate
             return self._described(running)
         if action == "stop":
+            running.ending = True  # the server learns its status from this command's result
             status = await running.effects.stop(engine, float(args.get("grace", 10.0)))
             self._gates.close_gate(running.gate)
             del self._running[command.instance]
@@ -131,7 +133,7 @@ class HostEngines:
         while True:
             for name, running in list(self._running.items()):
                 status = running.effects.exited(running.launched)
-                if status is not None:
+                if status is not None and not running.ending:
                     self._gates.close_gate(running.gate)
                     del self._running[name]
                     await tell(ProcessExit(instance=name, pid=running.launched.pid or 0, returncode=status,
@@ -139,12 +141,21 @@ class HostEngines:
             await anyio.sleep(WATCH_EVERY)
 
 
-    async def stop_all(self, grace: float = 10.0) -> None:
-        """Every engine ended (the agent is stopping: its engines do not outlive it yet)."""
-        for name, running in list(self._running.items()):
-            await running.effects.stop(running.launched, grace)
+    async def stop_all(self, tell: Callable[[Message], Awaitable[None]] | None = None, grace: float = 10.0) -> None:
+        """Every engine ended, each end told (cause ``agent_stopped``) while the link is up: the agent is
+        stopping, and its engines do not outlive it."""
+        async def end(name: str, running: _Running) -> None:
+            status = await running.effects.stop(running.launched, grace)
             self._gates.close_gate(running.gate)
-            del self._running[name]
+            self._running.pop(name, None)
+            if tell is not None:
+                await tell(ProcessExit(instance=name, pid=running.launched.pid or 0, returncode=status,
+                                       at=self._clock.wall(), cause="agent_stopped"))
+
+        async with anyio.create_task_group() as ending:  # side by side: each has its own grace, not the sum
+            for name, running in list(self._running.items()):
+                running.ending = True
+                ending.start_soon(end, name, running)
 
 
 def _gate_of(args: Mapping[str, Any]) -> str:

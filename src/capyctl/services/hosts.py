@@ -21,13 +21,14 @@ import msgspec
 
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import AlreadyExists, CapyError, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
-from capyctl.domain.hosts import HostRecord, HostState, LinkTimings, link_state
+from capyctl.domain.hosts import HostRecord, HostState, LinkFacts, LinkTimings, link_state
 from capyctl.domain.memory import Device
 from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
 from capyctl.domain.link import (
     Action,
     Command,
     CommandResult,
+    Goodbye,
     Hello,
     Inventory,
     LoadSample,
@@ -59,6 +60,7 @@ class _Link:
     state: HostState | None = None  # as last told in an event
     exits: list[ProcessExit] = field(default_factory=list)
     inventoried: int = 0  # the session whose inventory came (the link is whole from then on)
+    leaving: bool = False  # the host said goodbye on this link: it takes nothing new, its last words still count
 
 
 class HostRegistry:
@@ -69,6 +71,7 @@ class HostRegistry:
         self.timings = timings
         self._records = {record.name: record for record in store.list_hosts()}
         self._links: dict[str, _Link] = {}
+        self._since = clock.monotonic()  # a host not heard since the server started is silent from here
         self._sessions = 0
         self._waiting: dict[str, tuple[str, anyio.Event, list[CommandResult]]] = {}  # command ID -> its answer
         self._on_linked: list[Callable[[str, list[RunningInstance]], None]] = []
@@ -97,8 +100,7 @@ class HostRegistry:
             revoked.append(old.fingerprint)
         record = HostRecord(name=name, fingerprint=fingerprint, joined_at=self._clock.wall(), revoked=revoked,
                             engines=old.engines if old is not None else [])
-        self._store.put_host(record)
-        self._records[name] = record
+        self._put(record)
         self._events.emit(None, "host_joined", host=name, fingerprint=fingerprint)
 
     # --- the control link ---------------------------------------------------------------------------
@@ -119,8 +121,11 @@ class HostRegistry:
         link = self._links.setdefault(name, _Link())
         replaced = link.close if link.connected else None
         link.session, link.connected, link.address, link.hello, link.close = self._sessions, True, address, hello, close
-        link.send = send
+        link.send, link.leaving = send, False
         self._heard(link)
+        record = self._records.get(name)
+        if record is not None and record.linked_at is None:  # its first link since it joined: joined no more
+            self._put(msgspec.structs.replace(record, linked_at=self._clock.wall()))
         self._events.emit(None, "host_connected", host=name, address=address, version=hello.version)
         self._tell(name, link)
         return link.session, replaced
@@ -151,6 +156,8 @@ class HostRegistry:
             if waiting is not None and waiting[0] == name:
                 waiting[2].append(message)
                 waiting[1].set()
+        elif isinstance(message, Goodbye):  # its agent is stopping: nothing new goes there from now on
+            link.leaving = True
         self._tell(name, link)
 
     def disconnected(self, name: str, session: int, why: str) -> None:
@@ -162,6 +169,11 @@ class HostRegistry:
             if host == name:
                 done.set()  # no result: the command's caller answers device_offline
         self._events.emit(None, "host_disconnected", host=name, reason=why)
+        self._tell(name, link)  # not online from this instant: a closed link is known at once
+
+    def _put(self, record: HostRecord) -> None:
+        self._store.put_host(record)
+        self._records[record.name] = record
 
     def _heard(self, link: _Link) -> None:
         link.last_heard, link.last_heard_wall = self._clock.monotonic(), self._clock.wall()
@@ -174,7 +186,7 @@ class HostRegistry:
         state = self.state(name)
         link = self._links.get(name)
         if state != HostState.ONLINE or link is None or link.send is None:
-            raise DeviceOffline(name, state.value if state != HostState.ONLINE else "not linked")
+            raise DeviceOffline(name, state.value)
         command = Command(id=uuid.uuid4().hex, generation=generation, instance=instance, action=action, args=args)
         done, answer = anyio.Event(), []
         self._waiting[command.id] = (name, done, answer)
@@ -224,8 +236,7 @@ class HostRegistry:
         if any(e.name == install.name for e in record.engines):
             raise AlreadyExists(f"host {name!r} has an engine named {install.name!r} already; pick another --name")
         record = msgspec.structs.replace(record, engines=[*record.engines, install])
-        self._store.put_host(record)
-        self._records[name] = record
+        self._put(record)
         self._events.emit(None, "engine_added", engine=install.name, family=str(install.family),
                           version=install.version, host=name)
         return install
@@ -262,7 +273,16 @@ class HostRegistry:
         state = self.state(name)
         if state == HostState.ONLINE:
             return None
-        return DeviceOffline(name, state.value, model=model, retry_after=max(1, round(self.timings.suspend_after)))
+        # a closed link is dialled again at once (an agent restarting takes a second or so); silence takes longer
+        soon = state in (HostState.DISCONNECTED, HostState.JOINED)
+        return DeviceOffline(name, state.value, model=model,
+                             retry_after=1 if soon else max(1, round(self.timings.suspend_after)))
+
+    def fingerprint(self, name: str) -> str | None:
+        """The SHA-256 of the certificate host ``name`` holds now; None when it is revoked or unknown: what the
+        server pins the host's ingress to (a certificate the CA signed for the name before is not it)."""
+        record = self._records.get(name)
+        return None if record is None or record.revoked_at is not None else record.fingerprint
 
     def proven(self, name: str) -> tuple[int, list[RunningInstance]] | None:
         """(the link's session, what the host said runs in its hello) while host ``name`` is linked."""
@@ -276,13 +296,13 @@ class HostRegistry:
         link = self._links.get(name)
         return link.session if link is not None else 0
 
-    def exit_of(self, name: str, instance: str, pid: int) -> int | None:
-        """The exit status host ``name`` told for ``instance``'s process ``pid``; None if none was told (-1 when
-        the host could not read one)."""
+    def exit_of(self, name: str, instance: str, pid: int) -> ProcessExit | None:
+        """What host ``name`` told of the end of ``instance``'s process ``pid`` (its status, its cause); None if
+        it told nothing."""
         link = self._links.get(name)
         for told in reversed(link.exits if link is not None else []):
             if told.instance == instance and told.pid == pid:
-                return told.returncode if told.returncode is not None else -1
+                return told
         return None
 
     # --- states -------------------------------------------------------------------------------------
@@ -291,8 +311,10 @@ class HostRegistry:
         if record is None:
             raise HostNotFound(name)
         link = self._links.get(name)
-        return link_state(revoked=record.revoked_at is not None, last_heard=link.last_heard if link else None,
-                          now=self._clock.monotonic(), timings=self.timings)
+        facts = LinkFacts(revoked=record.revoked_at is not None, ever_linked=record.linked_at is not None,
+                          linked=link is not None and link.connected and not link.leaving,
+                          last_heard=link.last_heard if link is not None else None, since=self._since)
+        return link_state(facts, self._clock.monotonic(), self.timings)
 
     def _tell(self, name: str, link: _Link) -> None:
         """An event when the host's state is not the one last told."""
@@ -319,8 +341,7 @@ class HostRegistry:
         if record.fingerprint not in revoked:
             revoked.append(record.fingerprint)
         record = msgspec.structs.replace(record, revoked=revoked, revoked_at=self._clock.wall())
-        self._store.put_host(record)
-        self._records[name] = record
+        self._put(record)
         self._events.emit(None, "host_revoked", host=name)
         link = self._links.get(name)
         if link is not None and link.close is not None:
@@ -351,7 +372,7 @@ class HostRegistry:
             "engines": [{"name": e.name, "family": str(e.family), "version": e.version, "path": e.path}
                         for e in record.engines],
             "instances": [i.instance for i in hello.running] if hello else [],
-            "exits": [{"instance": e.instance, "pid": e.pid, "returncode": e.returncode, "at": e.at}
+            "exits": [{"instance": e.instance, "pid": e.pid, "returncode": e.returncode, "at": e.at, "cause": e.cause}
                       for e in link.exits[-8:]],
             "joined_at": record.joined_at,
             "revoked_at": record.revoked_at,

@@ -59,6 +59,9 @@ class LocalEngineEffects(EngineEffects):
     def exited(self, engine: Launched) -> int | None:
         return self._handles[engine.number].returncode()
 
+    def ended_by(self, engine: Launched) -> str | None:
+        return None  # a child of this process ends by itself, or by this process's own stop
+
     async def ready(self, engine: Launched) -> bool:
         return await self._adapter.ready(engine.url)
 

@@ -21,6 +21,7 @@ from capyctl.domain.errors import (
     DeploymentStopped,
     EngineRestarted,
     EngineUnavailable,
+    HostUnreachable,
     LlmUnavailable,
 )
 from capyctl.domain.fields import RowChoice
@@ -151,6 +152,9 @@ class ManagedController(ControllerBase):
         engine = self._state.engine
         return None if engine is None else await self._effects.load(engine)
 
+    def held(self) -> CapyError | None:
+        return self._effects.offline() if self._state.engine is not None else None
+
     def route_now(self) -> Route | None:
         if self._state.status.state is S.READY and self._effects.offline() is None:
             return Route(self._state.url, self._state.launch)
@@ -194,13 +198,15 @@ class ManagedController(ControllerBase):
             return LlmUnavailable(self.name, str(status.last_error), status.log_path)
         return EngineUnavailable(f"deployment {self.name!r} is shutting down", model=self.name)
 
-    async def lost(self, route: Route, notice: float) -> CapyError | None:
+    async def lost(self, route: Route, notice: float, broke: EngineUnavailable) -> CapyError | None:
+        if isinstance(broke, HostUnreachable):  # the machine, not the engine: nothing to wait for
+            return self._effects.offline() or broke.of(self.name)
         state = self._state
         with anyio.move_on_after(notice):  # the task sees an exit within its poll interval
             while not gone(route.launch, state.launch, state.status.state):
                 await state.changed()
         if not gone(route.launch, state.launch, state.status.state):
-            return None
+            return self._effects.offline()  # its host went out of reach meanwhile (None on this machine)
         if state.desired is Desired.STOP:  # not a crash: an operator stopped it
             return DeploymentStopped(self.name, while_serving=True)
         return EngineRestarted(self.name, str(state.status.last_error))

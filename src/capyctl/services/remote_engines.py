@@ -51,6 +51,12 @@ class _Launch:
     pid: int
     launch_id: str  # the host's own name for this launch: with the pid, what proves it is the same process
     code: int | None = None  # its exit status, once known
+    cause: str | None = None  # why it ended, when not by itself (see ``EngineEffects.ended_by``)
+
+    def gone(self, cause: str) -> None:
+        """Known gone without an exit status of its own (the host's word, or its revocation)."""
+        if self.code is None:
+            self.code, self.cause = GONE, cause
 
 
 class RemoteEngineEffects(EngineEffects):
@@ -92,7 +98,9 @@ class RemoteEngineEffects(EngineEffects):
         self._launches[number] = self._current = _Launch(self._generation, self._hosts.session(self.host), pid,
                                                          str(detail.get("launch_id") or ""))
         self._proven = self._current.session
-        return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid, port=port,
+        engine_port = detail.get("port")
+        return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid,
+                        port=int(engine_port) if engine_port else None, ingress_port=port,
                         log_path=f"{self.host}:{detail.get('log_path')}", adopted=running is not None)
 
     def _adoptable(self) -> RunningInstance | None:
@@ -101,15 +109,19 @@ class RemoteEngineEffects(EngineEffects):
 
     def exited(self, engine: Launched) -> int | None:
         launch = self._launches[engine.number]
-        if launch.code is None:
-            launch.code = self._hosts.exit_of(self.host, self._instance, launch.pid)
+        if launch.code is None and (told := self._hosts.exit_of(self.host, self._instance, launch.pid)) is not None:
+            launch.code = told.returncode if told.returncode is not None else GONE
+            launch.cause = "agent_stopped" if told.cause == "agent_stopped" else None
         if launch.code is None and self._hosts.state(self.host) == HostState.REVOKED:
-            launch.code = GONE  # its agent is cut off and ends its engines; nothing more will be heard
+            launch.gone("host_revoked")  # its agent is cut off and ends its engines; nothing more will be heard
         if launch.code is None and (proof := self._hosts.proven(self.host)) is not None and proof[0] > launch.session:
             if not any(r.instance == self._instance and r.pid == launch.pid and r.launch_id == launch.launch_id
                        for r in proof[1]):
-                launch.code = GONE  # the host came back and said it no longer runs (a pid reused is not it)
+                launch.gone("not_on_host")  # the host came back and said it no longer runs (a reused pid is not it)
         return launch.code
+
+    def ended_by(self, engine: Launched) -> str | None:
+        return self._launches[engine.number].cause if self.exited(engine) is not None else None
 
     async def ready(self, engine: Launched) -> bool:
         launch = self._launches[engine.number]
@@ -127,7 +139,7 @@ class RemoteEngineEffects(EngineEffects):
         except DeviceOffline:
             return None
         except CapyError:  # the host runs no such launch
-            launch.code = GONE
+            launch.gone("not_on_host")
             return False
         if detail.get("exited") is not None:
             launch.code = int(detail["exited"])
@@ -147,7 +159,7 @@ class RemoteEngineEffects(EngineEffects):
                 await anyio.sleep(RETRY_EVERY)
                 continue
             except CapyError:  # the host runs no such launch: it is gone
-                launch.code = GONE
+                launch.gone("not_on_host")
                 break
             launch.code = int(detail.get("status", GONE))
         return launch.code if launch.code is not None else GONE

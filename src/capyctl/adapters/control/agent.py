@@ -30,6 +30,7 @@ from capyctl.domain.hosts import CommandLedger, Verdict
 from capyctl.domain.joining import JoinFile
 from capyctl.domain.link import (
     PROTOCOL_VERSION,
+    Callers,
     Command,
     CommandResult,
     Goodbye,
@@ -123,13 +124,20 @@ class HostAgent:
     def __init__(self, state: Path, inventory: Callable[[], Inventory],
                  handle: Callable[[Command], Awaitable[CommandResult]] | None = None,
                  heartbeat: float = HEARTBEAT, ingress_port: int | None = None,
-                 running: Callable[[], list[RunningInstance]] = list) -> None:
+                 running: Callable[[], list[RunningInstance]] = list,
+                 callers: Callable[[bytes], None] | None = None,
+                 leaving: Callable[[], Awaitable[None]] | None = None) -> None:
+        """``callers``: given the certificate the server's calls to the ingress will show (sent first on each
+        link); ``leaving``: run when the agent is asked to stop while linked, after its goodbye and before the
+        link closes, so that what it says (its engines' ends) still reaches the server."""
         self._identity, cert, key = HostIdentity.load(state)
         self._tls = client_ssl_context(self._identity.ca_pem.encode(), cert, key, server_name=SERVER_NAME)
         self._inventory = inventory
         self._heartbeat = heartbeat
         self._ingress_port = ingress_port
         self._running = running
+        self._callers = callers
+        self._leaving = leaving
         self._conn: ClientConnection | None = None  # the link, while it is up
         self._handle = handle or _unsupported
         self._ledger = CommandLedger()
@@ -195,7 +203,7 @@ class HostAgent:
         self._conn = conn
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(beat, conn, self._heartbeat)
-            tasks.start_soon(_close_when, stopping, conn)
+            tasks.start_soon(self._close_when, stopping, conn)
             tasks.start_soon(_close_if_silent, conn, heard)
             try:
                 async for data in conn:
@@ -207,6 +215,9 @@ class HostAgent:
                         break
                     if isinstance(message, Goodbye):
                         log.warning("the server closed the link: %s", message.message)
+                    elif isinstance(message, Callers):  # taken before any later message: commands follow it
+                        if self._callers is not None:
+                            self._callers(message.cert_pem.encode())
                     elif isinstance(message, Command):
                         tasks.start_soon(self._run, conn, message)
             except ConnectionClosed:
@@ -220,6 +231,16 @@ class HostAgent:
         if not stopping.is_set():
             raise ConnectionResetError(f"the server closed the link ({conn.close_reason or 'no reason given'})")
 
+    async def _close_when(self, stopping: anyio.Event, conn: ClientConnection) -> None:
+        """Once asked to stop: goodbye first (the server routes nothing more here from that instant), then
+        ``leaving`` (the engines stopped, each end told), then the link closed."""
+        await stopping.wait()
+        await send_quietly(conn, Goodbye(code="agent_stopping", message=f"host {self.name}'s agent is stopping"))
+        if self._leaving is not None:
+            with anyio.CancelScope(shield=True):
+                await self._leaving()
+        await conn.close()
+
 
 async def _unsupported(command: Command) -> CommandResult:
     raise CapyError(f"this host does not run {command.action!r} commands yet")
@@ -232,9 +253,3 @@ async def _close_if_silent(conn: ClientConnection, heard: list[float]) -> None:
         await anyio.sleep(1.0)
     log.warning("the server has been silent for %.0f s: dialling again", SERVER_SILENCE)
     await conn.close()
-
-
-async def _close_when(stopping: anyio.Event, conn: ClientConnection) -> None:
-    await stopping.wait()
-    await conn.close()
-

@@ -1,57 +1,109 @@
 """A host's ingress (``start host --ingress-listen``, 0.0.0.0:8444 by default): the only door to its engines.
 
-HTTPS with the host's own certificate (the server checks it is the host it
-means to reach, by its name). Engines listen on the host's loopback only;
-the ingress forwards to one of them only:
+HTTPS with the host's own certificate (the server checks it is the very
+certificate the host holds now, not one signed for its name before), and
+mutual: the only client that completes a handshake is the one whose
+certificate the server sent over the control link (``trust_callers``). A host's
+certificate, or none, fails the handshake in OpenSSL, before any byte of
+HTTP is read (in TLS 1.3 such a client may have sent its request by then:
+it gets no answer); until the server has said whom to trust, every
+connection is closed unread.
 
-- an inference path (``/v1/chat/completions``, ``/v1/completions``,
+Requests are parsed by httptools (llhttp) in its strict mode, each read fed
+to it once: a request it refuses (a bare LF, a folded header line, a blank
+before a colon, a length that is not digits or is given twice, a length
+beside a ``Transfer-Encoding``, a head over 64 KiB ...) gets 400
+``invalid_request``, with the parser's reason. Engines listen on the host's
+loopback only; the ingress forwards to one of them only, decided on the
+head before any byte of the body is read:
+
+- a POST to an inference path (``/v1/chat/completions``, ``/v1/completions``,
   ``/v1/systemone``), anything else 404 ``not_found``;
 - with the gate key of a launch in ``X-CapyCTL-Gate``, a key the server gave
   over the control link (``open_gate``) and has not closed: 403
   ``gate_refused`` otherwise;
-- a body of at most 8 MiB sent with ``Content-Length`` (413 ``too_large``
-  at once, before the body is read; 411 without a length).
+- a body of at most 8 MiB sent with ``Content-Length`` (413 ``too_large``,
+  411 without a length, a chunked body included);
+- the head within ``header_timeout`` seconds of its first byte (10 s) and the
+  body within ``body_timeout`` of the head's end (60 s), the server's own
+  door's defaults: 408 ``request_timeout`` otherwise.
 
-The request goes to the engine without the gate header, and the engine's
-answer comes back byte for byte. Connections are kept alive on both sides
-(the engine's answer is parsed only to find where it ends), so the server's
-next request costs no TLS handshake and the engine's no connect. The moment
-the server's connection goes away mid-answer, the engine's is closed: that
-is how an engine on another machine learns its client left.
+Each refusal closes the connection, and no engine sees a byte of a refused
+or incomplete request: a request goes on only once it is whole, rebuilt from
+what the parser gave (its request line, its headers less the gate, each line
+ending CRLF, its body), never as the bytes received. The engine's answer
+comes back byte for byte. Connections are kept alive on both sides (the
+engine's answer is parsed only to find where it ends), so the server's next
+request costs no TLS handshake and the engine's no connect.
+
+While an answer goes out, the server's connection is still read: a request
+pipelined behind it is parsed and answered after it, in order (once one waits
+whole, reading stops until its turn), and the moment the server's connection
+goes away mid-answer the engine's is closed: that is how an engine on another
+machine learns its client left.
+
+``serve`` ends when ``stopping`` is set or its task is cancelled: the
+listener, every connection (mid-answer ones too) and the kept engine
+connections are closed, and no task of the ingress runs on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import enum
 import logging
 import socket
 import ssl
+from collections.abc import Callable
+from typing import NamedTuple
 
 import anyio
 import httptools
 import msgspec
 
-from capyctl.domain.limits import HOST_MAX_BODY
+from capyctl.adapters.pki import server_ssl_context
+from capyctl.domain.limits import HOST_MAX_BODY, Limits
 
 log = logging.getLogger("capyctl.ingress")
 PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/systemone"})
 GATE = b"x-capyctl-gate"
 MAX_BODY = HOST_MAX_BODY
-MAX_HEAD = 64 << 10
-HEAD_TIMEOUT = 10.0  # seconds from a request's first byte to the end of its head
+MAX_HEAD = 64 << 10  # bytes of a request's head (give or take one read)
+HEADER_TIMEOUT = Limits().header_timeout  # the server's own door's (limits.client_header_timeout)
+BODY_TIMEOUT = Limits().body_timeout  # the same (limits.client_body_timeout)
 IDLE_TIMEOUT = 60.0  # seconds a kept-alive connection from the server may wait for its next request
+_READ = 64 << 10  # bytes asked of the server's connection per read
+_CLOSE_BOUND = 5.0  # seconds serve waits for its cancelled connections, which end at once unless a bug holds one
 _IDLE_PER_ENGINE = 64  # kept-alive connections to one engine
 _HIGH_WATER = 1 << 20  # bytes waiting for the server's connection past which the engine is read no more
 
 
+class _Refusal(NamedTuple):
+    status: int
+    code: str
+    message: str
+
+
+_GATE_REFUSED = _Refusal(403, "gate_refused", "no open gate for this key: the launch it named is over")
+
+
 class Ingress:
-    def __init__(self, tls: ssl.SSLContext, max_body: int = MAX_BODY) -> None:
-        self._tls = tls
+    def __init__(self, cert_pem: bytes, key_pem: bytes, max_body: int = MAX_BODY, *,
+                 header_timeout: float = HEADER_TIMEOUT, body_timeout: float = BODY_TIMEOUT) -> None:
+        self._cert_pem, self._key_pem = cert_pem, key_pem  # the host's own, shown to every caller
+        self._tls: ssl.SSLContext | None = None  # none until the server says whom to trust
         self._max_body = max_body
+        self._header_timeout, self._body_timeout = header_timeout, body_timeout
         self._gates: dict[str, int] = {}  # gate key -> the engine's port on this host's loopback
         self._idle: dict[int, list[_Engine]] = {}  # engine port -> its kept-alive connections
+        self._connections: set[asyncio.Task[None]] = set()  # one task per connection from the server
+        self._stopped = False
+
+    def trust_callers(self, caller_pem: bytes) -> None:
+        """From now on, only a client showing ``caller_pem`` (the server's, sent over the control link) completes
+        a handshake; connections already up are left as they are (they proved the caller before)."""
+        self._tls = server_ssl_context(self._cert_pem, self._key_pem, caller_pem, require_client=True)
 
     def open_gate(self, key: str, port: int) -> None:
         if not key or not 0 < port < 65536:
@@ -65,90 +117,97 @@ class Ingress:
                 engine.close()
 
     async def serve(self, sock: socket.socket, stopping: anyio.Event) -> None:
-        server = await asyncio.start_server(self._serve_one, sock=sock, ssl=self._tls, limit=MAX_HEAD,
-                                            ssl_handshake_timeout=HEAD_TIMEOUT)
-        async with server:
+        """Serves on ``sock`` until ``stopping`` is set or this task is cancelled; returns (or raises the
+        cancellation) once every connection is closed and no task of the ingress is left."""
+        server = await asyncio.start_server(self._serve_one, sock=sock, limit=MAX_HEAD)
+        try:
             await stopping.wait()
+        finally:
+            server.close()
+            self._stopped = True  # a connection accepted in the meantime is closed as it comes
+            with anyio.CancelScope(shield=True):
+                await self._close_all()
+
+    async def _close_all(self) -> None:
+        connections = set(self._connections)
+        for task in connections:
+            task.cancel()
+        if connections:
+            await asyncio.wait(connections, timeout=_CLOSE_BOUND)
+        for engines in self._idle.values():
+            for engine in engines:
+                engine.close()
+        self._idle.clear()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if self._stopped or task is None:
+            writer.transport.abort()
+            return
+        self._connections.add(task)
+        try:
+            await self._converse(reader, writer)
+        except asyncio.CancelledError:  # the ingress stops (``_close_all``): the connection ends now, quietly
+            writer.transport.abort()  # no TLS goodbye to wait for
+            # not re-raised: asyncio 3.11's streams ask this task for its exception when it ends, and a
+            # cancelled one answers with a traceback in the log
+        finally:
+            writer.close()
+            self._connections.discard(task)
+
+    async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # each event leaves as it comes: asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP,
         # and a listening socket made with proto 0 accepts sockets of proto 0 (Nagle, then the delayed ACK,
         # held the event after the head some 40 ms)
         raw = writer.get_extra_info("socket")
         if raw is not None:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = self._tls  # the context of the moment: a later trust_callers affects later connections only
+        if tls is None:
+            return  # nobody to trust yet: nothing is read, nothing answered
         try:
-            while await self._forward(reader, writer):
+            await writer.start_tls(tls, ssl_handshake_timeout=self._header_timeout)
+        except OSError:  # not the server's certificate (or none), or too slow: nothing was read
+            return
+        caller = _Caller(reader, writer, self._refusal, self._header_timeout, self._body_timeout)
+        try:
+            while (request := await caller.next_request()) is not None and await self._forward(request, caller):
                 pass
-        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
-            pass  # the server went away: nothing to answer
-        except Exception:  # a bug of the ingress: this request fails, the ingress goes on
+        except OSError:
+            pass  # the server went away (a reset, a broken TLS record): nothing to answer
+        except Exception:  # a bug of the ingress: this connection fails, the ingress goes on
             log.exception("ingress: a request failed")
-        finally:
-            writer.close()
 
-    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """One request forwarded and its answer relayed; True when the connection may carry the next."""
-        try:  # a connection between two requests (or opened ahead of one) with nothing more just closes
-            async with asyncio.timeout(IDLE_TIMEOUT):
-                first = await reader.readexactly(1)
-        except (asyncio.IncompleteReadError, TimeoutError):
+    def _refusal(self, request: _Request) -> _Refusal | None:
+        """What the head alone refuses, before any byte of the body is read; None to read the body."""
+        if request.version not in ("1.0", "1.1"):
+            return _Refusal(400, "invalid_request", f"the ingress takes HTTP/1.1, not HTTP/{request.version}")
+        if request.method != b"POST" or request.target.partition(b"?")[0].decode("latin-1") not in PATHS:
+            return _Refusal(404, "not_found", "the ingress forwards only POSTs to an engine's inference paths")
+        if request.gate() not in self._gates:
+            return _GATE_REFUSED
+        lengths = request.header(b"content-length")  # the parser let one at most through, and only digits
+        if request.header(b"transfer-encoding") or not lengths:
+            return _Refusal(411, "invalid_request", "the ingress takes a body sent with Content-Length")
+        if int(lengths[0]) > self._max_body:
+            return _Refusal(413, "too_large", f"request body is larger than the limit of {self._max_body} bytes")
+        return None
+
+    async def _forward(self, request: _Request, caller: _Caller) -> bool:
+        """``request`` forwarded and its answer relayed; True when the connection may carry the next."""
+        port = self._gates.get(request.gate() or "")
+        if port is None:  # its launch ended while it waited behind another request
+            await _answer(caller.writer, *_GATE_REFUSED)
             return False
+        watch = asyncio.ensure_future(caller.watch())
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT):
-                head = first + await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError):
-            await _answer(writer, 400, "invalid_request", "no complete request head")
+            relayed = await self._exchange(port, request.wire(), caller.writer, watch)
+        finally:
+            await _stopped(watch)  # before the next read of the server's connection: it may be in one
+        if relayed is None:
+            await _answer(caller.writer, 502, "engine_unavailable", "the engine behind this gate does not answer")
             return False
-        lines = head[:-4].split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            await _answer(writer, 400, "invalid_request", "not an HTTP/1.1 request line")
-            return False
-        method, target = parts[0], parts[1]
-        headers: list[tuple[bytes, bytes]] = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip():
-                await _answer(writer, 400, "invalid_request", "a header line is not `name: value`")
-                return False
-            headers.append((name.lower(), value.strip()))
-        found = dict(headers)
-        if target.split(b"?")[0].decode("latin-1") not in PATHS or method != b"POST":
-            await _answer(writer, 404, "not_found", "the ingress forwards only POSTs to an engine's inference paths")
-            return False
-        port = self._gates.get(found.get(GATE, b"").decode("latin-1"))
-        if port is None:
-            await _answer(writer, 403, "gate_refused", "no open gate for this key: the launch it named is over")
-            return False
-        if b"transfer-encoding" in found or b"content-length" not in found:
-            await _answer(writer, 411, "invalid_request", "the ingress takes a body sent with Content-Length")
-            return False
-        try:
-            length = int(found[b"content-length"])
-        except ValueError:
-            length = -1
-        if length < 0:
-            await _answer(writer, 400, "invalid_request", "Content-Length is not a length")
-            return False
-        if length > self._max_body:
-            await _answer(writer, 413, "too_large", f"request body is larger than the limit of {self._max_body} bytes")
-            return False
-        body = await reader.readexactly(length)
-        kept = b"".join(name + b": " + value + b"\r\n" for name, value in headers if name != GATE)
-        request = lines[0] + b"\r\n" + kept + b"\r\n" + body
-        for fresh in (False, True):  # a kept-alive connection the engine closed meanwhile: once more, afresh
-            engine = await self._send(port, request, writer.transport, fresh)
-            if engine is None:
-                await _answer(writer, 502, "engine_unavailable", "the engine behind this gate does not answer")
-                return False
-            try:
-                outcome = await _relay(engine, writer, reader)
-            except BaseException:
-                engine.close()
-                raise
-            if outcome is not _Outcome.UNANSWERED or not engine.reused:
-                break
+        outcome, engine = relayed
         if outcome is not _Outcome.COMPLETE or not engine.reusable():
             engine.close()  # at once, also when the server's connection went first
             return False
@@ -157,7 +216,28 @@ class Ingress:
             idle.append(engine)
         else:
             engine.close()
-        return found.get(b"connection", b"").lower() != b"close"
+        return request.keep_alive
+
+    async def _exchange(self, port: int, wire: bytes, client: asyncio.StreamWriter, gone: asyncio.Future[None]
+                        ) -> tuple[_Outcome, _Engine] | None:
+        """``wire`` sent to the engine on ``port`` and its answer relayed, until whole or ``gone``; None when
+        the engine cannot be reached."""
+        relayed = await self._try(port, wire, client, gone, fresh=False)
+        if relayed is not None and relayed[0] is _Outcome.UNANSWERED and relayed[1].reused:
+            # a kept-alive connection the engine closed meanwhile: once more, afresh
+            relayed = await self._try(port, wire, client, gone, fresh=True)
+        return relayed
+
+    async def _try(self, port: int, wire: bytes, client: asyncio.StreamWriter, gone: asyncio.Future[None],
+                   fresh: bool) -> tuple[_Outcome, _Engine] | None:
+        engine = await self._send(port, wire, client.transport, fresh)
+        if engine is None:
+            return None
+        try:
+            return await _relay(engine, client, gone), engine
+        except BaseException:
+            engine.close()  # cut short (the ingress stops, the server's side broke): the engine's side goes too
+            raise
 
     async def _send(self, port: int, request: bytes, client: asyncio.WriteTransport, fresh: bool
                     ) -> _Engine | None:
@@ -177,6 +257,147 @@ class Ingress:
             return None
         engine.start(client, request)
         return engine
+
+
+class _Request:
+    """One request as the parser gave it; it goes to an engine only once whole and not refused."""
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.target = b""
+        self.version = ""
+        self.headers: list[tuple[bytes, bytes]] = []  # names as sent, values without their surrounding blanks
+        self.body: list[bytes] = []
+        self.keep_alive = False
+
+    def header(self, name: bytes) -> list[bytes]:
+        return [value for key, value in self.headers if key.lower() == name]
+
+    def gate(self) -> str | None:
+        keys = self.header(GATE)
+        return keys[0].decode("latin-1") if len(keys) == 1 else None  # two keys name no one launch
+
+    def wire(self) -> bytes:
+        """What the engine gets: rebuilt from the parsed parts, less the gate, each line ending CRLF."""
+        lines = [b"%s %s HTTP/%s" % (self.method, self.target, self.version.encode())]
+        lines += [name + b": " + value for name, value in self.headers if name.lower() != GATE]
+        return b"\r\n".join(lines) + b"\r\n\r\n" + b"".join(self.body)
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"  # between requests
+    HEAD = "head"  # a request begun, its head not whole
+    BODY = "body"  # its head whole, its body not
+
+
+class _Caller:
+    """The server's connection as httptools parses it, each read fed once: requests read whole wait in
+    ``ready``, in order; the first refusal ends the parsing, and is answered after the requests before it."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 check: Callable[[_Request], _Refusal | None], header_timeout: float, body_timeout: float) -> None:
+        self.reader, self.writer = reader, writer
+        self._check = check
+        self._header_timeout, self._body_timeout = header_timeout, body_timeout
+        self._parser = httptools.HttpRequestParser(self)  # strict: no set_dangerous_leniencies
+        self._loop = asyncio.get_running_loop()
+        self.ready: collections.deque[_Request] = collections.deque()
+        self.refusal: _Refusal | None = None
+        self._phase, self._since = _Phase.IDLE, self._loop.time()  # the phase, and when it began
+        self._head_size = 0  # bytes fed since the last head was whole
+        self._request = _Request()
+
+    async def next_request(self) -> _Request | None:
+        """The next request read whole; None once the connection is done with (a refusal or a timeout
+        answered, the server gone, or idle too long)."""
+        waited = self._loop.time()
+        while not self.ready:
+            if self.refusal is not None:
+                await _answer(self.writer, *self.refusal)
+                return None
+            deadline, late = self._deadline(waited)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    data = await self.reader.read(_READ)
+            except TimeoutError:
+                if late is not None:
+                    await _answer(self.writer, *late)
+                return None
+            if not data:
+                return None  # the server closed its connection, mid-request too: nobody to answer
+            self.feed(data)
+        return self.ready.popleft()
+
+    def _deadline(self, waited: float) -> tuple[float, _Refusal | None]:
+        """When the wait for more ends, and what is answered then (nothing between requests). A request begun
+        while the one before it was answered has its time counted from when it is waited for."""
+        if self._phase is _Phase.IDLE:
+            return waited + IDLE_TIMEOUT, None
+        part, seconds = ("head", self._header_timeout) if self._phase is _Phase.HEAD else ("body", self._body_timeout)
+        late = _Refusal(408, "request_timeout", f"the request's {part} did not arrive within {seconds:g} s")
+        return max(waited, self._since) + seconds, late
+
+    async def watch(self) -> None:
+        """While an answer goes out: reads on, parsing what comes, and returns once the server's connection is
+        gone. Once a request waits whole (or a refusal ended the parsing) nothing more is read: the transport
+        still takes in EOF or a reset, and so closes, until its own bounded buffer is full."""
+        try:
+            while not self.ready and self.refusal is None:
+                data = await self.reader.read(_READ)
+                if not data:
+                    return
+                self.feed(data)
+            await self.writer.wait_closed()
+        except OSError:
+            return  # a reset, or a broken TLS record: gone as well
+
+    def feed(self, data: bytes) -> None:
+        if self.refusal is not None:
+            return
+        if self._phase is not _Phase.BODY:
+            self._head_size += len(data)
+            if self._head_size > MAX_HEAD:
+                self._refuse(_Refusal(400, "invalid_request", f"the request's head is over {MAX_HEAD} bytes"))
+                return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(_Refusal(400, "invalid_request", "the ingress does not upgrade connections"))
+        except httptools.HttpParserError as exc:
+            self._refuse(_Refusal(400, "invalid_request", f"the request is not valid HTTP/1.1: {exc}"))
+
+    def _refuse(self, refusal: _Refusal) -> None:
+        if self.refusal is None:
+            self.refusal = refusal
+
+    # httptools
+    def on_message_begin(self) -> None:
+        self._request = _Request()
+        self._phase, self._since = _Phase.HEAD, self._loop.time()
+
+    def on_url(self, url: bytes) -> None:
+        self._request.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._request.headers.append((name, value.rstrip(b" \t")))  # llhttp keeps a value's trailing blanks
+
+    def on_headers_complete(self) -> None:
+        request, parser = self._request, self._parser
+        request.method, request.version = parser.get_method(), parser.get_http_version()
+        request.keep_alive = parser.should_keep_alive()
+        self._phase, self._since, self._head_size = _Phase.BODY, self._loop.time(), 0
+        refusal = _Refusal(400, "invalid_request", "the ingress does not upgrade connections"
+                           ) if parser.should_upgrade() else self._check(request)
+        if refusal is not None:
+            self._refuse(refusal)
+
+    def on_body(self, body: bytes) -> None:
+        self._request.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._phase, self._since = _Phase.IDLE, self._loop.time()
+        if self.refusal is None:
+            self.ready.append(self._request)
 
 
 class _Engine(asyncio.Protocol):
@@ -256,12 +477,11 @@ class _Outcome(enum.Enum):
     UNANSWERED = "unanswered"  # the engine's connection closed before any byte of an answer
 
 
-async def _relay(engine: _Engine, client: asyncio.StreamWriter, client_reader: asyncio.StreamReader) -> _Outcome:
-    """Until the engine's answer is whole, or the engine's or the server's connection is gone; the server's
-    side drained whenever it is full."""
+async def _relay(engine: _Engine, client: asyncio.StreamWriter, gone: asyncio.Future[None]) -> _Outcome:
+    """Until the engine's answer is whole, or the engine's or the server's connection (``gone`` done) is gone;
+    the server's side drained whenever it is full."""
     assert engine.ended is not None
     ended = engine.ended
-    gone = asyncio.ensure_future(client_reader.read(1))  # the server sends nothing mid-answer: EOF means it left
     loop = asyncio.get_running_loop()
     try:
         while not ended.done():
@@ -278,9 +498,15 @@ async def _relay(engine: _Engine, client: asyncio.StreamWriter, client_reader: a
         return _Outcome.BROKEN if engine.answered else _Outcome.UNANSWERED
     finally:
         engine.full = None
-        gone.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await gone
+
+
+async def _stopped(task: asyncio.Future[None]) -> None:
+    """``task`` cancelled and ended; an error of its own (a bug) raised here rather than lost."""
+    task.cancel()
+    await asyncio.wait({task})
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        raise error
 
 
 async def _answer(writer: asyncio.StreamWriter, status: int, code: str, message: str) -> None:
@@ -288,9 +514,11 @@ async def _answer(writer: asyncio.StreamWriter, status: int, code: str, message:
                                           if status < 500 else "server_error", "code": code}})
     writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close"
                  b"\r\n\r\n" % (status, _REASONS.get(status, b"Error"), len(body)) + body)
-    with contextlib.suppress(ConnectionError):
+    try:
         await writer.drain()
+    except ConnectionError:
+        pass  # the server went away: the connection closes all the same
 
 
-_REASONS = {400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found", 411: b"Length Required",
-            413: b"Content Too Large", 502: b"Bad Gateway"}
+_REASONS = {400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found", 408: b"Request Timeout",
+            411: b"Length Required", 413: b"Content Too Large", 502: b"Bad Gateway"}

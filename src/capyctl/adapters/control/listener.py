@@ -14,8 +14,10 @@ add code generation and HTTP/2 for no gain here), each message one of
 - A connection with a certificate the CA signed is a host's link: it must
   be the certificate the server holds for that host (not replaced, not
   revoked), and the first message must be the host's ``Hello`` under the
-  same name. Then both sides send heartbeats; the host sends its inventory,
-  load samples and process exits; the registry keeps what it says.
+  same name. The server answers with ``Callers`` (the certificate its calls
+  to the host's ingress will show: the ingress lets nobody else in), then
+  both sides send heartbeats; the host sends its inventory, load samples
+  and process exits; the registry keeps what it says.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from capyctl.adapters.control.frames import beat, send_quietly
 from capyctl.adapters.pki import CertificateAuthority, fingerprint, host_name_of
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.joining import secret_bytes
-from capyctl.domain.link import Goodbye, Hello, JoinAccepted, JoinRequest, Message, decode, encode
+from capyctl.domain.link import Callers, Goodbye, Hello, JoinAccepted, JoinRequest, Message, decode, encode
 from capyctl.services.hosts import HostRegistry
 
 log = logging.getLogger("capyctl.hosts")
@@ -57,8 +59,9 @@ class _TlsConnection(ServerConnection):
 
 class ControlListener:
     def __init__(self, registry: HostRegistry, authority: CertificateAuthority, tls: ssl.SSLContext,
-                 heartbeat: float = HEARTBEAT) -> None:
+                 callers_pem: bytes, heartbeat: float = HEARTBEAT) -> None:
         self._registry = registry
+        self._callers = Callers(cert_pem=callers_pem.decode())
         self._authority = authority
         self._tls = tls
         self._heartbeat = heartbeat
@@ -107,6 +110,7 @@ class ControlListener:
                 hello = decode(await conn.recv(decode=False))
             if not isinstance(hello, Hello) or hello.host != name:
                 raise InvalidRequest(f"the first message of host {name!r}'s link must be its hello, in its name")
+            await conn.send(encode(self._callers))  # before anything else can be sent on the link: a command
         except TimeoutError:
             await _refuse(conn, InvalidRequest("no hello within 10 s"))
             return

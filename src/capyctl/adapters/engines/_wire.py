@@ -11,16 +11,22 @@ same pool, makes CapyCTL's other calls to an engine (``request``: probes,
 metrics, park and wake), so that one client reaches the engines.
 
 An engine on another machine is reached through its host's ingress, over
-TLS: its address is ``https://<host>:<gate key>@<address>:<port>``. The
-host's certificate must be of the CA given to ``trust`` and name ``<host>``;
-the gate key goes in each request's ``X-CapyCTL-Gate`` header. Those
-connections are pooled like any other, so a request finds its TLS handshake
-done.
+mutual TLS: its address is ``https://<host>:<gate key>@<address>:<port>``.
+The host's certificate must be of the CA given to ``trust``, name
+``<host>``, and be the very certificate the host holds now (``pins``: its
+fingerprint, checked on every new connection before a byte of a request
+is written, and again when a pooled one is taken, so a certificate revoked
+or replaced since opens nothing). The gate key goes in each request's
+``X-CapyCTL-Gate`` header. Those connections are pooled like any other, so
+a request finds its TLS handshake done. What goes wrong there is said in the
+host's name (``HostUnreachable``), never with its address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,7 +37,7 @@ import httptools
 
 from capyctl.adapters.engines._http import engine_error
 from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
-from capyctl.domain.errors import EdgeError, EngineUnavailable
+from capyctl.domain.errors import CapyError, EdgeError, EngineUnavailable, HostUnreachable
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, Relayed, StreamEvent
 
@@ -52,6 +58,7 @@ class _Response(asyncio.Protocol):
         self.lost: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.release_to: list[_Response] | None = None  # idle pool to join once the response completes
+        self.pin: str | None = None  # a host's ingress: the fingerprint of the certificate it showed
         self.sink: Callable[[], None] | None = None  # a pump's: called at each read instead of waking a reader
         self.reset()
 
@@ -145,11 +152,14 @@ class WireEngineSession(EngineSession):
         self._targets: dict[tuple[str, str, str, str], tuple[str, int, bytes]] = {}
         self._spares: dict[tuple[str, int], asyncio.Future[None]] = {}  # connections being opened ahead
         self._tls: ssl.SSLContext | None = None
+        self._pins: Callable[[str], str | None] = lambda host: None
         self._tls_names: dict[tuple[str, int], str] = {}  # an ingress's address -> the host its certificate names
 
-    def trust(self, tls: ssl.SSLContext) -> None:
-        """Reach ``https://`` engine addresses (hosts' ingresses) with ``tls``: the CA their certificates are of."""
-        self._tls = tls
+    def trust(self, tls: ssl.SSLContext, pins: Callable[[str], str | None]) -> None:
+        """Reach ``https://`` engine addresses (hosts' ingresses) with ``tls`` (the CA their certificates are of,
+        and the client certificate the ingresses let in), each host held to the certificate ``pins(host)``
+        names (its SHA-256; None: none is, the host is revoked)."""
+        self._tls, self._pins = tls, pins
 
     def _target(self, base_url: str, route: str, accept: str, method: str = "POST") -> tuple[str, int, bytes]:
         """(host, port, the request's head up to its Content-Length value) for ``method`` on ``route`` (a path,
@@ -173,12 +183,15 @@ class WireEngineSession(EngineSession):
         return known
 
     def _idle_connection(self, host: str, port: int) -> _Response | None:
-        """A kept-alive connection to the engine that is still open, taken from the pool; None if none is."""
+        """A kept-alive connection to the engine that is still open, taken from the pool; None if none is.
+        One to a host's ingress is taken only while the host still holds the certificate it showed."""
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
             if conn.transport is not None and not conn.transport.is_closing():
-                return conn
+                if conn.pin is None or conn.pin == self._pins(self._tls_names[(host, port)]):
+                    return conn
+                conn.close()  # its host was revoked, or joined again with another certificate, since
         return None
 
     async def _connection(self, host: str, port: int) -> tuple[_Response, bool]:
@@ -188,21 +201,31 @@ class WireEngineSession(EngineSession):
         try:
             conn = await self._open((host, port))
         except (OSError, ssl.SSLError) as exc:
+            name = self._tls_names.get((host, port))
+            if name is not None:  # never an internal address in what a client may read
+                raise HostUnreachable(name, f"its ingress could not be reached ({_why(exc)})") from exc
             raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
         return conn, False
 
     async def _open(self, key: tuple[str, int]) -> _Response:
-        """A new connection to the engine at ``key``: plain on this machine, TLS to a host's ingress."""
+        """A new connection to the engine at ``key``: plain on this machine, mutual TLS to a host's ingress,
+        whose certificate must be the one its host holds now (checked before anything is written)."""
         loop = asyncio.get_running_loop()
         name = self._tls_names.get(key)
         if name is None:
             _, conn = await loop.create_connection(_Response, *key)
             return conn
         if self._tls is None:
-            raise EngineUnavailable(f"the engine at {key[0]}:{key[1]} is behind a host's ingress, and this "
-                                    "process has no CA to check hosts with (only capyctl start server does)")
-        _, conn = await loop.create_connection(_Response, *key, ssl=self._tls, server_hostname=name,
-                                               ssl_handshake_timeout=10.0)
+            raise HostUnreachable(name, "this process has no CA to check hosts with (only capyctl start server "
+                                        "does)")
+        transport, conn = await loop.create_connection(_Response, *key, ssl=self._tls, server_hostname=name,
+                                                       ssl_handshake_timeout=10.0)
+        shown = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        conn.pin = hashlib.sha256(shown).hexdigest() if shown else None
+        if conn.pin is None or conn.pin != self._pins(name):
+            transport.abort()  # not a byte of any request goes to it
+            raise HostUnreachable(name, "its ingress showed a certificate the host does not hold now (revoked, or "
+                                        "replaced by a new join): refused")
         return conn
 
     async def _send(self, host: str, port: int, head: bytes, body: bytes, written: _Response | None = None
@@ -227,6 +250,9 @@ class WireEngineSession(EngineSession):
                 return conn
             if not reused:
                 break
+        name = self._tls_names.get((host, port))
+        if name is not None:
+            raise HostUnreachable(name, "its ingress closed the connection before an answer")
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
     def chat_stream(self, base_url: str, body: bytes) -> _ChatStream:
@@ -245,8 +271,18 @@ class WireEngineSession(EngineSession):
         host, port, head = self._target(base_url, "/v1/systemone", "application/json")
         status, answer = await self._exchange(host, port, head, body, _MAX_ANSWER)
         if status != 200:
-            raise engine_error(status, answer)
+            raise self._refusal(host, port, status, answer)
         return answer
+
+    def _refusal(self, host: str, port: int, status: int, body: bytes) -> CapyError:
+        """An engine's error answer; or, from a host's ingress, its own refusal of the server, which is between
+        the server and its hosts: a client reads it as the host out of reach, never as the ingress's words."""
+        error = engine_error(status, body)
+        name = self._tls_names.get((host, port))
+        if name is not None and error.code == "gate_refused":
+            return HostUnreachable(name, "its agent does not know this launch's gate key (its agent restarted, "
+                                         "or the launch ended)", reason="reconnecting")
+        return error
 
     async def request(self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0,
                       limit: int = _MAX_ANSWER) -> tuple[int, bytes]:
@@ -333,6 +369,15 @@ class WireEngineSession(EngineSession):
             conn.close()
 
 
+def _why(exc: BaseException) -> str:
+    """An OS or TLS error in a few words, without the address it was about."""
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or type(exc).__name__}"
+    if isinstance(exc, OSError) and exc.errno:  # (asyncio's strerror names the address it tried)
+        return os.strerror(exc.errno).lower()
+    return type(exc).__name__
+
+
 def _request(head: bytes, body: bytes) -> bytes:
     """A request to send: its head up to the Content-Length value (``_target``), then the body."""
     return b"%b%d\r\n\r\n%b" % (head, len(body), body)
@@ -372,7 +417,7 @@ class _ChatStream:
             if conn.status != 200:
                 while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
                     await conn.wait()
-                raise engine_error(conn.status, conn.take())
+                raise self._session._refusal(self._host, self._port, conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
             return _Stream(conn, SseParser(self._session._max_event))

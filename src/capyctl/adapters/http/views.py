@@ -61,6 +61,7 @@ def deployment_view(controller: Controller, now: float, room: Switchboard | NoSw
     spec = controller.deployment.spec
     status = controller.status
     running = status.state in (InstanceState.READY, InstanceState.STARTING) and status.started_at
+    held = controller.held()  # its host is out of reach: the engine is held, neither serving nor released
     return {
         "name": spec.name,
         "api": spec.api,
@@ -83,11 +84,14 @@ def deployment_view(controller: Controller, now: float, room: Switchboard | NoSw
         "instances": [
             {
                 "index": status.index,
-                "state": str(status.state),
+                "state": "held" if held is not None else str(status.state),
+                "held": None if held is None else {"reason": held.extra.get("reason"), "message": held.message},
+                "host": controller.deployment.host,
                 "pid": status.pid,
-                "port": status.port,
+                "port": status.port,  # the engine's, on its machine's loopback
+                "ingress_port": status.ingress_port,  # on a host: where the server reaches it
                 "uptime_s": round(now - status.ready_at, 1)
-                if status.state is InstanceState.READY and status.ready_at
+                if status.state is InstanceState.READY and status.ready_at and held is None
                 else None,
                 "started_at": status.started_at if running else None,
                 "restarts": status.restarts,
@@ -112,3 +116,17 @@ def key_view(key: ApiKey, usage: Usage) -> dict[str, Any]:
             "daily_limit": key.daily_limit, "used_today": usage.used, "under_way": usage.pending,
             "models": list(key.models) if key.models is not None else None,
             "cache_salt": key.cache_salt is not None, "legacy": key.legacy}
+
+
+def host_view(view: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
+    """A host as ``GET /hosts`` and the dashboard show it: the registry's ``view`` with what its devices hold,
+    as the switchboard charges them, and the deployments whose engines run there now (its hello's list is
+    what ran when it linked)."""
+    view["instances"] = [c.name for c in fleet.controllers() if c.host == view["name"] and c.status.pid is not None]
+    room = fleet.room
+    if isinstance(room, Switchboard):
+        devices = room.host_devices(view["name"])
+        for shown in view["devices"]:
+            device = devices.get(shown["name"])
+            shown["charged_bytes"] = sum(room.charged(device).values()) if device is not None else 0
+    return view

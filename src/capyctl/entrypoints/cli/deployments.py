@@ -98,11 +98,17 @@ class WaitTimeout(CapyError):
 
 def _deployment_rows(deployments: list[dict[str, Any]]) -> str:
     rows = [
-        [d["name"], d["api"], d["state"] + (" (operator)" if d["operator_stopped"] else ""),
-         f"{d['engine']} {d['engine_version']}", d["model"]]
+        [d["name"], d["api"], _state(d) + (" (operator)" if d["operator_stopped"] else ""),
+         d["host"] or "-", f"{d['engine']} {d['engine_version']}", d["model"]]
         for d in deployments
     ]
-    return table(["NAME", "API", "STATE", "ENGINE", "MODEL"], rows)
+    return table(["NAME", "API", "STATE", "HOST", "ENGINE", "MODEL"], rows)
+
+
+def _state(d: dict[str, Any]) -> str:
+    """The deployment's state, or ``held`` while the host its engine runs on is out of reach."""
+    held = [i for i in d["instances"] if i.get("held")]
+    return f"held ({held[0]['held']['reason']})" if held else str(d["state"])
 
 
 @list_app.command("deployments")
@@ -138,7 +144,10 @@ _DESIRED = {
 def _status_text(d: dict[str, Any]) -> str:
     head = [
         f"deployment  {d['name']}",
-        f"state       {d['state']}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
+        f"state       {_state(d)}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
+        *[f"held        {i['held']['message']}" for i in d["instances"] if i.get("held")],
+        f"host        {d['host']} (its engine runs there, reached through its ingress)" if d["host"]
+        else "host        this machine",
         f"desired     {d['desired']}  ({_DESIRED[d['desired']]})",
         f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
         f"api         {d['api']}",
@@ -150,12 +159,15 @@ def _status_text(d: dict[str, Any]) -> str:
         f"({d['fields']['provenance']})",
         "",
     ]
+    remote = bool(d["host"])
     rows = [
-        [i["index"], i["state"], i["pid"], i["port"], duration(i["uptime_s"]), i["restarts"], i["last_error"]]
+        [i["index"], i["state"], i["pid"], i["port"], *([i["ingress_port"]] if remote else []),
+         duration(i["uptime_s"]), i["restarts"], i["last_error"]]
         for i in d["instances"]
     ]
+    columns = ["INSTANCE", "STATE", "PID", "PORT", *(["INGRESS"] if remote else []), "UPTIME", "RESTARTS", "LAST ERROR"]
     logs = [f"log         {i['log']}" for i in d["instances"] if i["log"]]
-    return "\n".join(head) + table(["INSTANCE", "STATE", "PID", "PORT", "UPTIME", "RESTARTS", "LAST ERROR"], rows) + (
+    return "\n".join(head) + table(columns, rows) + (
         _unsettled_text(d["instances"])
     ) + ("\n\n" + "\n".join(logs) if logs else "")
 

@@ -78,6 +78,12 @@ def join_host(
     except msgspec.DecodeError as exc:
         raise InvalidConfig(f"{join_file} is not a CapyCTL join file (not JSON): {exc}") from exc
     root = resolve_state_dir(state_dir)
+    held = next((p for p in ("identity/ca", "identity/server-credentials.json", "identity/credentials")
+                 if (root / p).exists()), None)
+    if held is not None:  # one directory, one role: a host's identity beside a server's would confuse both
+        raise InvalidConfig(f"{root} is the state directory of a CapyCTL server or standalone ({root / held} is "
+                            "there); a host needs a directory of its own: capyctl join host --join-file "
+                            f"{join_file} --state-dir DIR, then capyctl start host --state-dir DIR")
     identity = anyio.run(join, parsed, root)
     show({"host": identity.name, "server": identity.server, "fingerprint": identity.fingerprint}, json,
          f"joined the server at {identity.server} as host {identity.name}\n"
