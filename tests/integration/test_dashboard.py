@@ -29,7 +29,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
-PAGES = ["/ui/", "/ui/memory", "/ui/requests", "/ui/charts", "/ui/keys", "/ui/events"]
+PAGES = ["/ui/", "/ui/memory", "/ui/hosts", "/ui/requests", "/ui/charts", "/ui/keys", "/ui/events"]
 
 
 class World:
@@ -104,13 +104,16 @@ def browser(playwright: Playwright) -> Iterator[Browser]:
 
 
 class Watched:
-    """A browser context whose every request and every CSP complaint is recorded."""
+    """A browser context whose every request, every answer 404 and every CSP complaint is recorded."""
 
-    def __init__(self, browser: Browser) -> None:
-        self.context: BrowserContext = browser.new_context(viewport={"width": 1200, "height": 800})
+    def __init__(self, browser: Browser, **options: Any) -> None:
+        self.context: BrowserContext = browser.new_context(viewport={"width": 1200, "height": 800}, **options)
         self.requests: list[str] = []
+        self.missing: list[str] = []
         self.csp: list[str] = []
         self.context.on("request", lambda request: self.requests.append(request.url))
+        self.context.on("response", lambda response: self.missing.append(response.url)
+                        if response.status == 404 else None)
         self.context.on("console", lambda message: self.csp.append(message.text)
                         if "Content Security Policy" in message.text else None)
 
@@ -122,9 +125,10 @@ class Watched:
 
     def check(self, origin: str) -> None:
         assert self.requests, "no request was recorded"
-        strays = [url for url in self.requests if not url.startswith(origin + "/")]
+        strays = [url for url in self.requests if not url.startswith((origin + "/", f"blob:{origin}/"))]
         assert not strays, f"requests left the dashboard's origin: {strays}"
         assert not self.csp, f"Content-Security-Policy violations: {self.csp}"
+        assert not [url for url in self.missing if url.endswith("/favicon.ico")], "the browser's icon is missing"
 
 
 @pytest.fixture
@@ -176,7 +180,7 @@ def test_the_park_button_confirmed_parks_the_engine_and_the_memory_bar_shows_it_
     page.locator('article[data-deployment="alpha"] a[data-action="park"]').click()
     expect(page.locator("h1")).to_have_text("Park alpha?")
     expect(page.locator(".consequences")).to_contain_text("It frees 3.00 GiB on gpu0")
-    expect(page.locator(".consequences")).to_contain_text("0 request(s) in flight")
+    expect(page.locator(".consequences")).to_contain_text("0 requests in flight")
     shoot(page, "confirm")
     page.locator('button[data-confirm="park"]').click()
     page.wait_for_url(world.origin + "/ui/")
@@ -202,7 +206,7 @@ def test_stop_and_start_through_the_dashboard(world: World, signed_in: tuple[Wat
     world.server.cli("start", "deployment", "beta", "--wait")
     expect(card_state(page, "beta")).to_have_attribute("data-state", "ready", timeout=3000)
     page.locator('article[data-deployment="beta"] a[data-action="stop"]').click()
-    expect(page.locator(".consequences")).to_contain_text("0 request(s) in flight are cut")
+    expect(page.locator(".consequences")).to_contain_text("0 requests in flight are cut")
     page.locator('button[data-confirm="stop"]').click()
     page.wait_for_url(world.origin + "/ui/")
     expect(card_state(page, "beta")).to_have_attribute("data-state", "stopped", timeout=3000)
@@ -569,3 +573,83 @@ def test_capyctl_dashboard_json_and_without_a_server(world: World, tmp_path: Pat
     done = nothing.cli("dashboard", "--json", check=False)
     assert done.returncode == 3 and "capyctl start standalone" in done.stderr
     assert msgspec.json.decode(done.stdout)["error"]["code"] == "server_not_running"
+
+
+def test_the_charts_page_is_live_and_a_park_is_marked_and_drawn_without_a_reload(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, page = signed_in
+    world.server.cli("start", "deployment", "alpha", "--wait")
+    page.goto(world.origin + "/ui/charts?window=15m&deployment=alpha")
+    expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
+    expect(page.locator("#live")).to_have_text("live")
+    expect(page.locator("#charts")).to_have_attribute("data-state", "drawn", timeout=5000)
+    parks = page.locator('section.chart[data-deployment="alpha"] ul.marks li[data-kind="park"]')
+    before = parks.count()
+    fetched = lambda: len([u for u in watched.requests if "/ui/charts/data?" in u])  # noqa: E731
+    drawn = fetched()
+    page.evaluate("window.capyctlMarker = 'no reload'")
+    assert world.server.cli_json("park", "deployment", "alpha")["state"] == "parked"
+    expect(parks).to_have_count(before + 1, timeout=5000)
+    deadline = time.monotonic() + 5
+    while fetched() == drawn and time.monotonic() < deadline:  # drawn again at once, not 30 s later
+        page.wait_for_timeout(100)
+    assert fetched() > drawn and page.evaluate("window.capyctlMarker") == "no reload"
+
+
+def test_a_standalone_capyctl_has_a_hosts_page_that_says_hosts_need_a_server(
+        world: World, signed_in: tuple[Watched, Page]) -> None:
+    watched, page = signed_in
+    response = page.goto(world.origin + "/ui/hosts")
+    assert response is not None and response.status == 200
+    expect(page.locator("nav a[aria-current=page]")).to_have_text("Hosts")
+    expect(page.locator("#hosts")).to_contain_text("capyctl start server")
+    expect(page.locator("form.invite")).to_have_count(0)
+    expect(page.locator("#live")).to_have_attribute("data-state", "static")  # nothing there changes
+    refused = watched.context.request.get(world.origin + "/ui/hosts/gpu-a/revoke")
+    assert refused.status == 400 and refused.json()["error"]["code"] == "invalid_config"
+
+
+def test_a_wrong_method_gets_405_naming_the_methods_the_path_takes(world: World) -> None:
+    token = (world.server.state_dir / "identity" / "admin-token").read_text().strip()
+    asked = [("POST", world.origin + "/ui/memory", {}), ("DELETE", world.origin + "/ui/deployments/alpha/park", {}),
+             ("PUT", world.origin + "/ui/static/app.css", {}),
+             ("POST", world.origin + "/devices", {"authorization": f"Bearer {token}"}),  # the management API
+             ("POST", world.server.base_url + "/v1/models", world.server.headers()),  # the inference API's own
+             ("DELETE", world.server.base_url + "/health", {}),
+             ("GET", world.server.base_url + "/v1/chat/completions", world.server.headers())]  # the front door's
+    for method, url, headers in asked:
+        answer = httpx.request(method, url, headers=headers)
+        assert answer.status_code == 405, (method, url, answer.text)
+        allowed = {m.strip() for m in answer.headers.get("allow", "").split(",") if m.strip()}
+        assert allowed and method not in allowed, (method, url, answer.headers)
+        error = answer.json()["error"]
+        assert (error["code"], error["type"]) == ("method_not_allowed", "invalid_request_error"), (method, url)
+    assert httpx.get(world.server.base_url + "/v1/chat/completions").headers["allow"] == "POST"
+    page = httpx.post(world.origin + "/ui/keys", headers={"accept": "text/html"})  # a browser gets a page
+    assert page.status_code == 405 and "GET" in page.headers["allow"] and "text/html" in page.headers["content-type"]
+    assert "content-security-policy" in page.headers
+
+
+def test_the_dashboards_refusals_carry_the_type_their_status_gives(world: World,
+                                                                    signed_in: tuple[Watched, Page]) -> None:
+    watched, _ = signed_in
+    signed_out = httpx.get(world.origin + "/ui/")
+    assert signed_out.status_code == 401
+    assert signed_out.json()["error"] | {"message": ""} == {"code": "sign_in_needed", "type": "invalid_request_error",
+                                                             "message": ""}
+    refused = httpx.post(world.origin + "/ui/sign-in", data={"token": "nope"})
+    assert (refused.status_code, refused.json()["error"]["type"]) == (401, "invalid_request_error")
+    forged = watched.context.request.post(world.origin + "/ui/deployments/beta/stop", form={"csrf": "x"})
+    assert forged.status == 403
+    assert (forged.json()["error"]["code"], forged.json()["error"]["type"]) == ("csrf_refused", "invalid_request_error")
+
+
+def test_the_browsers_icon_is_served_and_named_by_every_page(world: World, signed_in: tuple[Watched, Page]) -> None:
+    _, page = signed_in
+    for path in ("/favicon.ico", "/ui/static/favicon.ico"):
+        icon = httpx.get(world.origin + path)
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon", path
+        assert icon.content[:4] == b"\0\0\1\0"  # an ICO file's header
+    for path in PAGES:
+        page.goto(world.origin + path)
+        expect(page.locator('link[rel="icon"]')).to_have_attribute("href", "/ui/static/favicon.ico")

@@ -15,13 +15,14 @@ import anyio
 import msgspec
 import pytest
 
-from capyctl.adapters.dashboard.board import MARKED, PER_DEPLOYMENT, Board, Timeline
-from capyctl.adapters.dashboard.charts import MARKS, SERIES, WINDOW, charts, read_params
+from capyctl.adapters.dashboard.board import PER_DEPLOYMENT, Board, Timeline
+from capyctl.adapters.dashboard.charts import SERIES, WINDOW, charts, read_params
 from capyctl.adapters.dashboard.live import Feed, Hub, stream
 from capyctl.adapters.dashboard.requests import ROWS, Table, chosen, fields, figure, page_filter, settlement
 from capyctl.adapters.dashboard.security import host_ok, served_names
 from capyctl.adapters.dashboard.sessions import LINK_TTL, MAX_SESSIONS, SESSION_IDLE, Sessions, SignIns, admin_token_ok
-from capyctl.adapters.dashboard.views import consequences
+from capyctl.adapters.dashboard.views import consequences, counted
+from capyctl.adapters.dashboard.web import templates
 from capyctl.domain.config import Switching
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DailyLimit, InvalidRequest
@@ -215,7 +216,6 @@ async def test_charts_show_each_deployments_figures_per_bucket_with_its_parks_wa
     assert [(m.kind, m.event, m.at) for m in alpha.marks] == [
         ("park", "parked", now - 120), ("wake", "woken", now - 60), ("switch", "switch_completed", now - 30)]
     assert alpha.marks[0].detail == "seconds=1.5" and beta.marks == []
-    assert set(MARKS) == MARKED
     encoded = msgspec.json.decode(msgspec.json.encode(shown))  # as GET /ui/charts/data answers it
     assert encoded["deployments"][0]["series"]["requests_per_second"][-1] > 0
     only = charts("1h", await records.chart("1h", "beta"), ["beta"], timeline.marks, now)
@@ -232,7 +232,7 @@ async def test_the_timeline_keeps_the_marks_apart_from_busier_events(tmp_path: P
     assert "parked" not in [e.kind for e in timeline.by_deployment["alpha"]]  # pushed off the events page
     store.add_event(2000.0, "alpha", "woken", {})
     timeline.refresh()
-    assert [e.kind for e in timeline.marks["alpha"]] == ["parked", "woken"]
+    assert [(m.event, m.kind) for m in timeline.marks["alpha"]] == [("parked", "park"), ("woken", "wake")]
 
 
 class CountingStore(FakeRequestStore):
@@ -452,3 +452,48 @@ async def test_unsettled_cut_requests_are_marked_and_change_what_a_switch_would_
     assert {s.deployment: s.unsettled for s in bar.segments} == {"a": 1, "b": 0}
     (c,) = bar.outlooks
     assert c.victims == (("a", "stop", GiB),)  # it may still run on the engine: only a stop settles it
+
+
+async def test_a_park_of_any_residency_leaves_its_mark_on_the_charts_and_a_plain_stop_none(world: World,
+                                                                                         tmp_path: Path) -> None:
+    await world.fleet.apply({"name": "r", "engine": "e", "model": str(world.model), "residency": "restart_only",
+                             "resources": {"memory": "1GiB"}}, activate=False)
+    await world.deploy("h")
+    for name in ("r", "h"):
+        await world.request(name)
+        await world.fleet.park(name)  # restart_only: its park stops the engine; host_backed: it sleeps
+    assert (world.card("r").state, world.card("h").state) == ("stopped", "parked")
+    await world.request("r")
+    await world.fleet.stop("r")  # an operator's stop is no park
+    timeline = Timeline(world.store, tmp_path / "logs")
+    await timeline.ensure_seeded()
+    assert [(m.kind, m.event) for m in timeline.marks["r"]] == [("park", "state_changed")]
+    assert timeline.marks["r"][0].detail == "stopped after operator_park"
+    assert [(m.kind, m.event) for m in timeline.marks["h"]] == [("park", "parked")]
+    await world.board.timeline.ensure_seeded()  # as the Charts page's live stream does first
+    fragments = world.board.snapshot("charts", None, "15m")  # what it compares and sends
+    assert set(fragments) == {"marks-r", "marks-h"} and [m.kind for m in fragments["marks-r"]] == ["park"]
+    assert world.board.snapshot("charts", "h", "15m") == {"marks-h": tuple(timeline.marks["h"])}
+
+
+async def test_counts_are_written_in_the_singular_for_one(world: World) -> None:
+    assert [counted(0, "request"), counted(1, "request"), counted(2, "waiting request")] == [
+        "0 requests", "1 request", "2 waiting requests"]
+    await world.deploy("a")
+    await world.request("a")
+    lines = consequences("stop", world.fleet.get("a"), world.admission, world.fleet.room, world.fleet.controllers())
+    assert "0 requests in flight are cut; 0 waiting requests are refused (deployment_stopped)." in lines
+    assert not [line for line in lines if "(s)" in line]
+    assert "1 cut request still counted" in templates().get_template("_memory.html").render(bars=[
+        msgspec.structs.replace(world.memory(), segments=tuple(
+            msgspec.structs.replace(s, unsettled=1) for s in world.memory().segments))])
+
+
+async def test_a_card_names_the_host_its_engine_runs_on_and_nothing_on_this_machine(world: World) -> None:
+    await world.deploy("a")
+    here = world.card("a")
+    assert here.host is None
+    env = templates()
+    assert "<dt>Host</dt>" not in env.get_template("_card.html").render(c=here)
+    there = env.get_template("_card.html").render(c=msgspec.structs.replace(here, host="gpu-a"))
+    assert '<dt>Host</dt><dd class="host"><a href="/ui/hosts#host-gpu-a">gpu-a</a></dd>' in there

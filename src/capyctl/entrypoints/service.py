@@ -177,7 +177,7 @@ async def _serve(
     manager.fallback = with_dashboard(  # the dashboard beside the management API, on its listener
         manager.fallback, fleet=fleet, admission=container.admission(), keys=keys, store=container.store(),
         events=container.events(), clock=container.clock(), admin_token=admin_token, log_root=state.root / "logs",
-        listening=management_sock.getsockname()[:2], stopping=stopping, records=records)
+        listening=management_sock.getsockname()[:2], stopping=stopping, records=records, hosts=hosts)
     # The signal watcher outlives the engines' shutdown, so a second Ctrl-C
     # cannot kill CapyCTL halfway through stopping them.
     async with anyio.create_task_group() as watcher:

@@ -4,15 +4,17 @@ Modules: ``sessions`` (sign-in links, sessions, CSRF), ``security`` (the Host
 check, the security headers, the mount beside the management API),
 ``views`` (each page's data as structs), ``board`` (reading them from the
 services), ``requests`` (the Requests page, from the request records),
-``live`` (one event stream per open page), ``assets`` (the static files,
-vendored ones pinned), ``app`` (the Litestar handlers).
+``charts`` and ``marks`` (the Charts page), ``hosts`` and ``host_pages`` (the
+Hosts page and its actions), ``live`` (one event stream per open page),
+``assets`` (the static files, vendored ones pinned), ``app`` (the Litestar
+handlers).
 It reads what the CLI reads and never sits on an inference request's path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -27,13 +29,24 @@ from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 
+if TYPE_CHECKING:
+    from capyctl.adapters.http.management import Hosts
+
 
 def with_dashboard(management: Any, *, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store,
                    events: Events, clock: Clock, admin_token: str, log_root: Path, listening: tuple[str, int],
-                   stopping: anyio.Event, records: RequestLog) -> Any:
-    """The management API's ASGI app with the dashboard mounted beside it on the same listener."""
+                   stopping: anyio.Event, records: RequestLog, hosts: Hosts | None = None) -> Any:
+    """The management API's ASGI app with the dashboard mounted beside it on the same listener; ``hosts``
+    on a server of several machines (None: standalone)."""
+    # Imported as a server is composed, not with the dashboard's modules: views.py calls litestar's Dependency()
+    # at import, deprecated since litestar 2.23, which the unit tests' warning filter makes an error.
+    from capyctl.adapters.http.views import host_view
+
+    def host_views() -> list[dict[str, Any]]:  # the one view of a host, GET /hosts's
+        return [host_view(view, fleet) for view in hosts.registry.views()] if hosts is not None else []
+
     host, port = listening
-    board = Board(fleet, admission, keys, store, clock, Hub(clock.wall), log_root, records.recent)
+    board = Board(fleet, admission, keys, store, clock, Hub(clock.wall), log_root, records.recent, hosts, host_views)
     link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
     dashboard = build_dashboard(board, events, admin_token, f"http://{link_host}:{port}", stopping, records)
     return mount(management, create_dashboard_app(dashboard, port, served_names(host)))

@@ -9,7 +9,9 @@ Paths (all under ``/ui``; ``/`` redirects to the fleet):
 - ``GET /ui/requests`` (filters: module ``requests``; ``?id=`` goes to the detail), ``/ui/requests/{id}``;
 - ``GET /ui/charts?window=15m|1h|24h&deployment=`` (module ``charts``), its data as JSON ``/ui/charts/data``;
 - ``GET /ui/deployments/{name}/{action}``: what the action will do, and the form that does it (``POST``);
-- ``GET /ui/stream?page=...``: the page's live stream; ``GET /ui/static/...``: the assets.
+- ``GET /ui/hosts``, revoke and invite (module ``host_pages``);
+- ``GET /ui/stream?page=...``: the page's live stream; ``GET /ui/static/...``: the assets, and
+  ``/favicon.ico`` (browsers ask for it on their own).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from litestar.response import Redirect, ServerSentEvent
 from capyctl.adapters.dashboard.assets import load_assets
 from capyctl.adapters.dashboard.board import LOG_NAME, PAGES, Board
 from capyctl.adapters.dashboard.charts import Charts, charts, read_params
+from capyctl.adapters.dashboard.host_pages import do_invite, do_revoke, hosts_page, invite_page, revoke_page
 from capyctl.adapters.dashboard.live import MAX_STREAMS, stream
 from capyctl.adapters.dashboard.requests import Table, chosen, fields, page_filter, query
 from capyctl.adapters.dashboard.security import guarded
@@ -137,7 +140,8 @@ async def _charts(request: Request[Any, Any, Any]) -> tuple[Charts, str | None]:
 async def charts_page(request: Request[Any, Any, Any]) -> Response[str]:
     shown, deployment = await _charts(request)
     source = "/ui/charts/data?" + urlencode({"window": shown.window, **({"deployment": deployment} if deployment else {})})
-    return page(request, "charts.html", "charts", live=False, charts=shown, chosen=deployment, source=source,
+    return page(request, "charts.html", "charts", charts=shown, chosen=deployment, source=source,
+                stream_params={"window": shown.window, **({"deployment": deployment} if deployment else {})},
                 windows=list(WINDOWS), deployments=sorted(c.name for c in dash(request).board.fleet.controllers()))
 
 
@@ -202,6 +206,25 @@ async def do_action(request: Request[Any, Any, Any], name: str, action: str) -> 
 
 
 # --- live and static ------------------------------------------------------------------------------------
+def _reader(request: Request[Any, Any, Any], page: str, deployment: str | None) -> Callable[[], Any]:
+    """How a page's stream reads its data: the board's snapshot of the page; for the Charts page, the marks in
+    its window (the figures are the page's own to fetch); for the Requests page, the records, read off the
+    loop and again only once new rows were stored."""
+    parts = dash(request)
+    board = parts.board
+    if page not in ("charts", "requests"):
+        return lambda: board.snapshot(page, deployment)
+    params = {k: v for k, v in query(request.query_params.multi_items()).items() if k != "page"}
+    if page == "charts":
+        window, chosen = read_params(params)
+        return lambda: board.snapshot(page, chosen, window)
+    table = Table(parts.records, page_filter(params, parts.records.wall()))
+
+    async def read_records() -> dict[str, Any]:
+        return {"requests": await table.rows()}
+    return read_records
+
+
 @get("/ui/stream")
 async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment: str | None = None) -> ServerSentEvent:
     session_id, _ = session_of(request)
@@ -211,25 +234,20 @@ async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment:
     board, hub = parts.board, parts.board.hub
     if hub.streams >= MAX_STREAMS:
         raise TooManyStreams(f"{MAX_STREAMS} dashboard streams are open already; close some pages")
-    if page == "events":
+    if page in ("events", "charts"):
         await board.timeline.ensure_seeded()
     env = parts.templates
-    read: Callable[[], Any] = lambda: board.snapshot(page, deployment)  # noqa: E731
-    if page == "requests":  # the records are read off the loop, and again only once new rows were stored
-        params = {k: v for k, v in query(request.query_params.multi_items()).items() if k != "page"}
-        table = Table(parts.records, page_filter(params, parts.records.wall()))
-
-        async def read_records() -> dict[str, Any]:
-            return {"requests": await table.rows()}
-        read = read_records
+    read = _reader(request, page, deployment)
 
     def render(name: str, now: dict[str, Any]) -> str:
         if name == "cards":
             return env.get_template("_cards.html").render(cards=[now[f"card-{n}"] for n in now["cards"]])
         if name.startswith("card-"):
             return env.get_template("_card.html").render(c=now[name])
+        if name.startswith("marks-"):
+            return env.get_template("_marks.html").render(marks=now[name])
         context = {"memory": {"bars": now.get("memory")}, "requests": {"rows": now.get("requests")},
-                   "keys": {"keys": now.get("keys")},
+                   "keys": {"keys": now.get("keys")}, "hosts": {"hosts": now.get("hosts")},
                    "events": {"groups": now.get("events"), "deployment": deployment}}[name]
         return env.get_template(f"_{name}.html").render(**context)
 
@@ -242,13 +260,22 @@ async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment:
     return ServerSentEvent(messages())  # Litestar adds cache-control: no-cache and x-accel-buffering: no
 
 
-@get("/ui/static/{path:path}", sync_to_thread=False)
-def static(request: Request[Any, Any, Any], path: str) -> Response[bytes]:
+def _asset(request: Request[Any, Any, Any], path: str) -> Response[bytes]:
     found = dash(request).assets.get(path.lstrip("/"))
     if found is None:
         raise NotFound(f"no static file {path!r}")
     return Response(found[0], media_type=found[1], headers={"cache-control": "no-cache"})
 
+
+@get("/ui/static/{path:path}", sync_to_thread=False)
+def static(request: Request[Any, Any, Any], path: str) -> Response[bytes]:
+    return _asset(request, path)
+
+
+@get("/favicon.ico", sync_to_thread=False)
+def favicon(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """The icon a browser asks for on its own, whatever the page says (the pages name it too)."""
+    return _asset(request, "favicon.ico")
 
 
 def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str]) -> Any:
@@ -256,7 +283,8 @@ def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str])
     app = Litestar(
         route_handlers=[issue_sign_in, sign_in_page, sign_in_with_token, sign_in_with_link, sign_out, root,
                         fleet_page, memory_page, requests_page, request_page, charts_page, charts_data, keys_page, events_page, log_page,
-                        confirm_page, do_action, live, static],
+                        confirm_page, do_action, hosts_page, revoke_page, do_revoke, invite_page, do_invite, live,
+                        static, favicon],
         exception_handlers={CapyError: error_page, HTTPException: http_error_page, Exception: unexpected_error_page},
         openapi_config=None,
         logging_config=None,

@@ -1,6 +1,6 @@
 """The dashboard's static files, served by CapyCTL itself from this package: nothing comes from another host.
 
-``static/`` holds our own stylesheet and script; ``static/vendor/`` holds
+``static/`` holds our own stylesheet, scripts and icon; ``static/vendor/`` holds
 third-party files exactly as their npm packages ship them, pinned in
 ``static/vendor/MANIFEST.json`` (package, version, licence, SHA-256 of
 each file), which a unit test checks against the files. They were taken
@@ -16,7 +16,7 @@ from pathlib import Path
 
 STATIC = Path(__file__).parent / "static"
 TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-         ".txt": "text/plain; charset=utf-8", ".json": "application/json"}
+         ".txt": "text/plain; charset=utf-8", ".json": "application/json", ".ico": "image/x-icon"}
 
 
 def load_assets(root: Path = STATIC) -> dict[str, tuple[bytes, str]]:

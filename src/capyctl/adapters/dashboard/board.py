@@ -10,12 +10,15 @@ import re
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
+from capyctl.adapters.dashboard.charts import WINDOW, marks_in, window_edges
+from capyctl.adapters.dashboard.hosts import HostRow, host_rows
 from capyctl.adapters.dashboard.live import Hub
+from capyctl.adapters.dashboard.marks import Mark, Marker, words
 from capyctl.adapters.dashboard.views import Card, Outlooks, bars, card
 from capyctl.domain.deployments import NAME_PATTERN, InstanceState
 from capyctl.domain.ports import Clock, Store
@@ -24,11 +27,13 @@ from capyctl.services.admission import AdmissionService
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
 
-PAGES = ("fleet", "memory", "keys", "events", "requests")  # requests: read by app.live, from the records
+if TYPE_CHECKING:
+    from capyctl.adapters.http.management import Hosts
+
+PAGES = ("fleet", "memory", "keys", "events", "requests", "charts", "hosts")  # requests: read by app.live
 LOG_NAME = re.compile(r"(\d{1,16})-(\d{1,9})\.log")  # <wall ms>-<launch>.log, as local_engines names them
 PER_DEPLOYMENT = 50  # events kept per deployment on the timeline
-PER_MARKS = 500  # parks, wakes and switches kept per deployment for the charts' time axis
-MARKED = frozenset({"parked", "woken", "switch_completed"})  # the events the charts mark
+PER_MARKS = 500  # parks, wakes, switches and stops kept per deployment for the charts' time axis
 PER_REQUEST = frozenset({"router_selection"})  # one per request: the requests' own records show them, not here
 _SCAN = 1000  # events read from the store at a time
 
@@ -61,7 +66,8 @@ class Timeline:
         self._seeded = False
         self._seeding = anyio.Lock()
         self.by_deployment: dict[str | None, deque[Entry]] = {}
-        self.marks: dict[str, deque[Entry]] = {}  # MARKED events only, kept apart so busier kinds never push them out
+        self.marks: dict[str, deque[Mark]] = {}  # the charts' marks, kept apart so busier kinds never push them out
+        self._marker = Marker()
 
     async def ensure_seeded(self) -> None:
         """The first read goes through the whole stored table, off the event loop (it may hold 100,000)."""
@@ -90,7 +96,9 @@ class Timeline:
         if row["kind"] in PER_REQUEST:
             return
         name = row["deployment"]
-        detail = " ".join(f"{k}={v}" for k, v in row["detail"].items())
+        for marked, mark in self._marker.see(name, row["kind"], row["detail"], row["at"]):
+            self.marks.setdefault(marked, deque(maxlen=PER_MARKS)).append(mark)
+        detail = words(row["detail"])
         log = None
         if name is not None:
             if name not in logs:
@@ -100,8 +108,6 @@ class Timeline:
             log = began[-1] if began else None
         entry = Entry(row["id"], row["at"], row["kind"], detail, log)
         self.by_deployment.setdefault(name, deque(maxlen=PER_DEPLOYMENT)).append(entry)
-        if name is not None and entry.kind in MARKED:
-            self.marks.setdefault(name, deque(maxlen=PER_MARKS)).append(entry)
 
     def _launch_logs(self, deployment: str) -> list[tuple[int, str]]:
         """The deployment's launch logs, oldest first, by the wall time in their names."""
@@ -127,8 +133,11 @@ class Timeline:
 
 class Board:
     def __init__(self, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store, clock: Clock,
-                 hub: Hub, log_root: Path, recent: Callable[[], Mapping[str, Recent]] = dict) -> None:
+                 hub: Hub, log_root: Path, recent: Callable[[], Mapping[str, Recent]] = dict,
+                 hosts: Hosts | None = None, host_views: Callable[[], list[dict[str, Any]]] = list) -> None:
         self.fleet = fleet
+        self.hosts = hosts  # None: this CapyCTL runs standalone (no `capyctl start server`)
+        self.host_views = host_views  # each host as GET /hosts answers it
         self.admission = admission
         self.keys = keys
         self.clock = clock
@@ -166,7 +175,19 @@ class Board:
             for key, usage in self.keys.keys()
         )
 
-    def snapshot(self, page: str, deployment: str | None = None) -> dict[str, Any]:
+    def host_rows(self) -> tuple[HostRow, ...] | None:
+        """Each host as ``GET /hosts`` shows it; None on a CapyCTL that runs standalone."""
+        if self.hosts is None:
+            return None
+        return host_rows(self.host_views())
+
+    def chart_marks(self, deployment: str | None, window: str) -> dict[str, tuple[Mark, ...]]:
+        """Each deployment's marks in ``window`` as it stands now, by its fragment's name."""
+        start, end = window_edges(window, self.clock.wall())
+        names = [c.name for c in self.fleet.controllers() if deployment in (None, c.name)]
+        return {f"marks-{n}": marks_in(self.timeline.marks.get(n, ()), start, end) for n in names}
+
+    def snapshot(self, page: str, deployment: str | None = None, window: str = WINDOW) -> dict[str, Any]:
         """A page's fragments by name, each with the data it shows."""
         if page == "fleet":
             cards = self.cards()
@@ -175,7 +196,11 @@ class Board:
             return {"memory": tuple(bars(self.fleet.room, self.fleet.controllers(), self._outlooks))}
         if page == "keys":
             return {"keys": self.key_rows()}
-        if self._timeline_version != self.hub.version:
+        if page == "hosts":
+            return {"hosts": self.host_rows()}
+        if self._timeline_version != self.hub.version:  # events and marks change only with an event
             self._timeline_version = self.hub.version
             self.timeline.refresh()
+        if page == "charts":
+            return self.chart_marks(deployment, window)
         return {"events": self.timeline.view(deployment)}

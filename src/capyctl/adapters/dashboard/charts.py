@@ -3,10 +3,12 @@ switches on the same time axis.
 
 The figures are the records' own buckets (``domain/request_charts``: TTFT
 p50/p95, decode tokens/s, requests/s, CapyCTL's wait p50/p95), read through
-``RequestLog.chart``; the marks are the events the timeline keeps apart for
-them (``board.MARKED``). Nothing comes from Prometheus or Grafana. The page
+``RequestLog.chart``; the marks are those the timeline keeps apart for
+them (module ``marks``). Nothing comes from Prometheus or Grafana. The page
 draws them with uPlot (``static/charts.js``) from ``GET /ui/charts/data``,
-which answers this module's ``Charts`` as JSON.
+which answers this module's ``Charts`` as JSON. While the page is open, its
+live stream sends each deployment's marks in the window (``marks_in``) as they
+come, and the page draws its charts again when they change.
 """
 
 from __future__ import annotations
@@ -15,22 +17,14 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from capyctl.adapters.dashboard.board import Entry
+from capyctl.adapters.dashboard.marks import Mark
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.request_charts import WINDOWS, Bucket, bucket_starts
 
 WINDOW = "1h"  # the window a page shows unless told otherwise
 PARAMS = ("window", "deployment")
-MARKS = {"parked": "park", "woken": "wake", "switch_completed": "switch"}  # event kind -> the mark it draws
 SERIES = ("requests_per_second", "errors", "ttft_p50_ms", "ttft_p95_ms", "decode_tokens_per_second_p50",
           "queue_wait_p50_ms", "queue_wait_p95_ms")  # the figures of a bucket, by the Bucket's own names
-
-
-class Mark(msgspec.Struct, frozen=True):
-    at: float
-    kind: str  # park, wake or switch
-    event: str  # the event's own kind
-    detail: str
 
 
 class DeploymentChart(msgspec.Struct, frozen=True):
@@ -63,8 +57,19 @@ def read_params(params: Mapping[str, str]) -> tuple[str, str | None]:
     return window, params.get("deployment", "").strip() or None
 
 
+def window_edges(window: str, now: float) -> tuple[float, float]:
+    """Where ``window`` begins and ends when its last bucket holds ``now``."""
+    span = WINDOWS[window]
+    starts = bucket_starts(span, now)
+    return starts[0], starts[-1] + span.bucket
+
+
+def marks_in(marks: Iterable[Mark], start: float, end: float) -> tuple[Mark, ...]:
+    return tuple(m for m in marks if start <= m.at < end)
+
+
 def charts(window: str, buckets: Mapping[str, list[Bucket]], names: Iterable[str],
-           marks: Mapping[str, Iterable[Entry]], now: float) -> Charts:
+           marks: Mapping[str, Iterable[Mark]], now: float) -> Charts:
     """The charts of ``names`` (those with records in the window too) over ``window`` ending with ``now``'s
     bucket: a deployment without records has empty buckets (0 requests, no figures), never a missing chart."""
     span = WINDOWS[window]
@@ -77,7 +82,6 @@ def charts(window: str, buckets: Mapping[str, list[Bucket]], names: Iterable[str
     for name in sorted(set(names) | set(buckets)):
         rows = buckets.get(name) or [Bucket(start=t, requests=0, requests_per_second=0.0, errors=0) for t in starts]
         series: dict[str, list[float | None]] = {s: [getattr(b, s) for b in rows] for s in SERIES}
-        shown = [Mark(e.at, MARKS[e.kind], e.kind, e.detail) for e in marks.get(name, ())
-                 if e.kind in MARKS and start <= e.at < end]
+        shown = list(marks_in(marks.get(name, ()), start, end))
         out.append(DeploymentChart(name, sum(b.requests for b in rows), sum(b.errors for b in rows), series, shown))
     return Charts(window, span.bucket, starts, start, end, out)

@@ -30,6 +30,7 @@ HEADERS: list[tuple[bytes, bytes]] = [
     (b"cross-origin-resource-policy", b"same-origin"),
 ]
 PREFIX = "/ui"  # the dashboard's paths; "/" sends a browser there
+ICON = "/favicon.ico"
 
 
 def served_names(host: str) -> frozenset[str]:
@@ -58,11 +59,12 @@ def host_ok(header: str, port: int, names: frozenset[str]) -> bool:
 
 
 def is_dashboard(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
-    """``/ui`` and below; ``/`` only for a browser (it accepts HTML): any other client gets the management
-    API's own answer there, as before the dashboard."""
+    """``/ui`` and below, and ``/favicon.ico`` (which browsers ask for on their own); ``/`` only for a
+    browser (it accepts HTML): any other client gets the management API's own answer there, as before the
+    dashboard."""
     if path == "/":
         return any(k == b"accept" and b"text/html" in v for k, v in headers)
-    return path == PREFIX or path.startswith(PREFIX + "/")
+    return path == PREFIX or path.startswith(PREFIX + "/") or path == ICON
 
 
 def guarded(app: Callable[..., Any], port: int, names: frozenset[str]) -> Callable[..., Any]:

@@ -46,6 +46,7 @@ class Card(msgspec.Struct, frozen=True):
     engine: str  # family
     engine_version: str
     attached: bool
+    host: str | None  # the host whose engine runs it; None: the server's own machine
     state: str
     since: float | None  # wall time the state began, as far as this server saw it
     age: str  # for how long, coarse ("12 s", "3 min", "2 h"): the card changes as seldom as this does
@@ -92,6 +93,15 @@ def _progress(controller: Controller) -> Progress | None:
     return Progress("wake" if state is S.WAKING else "start", round(loading.starting_for, 1), usual)
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun, singular for exactly one: "1 request", "0 requests", "2 waiting requests"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def _verb(n: int, one: str, many: str) -> str:
+    return one if n == 1 else many
+
+
 def coarse(seconds: float) -> str:
     if seconds < 60:
         return f"{max(0, int(seconds))} s"
@@ -111,6 +121,7 @@ def card(controller: Controller, admission: AdmissionService, since: float | Non
         engine=str(controller.engine.family),
         engine_version=controller.engine.version,
         attached=controller.spec.attached,
+        host=controller.deployment.host,
         state=str(status.state),
         since=since,
         age="" if since is None else coarse(now - since),
@@ -254,21 +265,22 @@ def consequences(action: str, controller: Controller, admission: AdmissionServic
             others = [c for c in controllers if c is not controller and room.is_on(c, device)]
             out.append(f"Memory on {device.name}: {outlook(room, controller, others).text}.")
         if waiting:
-            out.append(f"{waiting} waiting request(s) are served once it is ready.")
+            out.append(f"{counted(waiting, 'waiting request')} {_verb(waiting, 'is', 'are')} served once it is ready.")
     elif action == "stop":
         out.append("It stops the engine (SIGTERM, then SIGKILL after the grace period). The stop is sticky: "
                    "requests do not start it again until an operator starts it.")
-        out.append(f"{in_flight} request(s) in flight are cut; {waiting} waiting request(s) are refused "
-                   "(deployment_stopped).")
+        out.append(f"{counted(in_flight, 'request')} in flight {_verb(in_flight, 'is', 'are')} cut; "
+                   f"{counted(waiting, 'waiting request')} {_verb(waiting, 'is', 'are')} refused (deployment_stopped).")
         if device is not None:
             out.append(f"It frees {gib(charged)} on {device.name}.")
     else:
-        out.append(f"It lets the {in_flight} request(s) in flight finish (bounded by switching.drain_timeout), "
+        out.append(f"It lets the {counted(in_flight, 'request')} in flight finish (bounded by switching.drain_timeout), "
                    "then parks the engine; the next request wakes it.")
         if controller.spec.residency is Residency.RESTART_ONLY:
             out.append("Its residency is restart_only: parking stops the engine (not stickily).")
         if waiting:
-            out.append(f"{waiting} waiting request(s) keep waiting, and wake it again.")
+            out.append(f"{counted(waiting, 'waiting request')} {_verb(waiting, 'keeps', 'keep')} waiting, and "
+                       f"{_verb(waiting, 'wakes', 'wake')} it again.")
         if device is not None:
             out.append(f"It frees {gib(frees_on_park(controller, charged))} on {device.name}.")
     return out

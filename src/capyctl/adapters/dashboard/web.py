@@ -23,9 +23,10 @@ from litestar.exceptions import HTTPException
 from capyctl.adapters.dashboard.board import Board
 from capyctl.adapters.dashboard.requests import figure, settlement
 from capyctl.adapters.dashboard.sessions import Session, Sessions, SignIns
+from capyctl.adapters.dashboard.views import counted
 from capyctl.adapters.http.asgi import REQUEST_ID_KEY
-from capyctl.adapters.http.errors import envelope, status_of
-from capyctl.domain.errors import CapyError, InternalError, NotFound
+from capyctl.adapters.http.errors import envelope, error_type, status_of
+from capyctl.domain.errors import CapyError, InternalError, MethodNotAllowed, NotFound
 from capyctl.domain.memory import gib
 from capyctl.services.events import Events
 from capyctl.services.request_log import RequestLog
@@ -84,6 +85,7 @@ def templates() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["gib"] = gib
+    env.filters["counted"] = counted
     env.filters["figure"] = figure
     env.filters["settlement"] = settlement
     env.filters["stamp"] = _stamp
@@ -116,9 +118,10 @@ async def checked(request: Request[Any, Any, Any]) -> tuple[Session, dict[str, s
     return session, fields
 
 
-def html(request: Request[Any, Any, Any], template: str, status: int = 200, **context: Any) -> Response[str]:
+def html(request: Request[Any, Any, Any], template: str, status: int = 200, headers: dict[str, str] | None = None,
+         **context: Any) -> Response[str]:
     text = dash(request).templates.get_template(template).render(**context)
-    return Response(text, status_code=status, media_type=HTML, headers=NO_STORE)
+    return Response(text, status_code=status, media_type=HTML, headers=headers or NO_STORE)
 
 
 def page(request: Request[Any, Any, Any], template: str, page: str, live: bool = True,
@@ -142,23 +145,40 @@ def wants_html(request: Request[Any, Any, Any]) -> bool:
     return "text/html" in request.headers.get("accept", "")
 
 
-def error_page(request: Request[Any, Any, Any], error: CapyError) -> Response[Any]:
-    status = STATUS.get(error.code) or status_of(error)
+def dashboard_envelope(error: CapyError) -> tuple[int, dict[str, Any]]:
+    """The status and JSON envelope of an error: the dashboard's own codes at their own statuses, with the
+    ``type`` that status gives (docs/errors.md); every other code as the management API answers it."""
+    body = envelope(error)
+    if error.code not in STATUS:
+        return status_of(error), body
+    status = STATUS[error.code]
+    return status, {"error": {**body["error"], "type": error_type(status)}}
+
+
+def error_page(request: Request[Any, Any, Any], error: CapyError,
+               headers: dict[str, str] | None = None) -> Response[Any]:
+    status, body = dashboard_envelope(error)
+    headers = {**NO_STORE, **(headers or {})}
     if not wants_html(request):
-        return Response(envelope(error), status_code=status, headers=NO_STORE)
+        return Response(body, status_code=status, headers=headers)
     if isinstance(error, SignInNeeded | SignInRefused):
         message = error.message if isinstance(error, SignInRefused) else None
         return html(request, "signin.html", 401, page="sign in", session=None, live=None, message=message)
     session = dash(request).sessions.get(request.cookies.get(COOKIE, ""))
-    return html(request, "error.html", status, page="error", session=session, live=None, http_status=status,
-                 title={400: "Not understood", 401: "Sign in first", 403: "Refused", 404: "Not found",
-                        409: "Not now"}.get(status, "Error"),
-                 code=error.code, message=error.message)
+    return html(request, "error.html", status, headers, page="error", session=session, live=None,
+                http_status=status, title={400: "Not understood", 401: "Sign in first", 403: "Refused",
+                                           404: "Not found", 405: "Not this way", 409: "Not now"}.get(status, "Error"),
+                code=error.code, message=error.message)
 
 
 def http_error_page(request: Request[Any, Any, Any], error: HTTPException) -> Response[Any]:
     if error.status_code == 404:
         return error_page(request, NotFound(f"no dashboard page {request.url.path}"))
+    if error.status_code == 405:  # RFC 9110: a 405 names the methods the path takes (Litestar's router lists them)
+        allow = (error.headers or {}).get("allow")
+        refused = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"
+                                   + (f"; it takes {allow}" if allow else ""))
+        return error_page(request, refused, {"allow": allow} if allow else None)
     wrapped = CapyError(str(error.detail))
     wrapped.code = "invalid_request" if error.status_code < 500 else "internal_error"
     return error_page(request, wrapped)

@@ -168,7 +168,7 @@ class FrontDoor:
             self._stats.refused(error.code)
             if self._records is not None:
                 self._records.add(refused_row(request_id, error, exchange.path, self._records.wall(), *named))
-            return exchange.json(status_of(error), error_body(error), headers + retry_after(error))
+            return exchange.json(status_of(error), error_body(error), headers + retry_after(error) + _allow(error))
         except Exception:
             log.exception("request %s: internal error", request_id)
             if self._records is not None:
@@ -259,6 +259,11 @@ class FrontDoor:
         if self._records is not None:
             self._records.add(finished_row(record, outcome, endpoint.path, self._records.wall(),
                                            (service.now() - front.received_at) * 1000))
+
+
+def _allow(error: CapyError) -> list[tuple[bytes, bytes]]:
+    """A 405's ``Allow`` header (RFC 9110): the front door's paths take POST only."""
+    return [(b"allow", b"POST")] if isinstance(error, MethodNotAllowed) else []
 
 
 class Front:

@@ -37,15 +37,20 @@ AdmissionDep = Annotated[AdmissionService, Dependency(skip_validation=True)]
 log = logging.getLogger("capyctl.http")
 
 
-def capy_error_response(_: Request, error: CapyError) -> Response[dict[str, Any]]:
-    return Response(envelope(error), status_code=status_of(error), headers={"cache-control": "no-store"})
+def capy_error_response(_: Request, error: CapyError,
+                        headers: dict[str, str] | None = None) -> Response[dict[str, Any]]:
+    return Response(envelope(error), status_code=status_of(error),
+                    headers={"cache-control": "no-store", **(headers or {})})
 
 
 def http_error_response(request: Request, error: HTTPException) -> Response[dict[str, Any]]:
     if error.status_code == 404:
         return capy_error_response(request, NotFound(f"no such endpoint: {request.method} {request.url.path}"))
-    if error.status_code == 405:
-        return capy_error_response(request, MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+    if error.status_code == 405:  # RFC 9110: a 405 names the methods the path takes (Litestar's router lists them)
+        allow = (error.headers or {}).get("allow")
+        refused = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"
+                                   + (f"; it takes {allow}" if allow else ""))
+        return capy_error_response(request, refused, {"allow": allow} if allow else None)
     wrapped = CapyError(str(error.detail))
     wrapped.code = "invalid_request" if error.status_code < 500 else "internal_error"
     return capy_error_response(request, wrapped)

@@ -20,11 +20,18 @@ from litestar.params import Dependency
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
 from capyctl.adapters.http.records_api import HANDLERS as RECORD_HANDLERS
-from capyctl.adapters.http.views import ClockDep, FleetDep, deployment_view, devices_view, engine_view, key_view
+from capyctl.adapters.http.views import (
+    ClockDep,
+    FleetDep,
+    deployment_view,
+    devices_view,
+    engine_view,
+    host_view,
+    key_view,
+)
 from capyctl.domain.errors import InvalidConfig, InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
-from capyctl.services.switching import Switchboard
 from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
@@ -165,27 +172,14 @@ def _hosts(hosts: Hosts | None) -> Hosts:
     return hosts
 
 
-def _charged(view: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
-    """A host's view with what its devices hold, as the switchboard charges them, and the deployments whose
-    engines run there now (its hello's list is what ran when it linked)."""
-    view["instances"] = [c.name for c in fleet.controllers() if c.host == view["name"] and c.status.pid is not None]
-    room = fleet.room
-    if isinstance(room, Switchboard):
-        devices = room.host_devices(view["name"])
-        for shown in view["devices"]:
-            device = devices.get(shown["name"])
-            shown["charged_bytes"] = sum(room.charged(device).values()) if device is not None else 0
-    return view
-
-
 @get("/hosts", sync_to_thread=False)
 def list_hosts(hosts: HostsDep, fleet: FleetDep) -> list[dict[str, Any]]:
-    return [_charged(view, fleet) for view in _hosts(hosts).registry.views()]
+    return [host_view(view, fleet) for view in _hosts(hosts).registry.views()]
 
 
 @get("/hosts/{name:str}", sync_to_thread=False)
 def get_host(hosts: HostsDep, fleet: FleetDep, name: str) -> dict[str, Any]:
-    return _charged(_hosts(hosts).registry.view(name), fleet)
+    return host_view(_hosts(hosts).registry.view(name), fleet)
 
 
 @post("/hosts/invites", status_code=201, sync_to_thread=False)

@@ -21,4 +21,18 @@
   document.addEventListener("htmx:sseError", function () {
     say("dropped", "live updates lost; reconnecting… (what you see may be out of date)");
   });
+  // A button data-download="ID" data-filename="NAME" saves the text of element ID as the file NAME: through a
+  // blob in memory, so the text (a join file's secret) never travels in a URL.
+  document.addEventListener("click", function (event) {
+    var button = event.target.closest ? event.target.closest("button[data-download]") : null;
+    var source = button && document.getElementById(button.dataset.download);
+    if (!source) { return; }
+    var link = document.createElement("a");
+    link.href = URL.createObjectURL(new Blob([source.value || source.textContent], {type: "application/json"}));
+    link.download = button.dataset.filename;
+    document.body.appendChild(link);
+    link.click();
+    link.remove();
+    window.setTimeout(function () { URL.revokeObjectURL(link.href); }, 1000);
+  });
 })();

@@ -1,10 +1,12 @@
 // CapyCTL dashboard, the Charts page: draws each deployment's four charts with uPlot from the page's JSON
-// (#charts' data-source, GET /ui/charts/data), with its parks, wakes and switches as dashed lines on the time
-// axis, and draws them again every 30 s. Served from this package like every script here (CSP: script-src 'self').
+// (#charts' data-source, GET /ui/charts/data), with its parks, wakes, switches and stops as dashed lines on the
+// time axis, and draws them again every 30 s, and as soon as the live stream brings a deployment's marks that
+// differ from those drawn. Served from this package like every script here (CSP: script-src 'self').
 (function () {
   "use strict";
   var EVERY_MS = 30000;
-  var MARK_COLOURS = {park: "#8a5a00", wake: "#1a7f37", "switch": "#8250df"};
+  var MARK_COLOURS = {park: "#8a5a00", wake: "#1a7f37", "switch": "#8250df", stop: "#b3261e"};
+  var SETTLE_MS = 100;  // after a fragment came: htmx has swapped it in by then
   var PLOTS = [
     {title: "TTFT (ms)", lines: [["ttft_p50_ms", "p50", "#0969da"], ["ttft_p95_ms", "p95", "#cf222e"]]},
     {title: "Decode (tokens/s)", lines: [["decode_tokens_per_second_p50", "p50", "#0969da"]]},
@@ -71,10 +73,33 @@
       .catch(function () { root.dataset.state = "failed"; });
   }
 
+  function marksText(box) { return box.textContent.replace(/\s+/g, " ").trim(); }
+
+  // The stream sends every deployment's marks when it (re)connects, and again when they change: draw again
+  // only when what it brought differs from what was drawn.
+  function watchMarks(root) {
+    var pending = false;
+    root.querySelectorAll(".marks-box").forEach(function (box) { box.dataset.drawnMarks = marksText(box); });
+    document.body.addEventListener("htmx:sseMessage", function (event) {
+      if (pending || !event.target.classList || !event.target.classList.contains("marks-box")) { return; }
+      pending = true;
+      window.setTimeout(function () {
+        pending = false;
+        var changed = false;
+        root.querySelectorAll(".marks-box").forEach(function (box) {
+          var now = marksText(box);
+          if (box.dataset.drawnMarks !== now) { changed = true; box.dataset.drawnMarks = now; }
+        });
+        if (changed) { load(root); }
+      }, SETTLE_MS);
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
     var root = document.getElementById("charts");
     if (!root || !window.uPlot) { return; }
     load(root);
+    watchMarks(root);
     window.setInterval(function () { load(root); }, EVERY_MS);
   });
 })();
