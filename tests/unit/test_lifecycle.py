@@ -101,6 +101,12 @@ def test_failures_after(failures: int, ready_for: float | None, after: int) -> N
     assert failures_after(failures, ready_for, stable_after=60.0) == after
 
 
+def test_an_end_that_was_not_the_engines_doing_counts_no_failure() -> None:
+    assert failures_after(2, None, stable_after=60.0, ended_by="agent_stopped") == 2
+    assert failures_after(2, 1.0, stable_after=60.0, ended_by="not_on_host") == 2
+    assert failures_after(2, 1.0, stable_after=60.0) == 3  # the same end by itself: one more
+
+
 @pytest.mark.parametrize(("desired", "state", "refused", "closed", "step"), [
     (D.STOP, S.READY, False, False, RouteStep.STOPPED),  # an operator's stop holds in every window
     (D.STOP, S.STARTING, True, False, RouteStep.STOPPED),

@@ -102,6 +102,22 @@ async def test_a_crash_ends_the_old_engine_before_the_next_launch(world: World) 
     assert world.controller.route_now() == Route("http://engine-2", 2)
 
 
+async def test_an_engine_its_hosts_agent_stopped_is_no_crash_and_comes_back_without_backoff(world: World) -> None:
+    for launch in range(1, 6):  # more ends than the start budget (3): none of them is counted against it
+        route = await world.controller.route(5)
+        assert route.launch == launch
+        began = anyio.current_time()
+        world.effects.crash(launch, code=0, cause="agent_stopped")
+        await world.until(lambda: world.controller.ready and world.controller.status.pid == 100 + launch + 1)  # noqa: B023
+        assert anyio.current_time() - began < 0.5  # no backoff: the launch itself waits for the host
+    assert world.controller.status.state is S.READY and "engine_crashed" not in world.kinds()
+    ended = [e["detail"] for e in world.store.events if e["kind"] == "engine_ended"]
+    assert len(ended) == 5 and {e["cause"] for e in ended} == {"agent_stopped"}
+    assert "agent was stopped" in str(world.controller.status.last_error)
+    world.effects.crash(6, code=-9)  # by itself: a crash, said so
+    await world.until(lambda: "engine_crashed" in world.kinds())
+
+
 async def test_memory_and_cut_requests_are_released_only_once_the_engine_is_gone(world: World) -> None:
     await world.controller.route(5)
     world.controller.cut(RequestRecord(id="r1", deployment="m", stream=True))  # cut before any output

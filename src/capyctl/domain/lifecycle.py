@@ -98,9 +98,13 @@ def ending_state(state: InstanceState, cancelled: bool) -> InstanceState | None:
     return None if state is S.STARTING else S.STARTING
 
 
-def failures_after(failures: int, ready_for: float | None, stable_after: float) -> int:
+def failures_after(failures: int, ready_for: float | None, stable_after: float, ended_by: str | None = None) -> int:
     """Failed starts in a row after a launch ended: one more unless it was ready for ``stable_after`` seconds
-    (``ready_for`` None: it never was), so an engine that crashes after each start backs off and ends FAILED."""
+    (``ready_for`` None: it never was), so an engine that crashes after each start backs off and ends FAILED.
+    An engine ended by something else than itself (``ended_by``: its host's agent stopped, its host came back
+    without it) is no failure of its own: the count stays as it was."""
+    if ended_by is not None:
+        return failures
     if ready_for is not None and ready_for >= stable_after:
         return 0
     return failures + 1

@@ -94,8 +94,8 @@ class EngineTask:
             state.launch_scope = scope
             if state.status.state is not S.STARTING:
                 state.set(S.STARTING)
-            if state.relaunch:
-                delay = restart_delay(state.failures or 1)
+            if state.relaunch and self._blameless() is None:  # (ended by its host's going: no backoff, the launch
+                delay = restart_delay(state.failures or 1)  # waits for the host to be back)
                 self._events.emit(self._name, "engine_restarting", instance=0, after_s=delay)
                 await anyio.sleep(delay)
                 state.status.restarts += 1
@@ -112,7 +112,7 @@ class EngineTask:
                 state.status.last_error = f"could not launch the engine: {type(exc).__name__}: {exc}"
                 self._events.emit(self._name, "engine_start_failed", instance=0, reason=state.status.last_error)
                 ready_for = None
-            state.failures = failures_after(state.failures, ready_for, self._settings.stable_after)
+            state.failures = failures_after(state.failures, ready_for, self._settings.stable_after, self._blameless())
             state.relaunch = True
         state.launch_scope = None
         if scope.cancelled_caught:  # stopped on purpose: the next start is a fresh one
@@ -146,7 +146,7 @@ class EngineTask:
             state.set(S.READY)
             ready_at = self._clock.monotonic()
             code = await self._watch(engine)
-            cause = self._effects.ended_by(engine)
+            cause = self._ended(engine)
             if cause is None:  # by itself: a crash
                 state.status.last_error = f"engine exited with status {code} while serving"
                 self._events.emit(self._name, "engine_crashed", instance=0, status=code, log=engine.log_path)
@@ -193,7 +193,7 @@ class EngineTask:
         deadline = self._clock.monotonic() + self._settings.startup_timeout
         while self._clock.monotonic() < deadline:
             if (code := self._effects.exited(engine)) is not None:
-                cause = self._effects.ended_by(engine)
+                cause = self._ended(engine)
                 status.last_error = (f"engine exited with status {code} while starting" if cause is None
                                      else f"engine ended while starting: {ENDED_BY.get(cause, cause)}")
                 self._events.emit(self._name, "engine_start_failed", instance=0, status=code,
@@ -207,6 +207,19 @@ class EngineTask:
         status.last_error = f"engine not ready after {self._settings.startup_timeout:.0f} s"
         self._events.emit(self._name, "engine_start_failed", instance=0, reason="startup timeout")
         return False
+
+    def _ended(self, engine: Launched) -> str | None:
+        """Why ``engine``, gone, ended when it was not by itself (kept with its launch for ``lost`` and the
+        backoff); None for a crash."""
+        cause = self._effects.ended_by(engine)
+        if cause is not None:
+            self._state.ended_by = (engine.number, cause)
+        return cause
+
+    def _blameless(self) -> str | None:
+        """Why the latest launch's engine ended, when that was not its own doing (no failure, no backoff)."""
+        ended = self._state.ended_by
+        return ended[1] if ended is not None and ended[0] == self._state.launch else None
 
     @property
     def _parks(self) -> bool:

@@ -19,6 +19,7 @@ from capyctl.domain.errors import (
     CapyError,
     DeadlineExceeded,
     DeploymentStopped,
+    DeviceOffline,
     EngineRestarted,
     EngineUnavailable,
     HostUnreachable,
@@ -209,6 +210,9 @@ class ManagedController(ControllerBase):
             return self._effects.offline()  # its host went out of reach meanwhile (None on this machine)
         if state.desired is Desired.STOP:  # not a crash: an operator stopped it
             return DeploymentStopped(self.name, while_serving=True)
+        if state.ended_by is not None and state.ended_by[0] == route.launch and self.host is not None:  # its host's
+            return self._effects.offline() or DeviceOffline(  # doing, not the engine's: said so
+                self.host, "reconnecting", model=self.name, retry_after=1)
         return EngineRestarted(self.name, str(state.status.last_error))
 
     def loading(self) -> Loading:

@@ -170,13 +170,15 @@ try:
             answer = b""
             while chunk := tls.recv(4096):
                 answer += chunk
-    print(answer.split(b"\\r\\n")[0].decode(), json.loads(answer.split(b"\\r\\n\\r\\n", 1)[1])["error"]["code"])
+    print(answer.split(b"\\r\\n")[0].decode() if answer else "no answer")
 except ssl.SSLCertVerificationError as exc:
     print("refused:", exc.verify_message)
+except (ssl.SSLError, OSError) as exc:
+    print("closed:", type(exc).__name__)
 """
 
 
-def test_the_hosts_ingress_answers_the_server_under_the_hosts_name_and_refuses_without_a_gate(
+def test_the_hosts_ingress_is_known_by_the_hosts_name_and_answers_no_stranger(
         lan: Lan, server: Machine, tmp_path: Path) -> None:
     joined(lan, server, "gpu-a", tmp_path)
     listed = hosts(server)["gpu-a"]
@@ -187,5 +189,7 @@ def test_the_hosts_ingress_answers_the_server_under_the_hosts_name_and_refuses_w
     def probe(name: str) -> str:
         return server.node.run([sys.executable, "-c", _INGRESS_PROBE, ca, address, "8444", name]).stdout.strip()
 
-    assert probe("gpu-a") == "HTTP/1.1 403 Forbidden gate_refused"  # the server's CA vouches for gpu-a
+    # the server's CA vouches for gpu-a; but a caller without the server's own certificate gets no answer
+    # (tests/integration/several/test_trust.py: its handshake fails)
+    assert probe("gpu-a") in ("no answer", "closed: SSLError")
     assert probe("gpu-b").startswith("refused: Hostname mismatch")  # not the host it means to reach
