@@ -27,6 +27,7 @@ class FakeEngineEffects:
         self.answers: list[str] = []  # the canary's answers, in order; "ready" once they run out
         self.launch_error: Exception | None = None  # raised by the next launch
         self.stop_gate: anyio.Event | None = None  # while set to an unset event, a stop waits for it
+        self.launch_gate: anyio.Event | None = None  # likewise a launch (a host's waits for its host to be back)
         self.load_now: tuple[int, int] | None = (0, 0)  # what each load reading answers
         self.loads: list[int] = []  # the launch each load reading was of
         self.unreachable: CapyError | None = None  # what ``offline`` says: the engine's machine is out of reach
@@ -51,6 +52,8 @@ class FakeEngineEffects:
 
     # --- the port ----------------------------------------------------------------------------
     async def launch(self, number: int) -> Launched:
+        if self.launch_gate is not None:
+            await self.launch_gate.wait()
         if self.launch_error is not None:
             error, self.launch_error = self.launch_error, None
             raise error

@@ -5,7 +5,6 @@ residency; and the JSON envelopes of the dashboard's own refusals."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ import msgspec
 import pytest
 
 from capyctl.adapters.dashboard.board import Board
+from capyctl.adapters.http.management import Hosts
+from capyctl.adapters.http.views import host_view
 from capyctl.adapters.dashboard.hosts import DeviceRow, HostRow, host_row, invitation, invite_lines, revoke_lines
 from capyctl.adapters.dashboard.live import Feed, stream
 from capyctl.adapters.dashboard.marks import Mark, Marker
@@ -38,13 +39,7 @@ GiB = 2**30
 
 
 def http_views() -> tuple[Callable[..., Any], Any]:
-    """``host_view`` (GET /hosts's one view of a host) and the management API's ``Hosts``. Those modules build
-    litestar's ``Dependency()`` markers as they are imported, deprecated since litestar 2.23: that warning is
-    theirs, not what is tested here, so it is let through while they load."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from capyctl.adapters.http.management import Hosts
-        from capyctl.adapters.http.views import host_view
+    """``host_view`` (GET /hosts's one view of a host) and the management API's ``Hosts``."""
     return host_view, Hosts
 
 
@@ -249,3 +244,33 @@ def test_the_dashboards_own_refusals_carry_the_type_their_status_gives() -> None
     status, body = dashboard_envelope(ModelNotFound("m", []))  # not the dashboard's own: as everywhere else
     assert (status, body["error"]["type"], body["error"]["available"]) == (404, "invalid_request_error", [])
     assert msgspec.json.decode(msgspec.json.encode(body))["error"]["message"]
+
+
+async def test_a_card_shows_an_engine_held_by_its_host_and_a_hosts_doing_as_no_error() -> None:
+    from capyctl.adapters.dashboard.views import card
+    from capyctl.domain.errors import DeviceOffline
+    from capyctl.domain.scheduling import QueueLimits
+    from capyctl.services.admission import AdmissionService
+    from tests.unit.test_managed import S, World as Managed, bound
+
+    async with bound(Managed()) as w:
+        admission = AdmissionService(QueueLimits(), w.controller._clock, 1800.0)  # noqa: SLF001 - its own clock
+        await w.controller.route(5)
+        w.effects.unreachable = DeviceOffline("gpu-a", "lost", model="m")  # its host went silent
+        shown = card(w.controller, admission, None, 0.0)
+        assert shown.state == "held" and shown.held is not None and "lost" in shown.held
+        w.effects.unreachable = None
+        w.effects.launch_gate = back = anyio.Event()  # the next launch waits for its host, as a host's does
+        w.effects.crash(1, code=0, cause="agent_stopped")  # its host's agent stopped: not the engine's error
+        await w.until(lambda: "engine_ended" in w.kinds() and w.controller.status.state is not S.READY)
+        shown = card(w.controller, admission, None, 0.0)
+        assert shown.held is None and shown.last_error is None  # no error of its own ...
+        assert shown.note is not None and "agent was stopped" in shown.note  # ... but said how it ended
+        back.set()
+        await w.until(lambda: w.controller.ready and w.controller.status.pid is not None)
+        assert card(w.controller, admission, None, 0.0).note is None  # a later engine serves: no news
+        launch = w.controller.status.pid - 100
+        w.effects.crash(launch, code=-9)  # by itself, this time: an error, shown as one
+        await w.until(lambda: w.controller.ready and w.controller.status.pid == 101 + launch)
+        shown = card(w.controller, admission, None, 0.0)
+        assert shown.note is None and shown.last_error == "engine exited with status -9 while serving"

@@ -136,6 +136,12 @@ class ControllerBase:
     def host(self) -> str | None:
         return self.deployment.host
 
+    @property
+    def ended_by(self) -> str | None:
+        """Why the latest engine ended, when that was not its own doing (its host's agent stopped ...); None
+        after a crash, or while it runs."""
+        return None
+
     def held(self) -> CapyError | None:
         """Why the engine that runs cannot be reached now (its host is not online): it is held, neither serving
         nor released; None when it can be reached, or none runs."""

@@ -144,6 +144,7 @@ class EngineTask:
                 return None
             self._reference = await self._first_answer(engine) if self._parks else None
             state.set(S.READY)
+            state.ended_by = None  # a later engine serves: how an earlier one ended is no news any more
             ready_at = self._clock.monotonic()
             code = await self._watch(engine)
             cause = self._ended(engine)

@@ -153,6 +153,11 @@ class ManagedController(ControllerBase):
         engine = self._state.engine
         return None if engine is None else await self._effects.load(engine)
 
+    @property
+    def ended_by(self) -> str | None:
+        ended = self._state.ended_by  # (kept until a later launch is ready)
+        return ended[1] if ended is not None else None
+
     def held(self) -> CapyError | None:
         return self._effects.offline() if self._state.engine is not None else None
 

@@ -38,7 +38,8 @@ class ManagedState:
         self.url = ""  # where requests go: the address of the launch that became ready
         self.failures = 0  # launches in a row that never became stable
         self.relaunch = False  # the last launch ended by itself: the next one comes after a backoff
-        self.ended_by: tuple[int, str] | None = None  # (a launch, why its engine ended) when not by itself
+        self.ended_by: tuple[int, str] | None = None  # (a launch, why its engine ended) when not by itself, until
+        # a later launch is ready
         self.asks = 0  # starts asked for (by requests or an operator); a refusal answers one of them
         self.refused: tuple[int, CapyError] | None = None  # (the ask it answers, why)
         self.holds = False  # granted room on its device, until its engine process is gone

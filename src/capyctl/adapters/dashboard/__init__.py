@@ -22,6 +22,7 @@ from capyctl.adapters.dashboard.app import build_dashboard, create_dashboard_app
 from capyctl.adapters.dashboard.board import Board
 from capyctl.adapters.dashboard.live import Hub
 from capyctl.adapters.dashboard.security import mount, served_names
+from capyctl.adapters.http.views import host_view
 from capyctl.domain.ports import Clock, Store
 from capyctl.services.admission import AdmissionService
 from capyctl.services.events import Events
@@ -38,10 +39,6 @@ def with_dashboard(management: Any, *, fleet: Fleet, admission: AdmissionService
                    stopping: anyio.Event, records: RequestLog, hosts: Hosts | None = None) -> Any:
     """The management API's ASGI app with the dashboard mounted beside it on the same listener; ``hosts``
     on a server of several machines (None: standalone)."""
-    # Imported as a server is composed, not with the dashboard's modules: views.py calls litestar's Dependency()
-    # at import, deprecated since litestar 2.23, which the unit tests' warning filter makes an error.
-    from capyctl.adapters.http.views import host_view
-
     def host_views() -> list[dict[str, Any]]:  # the one view of a host, GET /hosts's
         return [host_view(view, fleet) for view in hosts.registry.views()] if hosts is not None else []
 

@@ -60,6 +60,8 @@ class Card(msgspec.Struct, frozen=True):
     last_error: str | None
     progress: Progress | None
     actions: tuple[Action, ...]
+    held: str | None = None  # why its engine, still running on its host, cannot be reached now
+    note: str | None = None  # how its last engine ended, when that was no error of its own (its host's doing)
 
     def action(self, name: str) -> Action:
         return next(a for a in self.actions if a.name == name)
@@ -115,6 +117,9 @@ def coarse(seconds: float) -> str:
 def card(controller: Controller, admission: AdmissionService, since: float | None, now: float,
          recent: Recent | None = None) -> Card:
     status = controller.status
+    held = controller.held()
+    shown_error = status.last_error if status.state in (S.FAILED, S.UNAVAILABLE) or status.restarts else None
+    blameless = controller.ended_by is not None  # an end that was its host's doing is said, not shown as an error
     return Card(
         name=controller.name,
         api=controller.spec.api,
@@ -122,7 +127,7 @@ def card(controller: Controller, admission: AdmissionService, since: float | Non
         engine_version=controller.engine.version,
         attached=controller.spec.attached,
         host=controller.deployment.host,
-        state=str(status.state),
+        state="held" if held is not None else str(status.state),
         since=since,
         age="" if since is None else coarse(now - since),
         desired=str(controller.desired),
@@ -132,9 +137,11 @@ def card(controller: Controller, admission: AdmissionService, since: float | Non
         in_flight=admission.state.in_flight(controller.name),
         waiting=admission.state.waiting(controller.name),
         recent=recent,
-        last_error=status.last_error if status.state in (S.FAILED, S.UNAVAILABLE) or status.restarts else None,
+        last_error=None if blameless else shown_error,
         progress=_progress(controller),
         actions=actions_for(controller),
+        held=None if held is None else held.message,
+        note=status.last_error if blameless else None,
     )
 
 

@@ -11,10 +11,10 @@ from typing import Annotated, Any
 from litestar import Litestar, Request, Response, get, route
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
 from litestar.handlers.base import BaseRouteHandler
-from litestar.params import Dependency
+from litestar.params import SkipValidation
 
 from capyctl.adapters.http.asgi import REQUEST_ID_KEY, with_request_ids
 from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
@@ -31,9 +31,9 @@ from capyctl.services.controllers import Controller, InstanceStatus
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
 
-StatsDep = Annotated[RequestStats, Dependency(skip_validation=True)]
-StartedDep = Annotated[float, Dependency(skip_validation=True)]
-AdmissionDep = Annotated[AdmissionService, Dependency(skip_validation=True)]
+StatsDep = NamedDependency[SkipValidation[RequestStats]]
+StartedDep = NamedDependency[SkipValidation[float]]
+AdmissionDep = NamedDependency[SkipValidation[AdmissionService]]
 log = logging.getLogger("capyctl.http")
 
 

@@ -13,9 +13,9 @@ from typing import Annotated, Any
 from litestar import Litestar, delete, get, post, put
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.handlers.base import BaseRouteHandler
-from litestar.params import Dependency
+from litestar.params import SkipValidation
 
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.inference import error_handlers
@@ -36,7 +36,7 @@ from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 
-KeysDep = Annotated[Keyring, Dependency(skip_validation=True)]
+KeysDep = NamedDependency[SkipValidation[Keyring]]
 _KEY_FIELDS = ("name", "daily_limit", "models", "cache_salt")
 
 
@@ -154,7 +154,7 @@ def revoke_key(keys: KeysDep, name: str) -> dict[str, Any]:
     return {"revoked": key.name, "id": key.id}
 
 
-HostsDep = Annotated["Hosts | None", Dependency(skip_validation=True)]
+HostsDep = NamedDependency[SkipValidation["Hosts | None"]]
 
 
 class Hosts:

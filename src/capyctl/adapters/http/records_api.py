@@ -11,13 +11,14 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, get
-from litestar.params import Dependency
+from litestar.di import NamedDependency
+from litestar.params import SkipValidation
 
 from capyctl.domain.errors import InvalidRequest, NotFound
 from capyctl.domain.request_rows import read_filter
 from capyctl.services.request_log import RequestLog
 
-RecordsDep = Annotated[RequestLog, Dependency(skip_validation=True)]
+RecordsDep = NamedDependency[SkipValidation[RequestLog]]
 
 
 def query(request: Request[Any, Any, Any]) -> dict[str, str]:

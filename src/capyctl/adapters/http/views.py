@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from litestar.params import Dependency
+from litestar.di import NamedDependency
+from litestar.params import SkipValidation
 
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
@@ -106,8 +107,8 @@ def deployment_view(controller: Controller, now: float, room: Switchboard | NoSw
 
 
 # Handler parameters for services: Litestar must not try to validate them as data.
-FleetDep = Annotated[Fleet, Dependency(skip_validation=True)]
-ClockDep = Annotated[Clock, Dependency(skip_validation=True)]
+FleetDep = NamedDependency[SkipValidation[Fleet]]
+ClockDep = NamedDependency[SkipValidation[Clock]]
 
 
 def key_view(key: ApiKey, usage: Usage) -> dict[str, Any]:
