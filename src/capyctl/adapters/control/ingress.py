@@ -50,42 +50,26 @@ connections are closed, and no task of the ingress runs on.
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import logging
 import socket
 import ssl
-from collections.abc import Callable
-from typing import NamedTuple
 
 import anyio
 import httptools
-import msgspec
 
+from capyctl.adapters.control.ingress_requests import GATE_REFUSED, MAX_HEAD, Caller, Refusal, Request, answer
 from capyctl.adapters.pki import server_ssl_context
 from capyctl.domain.limits import HOST_MAX_BODY, Limits
 
 log = logging.getLogger("capyctl.ingress")
 PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/systemone"})
-GATE = b"x-capyctl-gate"
 MAX_BODY = HOST_MAX_BODY
-MAX_HEAD = 64 << 10  # bytes of a request's head (give or take one read)
 HEADER_TIMEOUT = Limits().header_timeout  # the server's own door's (limits.client_header_timeout)
 BODY_TIMEOUT = Limits().body_timeout  # the same (limits.client_body_timeout)
-IDLE_TIMEOUT = 60.0  # seconds a kept-alive connection from the server may wait for its next request
-_READ = 64 << 10  # bytes asked of the server's connection per read
 _CLOSE_BOUND = 5.0  # seconds serve waits for its cancelled connections, which end at once unless a bug holds one
 _IDLE_PER_ENGINE = 64  # kept-alive connections to one engine
 _HIGH_WATER = 1 << 20  # bytes waiting for the server's connection past which the engine is read no more
-
-
-class _Refusal(NamedTuple):
-    status: int
-    code: str
-    message: str
-
-
-_GATE_REFUSED = _Refusal(403, "gate_refused", "no open gate for this key: the launch it named is over")
 
 
 class Ingress:
@@ -169,7 +153,7 @@ class Ingress:
             await writer.start_tls(tls, ssl_handshake_timeout=self._header_timeout)
         except OSError:  # not the server's certificate (or none), or too slow: nothing was read
             return
-        caller = _Caller(reader, writer, self._refusal, self._header_timeout, self._body_timeout)
+        caller = Caller(reader, writer, self._refusal, self._header_timeout, self._body_timeout)
         try:
             while (request := await caller.next_request()) is not None and await self._forward(request, caller):
                 pass
@@ -178,26 +162,26 @@ class Ingress:
         except Exception:  # a bug of the ingress: this connection fails, the ingress goes on
             log.exception("ingress: a request failed")
 
-    def _refusal(self, request: _Request) -> _Refusal | None:
+    def _refusal(self, request: Request) -> Refusal | None:
         """What the head alone refuses, before any byte of the body is read; None to read the body."""
         if request.version not in ("1.0", "1.1"):
-            return _Refusal(400, "invalid_request", f"the ingress takes HTTP/1.1, not HTTP/{request.version}")
+            return Refusal(400, "invalid_request", f"the ingress takes HTTP/1.1, not HTTP/{request.version}")
         if request.method != b"POST" or request.target.partition(b"?")[0].decode("latin-1") not in PATHS:
-            return _Refusal(404, "not_found", "the ingress forwards only POSTs to an engine's inference paths")
+            return Refusal(404, "not_found", "the ingress forwards only POSTs to an engine's inference paths")
         if request.gate() not in self._gates:
-            return _GATE_REFUSED
+            return GATE_REFUSED
         lengths = request.header(b"content-length")  # the parser let one at most through, and only digits
         if request.header(b"transfer-encoding") or not lengths:
-            return _Refusal(411, "invalid_request", "the ingress takes a body sent with Content-Length")
+            return Refusal(411, "invalid_request", "the ingress takes a body sent with Content-Length")
         if int(lengths[0]) > self._max_body:
-            return _Refusal(413, "too_large", f"request body is larger than the limit of {self._max_body} bytes")
+            return Refusal(413, "too_large", f"request body is larger than the limit of {self._max_body} bytes")
         return None
 
-    async def _forward(self, request: _Request, caller: _Caller) -> bool:
+    async def _forward(self, request: Request, caller: Caller) -> bool:
         """``request`` forwarded and its answer relayed; True when the connection may carry the next."""
         port = self._gates.get(request.gate() or "")
         if port is None:  # its launch ended while it waited behind another request
-            await _answer(caller.writer, *_GATE_REFUSED)
+            await answer(caller.writer, *GATE_REFUSED)
             return False
         watch = asyncio.ensure_future(caller.watch())
         try:
@@ -205,7 +189,7 @@ class Ingress:
         finally:
             await _stopped(watch)  # before the next read of the server's connection: it may be in one
         if relayed is None:
-            await _answer(caller.writer, 502, "engine_unavailable", "the engine behind this gate does not answer")
+            await answer(caller.writer, 502, "engine_unavailable", "the engine behind this gate does not answer")
             return False
         outcome, engine = relayed
         if outcome is not _Outcome.COMPLETE or not engine.reusable():
@@ -257,147 +241,6 @@ class Ingress:
             return None
         engine.start(client, request)
         return engine
-
-
-class _Request:
-    """One request as the parser gave it; it goes to an engine only once whole and not refused."""
-
-    def __init__(self) -> None:
-        self.method = b""
-        self.target = b""
-        self.version = ""
-        self.headers: list[tuple[bytes, bytes]] = []  # names as sent, values without their surrounding blanks
-        self.body: list[bytes] = []
-        self.keep_alive = False
-
-    def header(self, name: bytes) -> list[bytes]:
-        return [value for key, value in self.headers if key.lower() == name]
-
-    def gate(self) -> str | None:
-        keys = self.header(GATE)
-        return keys[0].decode("latin-1") if len(keys) == 1 else None  # two keys name no one launch
-
-    def wire(self) -> bytes:
-        """What the engine gets: rebuilt from the parsed parts, less the gate, each line ending CRLF."""
-        lines = [b"%s %s HTTP/%s" % (self.method, self.target, self.version.encode())]
-        lines += [name + b": " + value for name, value in self.headers if name.lower() != GATE]
-        return b"\r\n".join(lines) + b"\r\n\r\n" + b"".join(self.body)
-
-
-class _Phase(enum.Enum):
-    IDLE = "idle"  # between requests
-    HEAD = "head"  # a request begun, its head not whole
-    BODY = "body"  # its head whole, its body not
-
-
-class _Caller:
-    """The server's connection as httptools parses it, each read fed once: requests read whole wait in
-    ``ready``, in order; the first refusal ends the parsing, and is answered after the requests before it."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 check: Callable[[_Request], _Refusal | None], header_timeout: float, body_timeout: float) -> None:
-        self.reader, self.writer = reader, writer
-        self._check = check
-        self._header_timeout, self._body_timeout = header_timeout, body_timeout
-        self._parser = httptools.HttpRequestParser(self)  # strict: no set_dangerous_leniencies
-        self._loop = asyncio.get_running_loop()
-        self.ready: collections.deque[_Request] = collections.deque()
-        self.refusal: _Refusal | None = None
-        self._phase, self._since = _Phase.IDLE, self._loop.time()  # the phase, and when it began
-        self._head_size = 0  # bytes fed since the last head was whole
-        self._request = _Request()
-
-    async def next_request(self) -> _Request | None:
-        """The next request read whole; None once the connection is done with (a refusal or a timeout
-        answered, the server gone, or idle too long)."""
-        waited = self._loop.time()
-        while not self.ready:
-            if self.refusal is not None:
-                await _answer(self.writer, *self.refusal)
-                return None
-            deadline, late = self._deadline(waited)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    data = await self.reader.read(_READ)
-            except TimeoutError:
-                if late is not None:
-                    await _answer(self.writer, *late)
-                return None
-            if not data:
-                return None  # the server closed its connection, mid-request too: nobody to answer
-            self.feed(data)
-        return self.ready.popleft()
-
-    def _deadline(self, waited: float) -> tuple[float, _Refusal | None]:
-        """When the wait for more ends, and what is answered then (nothing between requests). A request begun
-        while the one before it was answered has its time counted from when it is waited for."""
-        if self._phase is _Phase.IDLE:
-            return waited + IDLE_TIMEOUT, None
-        part, seconds = ("head", self._header_timeout) if self._phase is _Phase.HEAD else ("body", self._body_timeout)
-        late = _Refusal(408, "request_timeout", f"the request's {part} did not arrive within {seconds:g} s")
-        return max(waited, self._since) + seconds, late
-
-    async def watch(self) -> None:
-        """While an answer goes out: reads on, parsing what comes, and returns once the server's connection is
-        gone. Once a request waits whole (or a refusal ended the parsing) nothing more is read: the transport
-        still takes in EOF or a reset, and so closes, until its own bounded buffer is full."""
-        try:
-            while not self.ready and self.refusal is None:
-                data = await self.reader.read(_READ)
-                if not data:
-                    return
-                self.feed(data)
-            await self.writer.wait_closed()
-        except OSError:
-            return  # a reset, or a broken TLS record: gone as well
-
-    def feed(self, data: bytes) -> None:
-        if self.refusal is not None:
-            return
-        if self._phase is not _Phase.BODY:
-            self._head_size += len(data)
-            if self._head_size > MAX_HEAD:
-                self._refuse(_Refusal(400, "invalid_request", f"the request's head is over {MAX_HEAD} bytes"))
-                return
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(_Refusal(400, "invalid_request", "the ingress does not upgrade connections"))
-        except httptools.HttpParserError as exc:
-            self._refuse(_Refusal(400, "invalid_request", f"the request is not valid HTTP/1.1: {exc}"))
-
-    def _refuse(self, refusal: _Refusal) -> None:
-        if self.refusal is None:
-            self.refusal = refusal
-
-    # httptools
-    def on_message_begin(self) -> None:
-        self._request = _Request()
-        self._phase, self._since = _Phase.HEAD, self._loop.time()
-
-    def on_url(self, url: bytes) -> None:
-        self._request.target += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._request.headers.append((name, value.rstrip(b" \t")))  # llhttp keeps a value's trailing blanks
-
-    def on_headers_complete(self) -> None:
-        request, parser = self._request, self._parser
-        request.method, request.version = parser.get_method(), parser.get_http_version()
-        request.keep_alive = parser.should_keep_alive()
-        self._phase, self._since, self._head_size = _Phase.BODY, self._loop.time(), 0
-        refusal = _Refusal(400, "invalid_request", "the ingress does not upgrade connections"
-                           ) if parser.should_upgrade() else self._check(request)
-        if refusal is not None:
-            self._refuse(refusal)
-
-    def on_body(self, body: bytes) -> None:
-        self._request.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self._phase, self._since = _Phase.IDLE, self._loop.time()
-        if self.refusal is None:
-            self.ready.append(self._request)
 
 
 class _Engine(asyncio.Protocol):
@@ -507,18 +350,3 @@ async def _stopped(task: asyncio.Future[None]) -> None:
     error = None if task.cancelled() else task.exception()
     if error is not None:
         raise error
-
-
-async def _answer(writer: asyncio.StreamWriter, status: int, code: str, message: str) -> None:
-    body = msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error"
-                                          if status < 500 else "server_error", "code": code}})
-    writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close"
-                 b"\r\n\r\n" % (status, _REASONS.get(status, b"Error"), len(body)) + body)
-    try:
-        await writer.drain()
-    except ConnectionError:
-        pass  # the server went away: the connection closes all the same
-
-
-_REASONS = {400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found", 408: b"Request Timeout",
-            411: b"Length Required", 413: b"Content Too Large", 502: b"Bad Gateway"}
