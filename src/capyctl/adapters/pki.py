@@ -147,16 +147,10 @@ class CertificateAuthority:
 
     def _issue(self, public: x509.CertificatePublicKeyTypes, common_name: str, alt: list[x509.GeneralName],
                usage: list[x509.ObjectIdentifier], days: int) -> x509.Certificate:
-        now = datetime.datetime.now(datetime.timezone.utc)
         ca_key_id = self.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         return (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-            .issuer_name(self.certificate.subject)
-            .public_key(public)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _SKEW)
-            .not_valid_after(now + datetime.timedelta(days=days))
+            _builder(subject, self.certificate.subject, public, days)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_usage(signing=True), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
@@ -190,16 +184,9 @@ def caller_certificate(name: str, days: int = SERVER_DAYS) -> tuple[bytes, bytes
     client. ``name`` is one no host may take (``check_host_name``).
     """
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _SKEW)
-        .not_valid_after(now + datetime.timedelta(days=days))
+        _builder(subject, subject, key.public_key(), days)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_usage(signing=True), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
@@ -270,18 +257,26 @@ def _load_chain(context: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> Non
         context.load_cert_chain(cert, key)
 
 
-def _self_signed(key: ec.EllipticCurvePrivateKey, name: str) -> x509.Certificate:
+def _builder(subject: x509.Name, issuer: x509.Name, public: x509.CertificatePublicKeyTypes, days: int
+             ) -> x509.CertificateBuilder:
+    """A certificate's common part: who, by whom, its key, a random serial, valid from a little in the past."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
-    key_id = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     return (
         x509.CertificateBuilder()
         .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
+        .issuer_name(issuer)
+        .public_key(public)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _SKEW)
-        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+
+
+def _self_signed(key: ec.EllipticCurvePrivateKey, name: str) -> x509.Certificate:
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+    key_id = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    return (
+        _builder(subject, subject, key.public_key(), CA_DAYS)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_usage(signing=False), critical=True)
         .add_extension(key_id, critical=False)

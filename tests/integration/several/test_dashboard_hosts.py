@@ -19,8 +19,9 @@ import pytest
 from playwright.sync_api import Browser, Locator, Page, expect
 
 from tests.fakes.standin_venv import make_standin_venv
-from tests.integration.machines import CONTROL_PORT, INFERENCE_PORT, Machine, hosts, joined, until
+from tests.integration.machines import CONTROL_PORT, Machine, hosts, joined, until
 from tests.integration.netns import Lan
+from tests.integration.several.conftest import start_server
 from tests.integration.test_dashboard import Watched, browser, playwright, shoot  # noqa: F401 (the browser's fixtures)
 
 pytestmark = pytest.mark.integration
@@ -32,16 +33,7 @@ LIVE = 10_000  # ms the page has to follow a change (suspend_after is 2 s here)
 @pytest.fixture
 def server(lan: Lan, tmp_path: Path) -> Iterator[Machine]:
     """The several-machines suite's server, its management listener (and the dashboard) on its address."""
-    machine = Machine(lan.server, tmp_path / "server")
-    machine.state.mkdir()
-    (machine.state / "config.yaml").write_text("hosts:\n  suspend_after: 2s\n  lost_after: 4s\n")
-    machine.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
-                  "--management", f"{lan.server.address}:{MANAGEMENT_PORT}",
-                  "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
-    until(lambda: (machine.state / "management.json").exists() or machine.process.poll() is not None,  # type: ignore[union-attr]
-          30, "the server's management API")
-    assert machine.process is not None and machine.process.poll() is None, machine.read_log()
-    yield machine
+    yield start_server(lan, tmp_path, "--management", f"{lan.server.address}:{MANAGEMENT_PORT}")
 
 
 @pytest.fixture

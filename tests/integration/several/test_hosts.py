@@ -111,6 +111,7 @@ def test_a_revoked_host_is_cut_off_and_refused_for_ever(lan: Lan, server: Machin
     until(lambda: a.process.poll() is not None, 10, "the revoked host's agent exits")  # type: ignore[union-attr]
     assert a.process.returncode != 0
     assert "error [host_revoked]" in a.read_log()
+    assert "Traceback" not in a.read_log()  # said in one line, no asyncio traceback on the way out
     again = a.start("host")
     until(lambda: again.poll() is not None, 15, "a revoked host's agent, started again, exits")
     assert again.returncode != 0
