@@ -32,7 +32,7 @@ def _private_imports(source: str) -> list[str]:
         for module in modules:
             if module.split(".")[0] == "capyctl":
                 continue
-            parts = module.split(".")[1:] + names
+            parts = module.split(".") + names  # the first part too: CPython's own _sha256 is as private
             if any(part.startswith("_") and not part.startswith("__") for part in parts):
                 found.append(f"{module}: {', '.join(names) or module}")
     return found
@@ -44,6 +44,8 @@ def test_no_code_imports_a_private_module_or_name_of_another_package() -> None:
     assert _private_imports("from a._b import c") and _private_imports("from a import _c")
     assert _private_imports("import a._b") and not _private_imports("from capyctl.x import _y")
     assert not _private_imports("from a.b import c, __version__")
+    assert _private_imports("from _sha256 import sha256") and _private_imports("import _sha2")
+    assert _private_imports("from _thread import allocate_lock")
     offending = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / "src").rglob("*.py"))
                  if (found := _private_imports(path.read_text()))}
     assert offending == {}
