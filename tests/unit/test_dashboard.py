@@ -467,7 +467,7 @@ async def test_a_park_of_any_residency_leaves_its_mark_on_the_charts_and_a_plain
     await world.fleet.stop("r")  # an operator's stop is no park
     timeline = Timeline(world.store, tmp_path / "logs")
     await timeline.ensure_seeded()
-    assert [(m.kind, m.event) for m in timeline.marks["r"]] == [("park", "state_changed")]
+    assert [(m.kind, m.event) for m in timeline.marks["r"]] == [("park", "gave_way")]
     assert timeline.marks["r"][0].detail == "stopped after operator_park"
     assert [(m.kind, m.event) for m in timeline.marks["h"]] == [("park", "parked")]
     await world.board.timeline.ensure_seeded()  # as the Charts page's live stream does first

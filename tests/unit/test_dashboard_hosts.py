@@ -18,7 +18,7 @@ from capyctl.adapters.http.management import Hosts
 from capyctl.adapters.http.views import host_view
 from capyctl.adapters.dashboard.hosts import DeviceRow, HostRow, host_row, invitation, invite_lines, revoke_lines
 from capyctl.adapters.dashboard.live import Feed, stream
-from capyctl.adapters.dashboard.marks import Mark, Marker
+from capyctl.adapters.dashboard.marks import Mark, mark_of
 from capyctl.adapters.dashboard.web import (
     CsrfRefused,
     NotNow,
@@ -199,38 +199,18 @@ def test_an_invitation_form_is_read_strictly_and_says_what_it_will_be() -> None:
 
 
 # --- the charts' marks -----------------------------------------------------------------------------------
-def marks(events: list[tuple[str | None, str, dict[str, Any]]]) -> list[tuple[str, str, str]]:
-    marker = Marker()
-    out = []
-    for at, (deployment, kind, detail) in enumerate(events):
-        out += [(name, m.kind, m.event) for name, m in marker.see(deployment, kind, detail, float(at))]
-    return out
-
-
-def stopped(previous: str = "stopping") -> dict[str, Any]:
-    return {"instance": 0, "previous": previous, "state": "stopped"}
-
-
-def test_a_park_that_stops_and_a_stop_for_room_are_marked_and_a_plain_stop_is_not() -> None:
-    stopping = {"state": "stopping", "previous": "ready"}
-    assert marks([("r", "operator_park", {}), ("r", "state_changed", stopping), ("r", "state_changed", stopped())]
-                 ) == [("r", "park", "state_changed")]  # restart_only: its park is a stop
-    assert marks([("r", "idle_stop", {}), ("r", "state_changed", stopping), ("r", "state_changed", stopped())]
-                 ) == [("r", "stop", "state_changed")]
-    switch = {"target": "t", "victims": [{"name": "v", "action": "stop", "frees_bytes": 1}]}
-    assert marks([("t", "switch_planned", switch), ("v", "state_changed", stopping), ("v", "state_changed", stopped()),
-                  ("t", "switch_completed", {})]) == [("v", "stop", "state_changed"), ("t", "switch", "switch_completed")]
-    assert marks([("r", "operator_stop", {}), ("r", "state_changed", stopping), ("r", "state_changed", stopped())]) == []
-    assert marks([("r", "operator_park", {}), ("r", "operator_stop", {}), ("r", "state_changed", stopped())]) == []
-    parking = {"state": "parking", "previous": "ready"}  # host_backed: one mark, its parked event's
-    assert marks([("h", "operator_park", {}), ("h", "state_changed", parking), ("h", "parked", {}),
-                  ("h", "state_changed", {"state": "parked"})]) == [("h", "park", "parked")]
+def test_a_stop_that_made_way_is_marked_as_what_was_asked_and_says_why() -> None:
+    park = mark_of("r", "gave_way", {"instance": 0, "asked": "park", "why": "operator_park"}, 3.0)
+    assert park == Mark(3.0, "park", "gave_way", "stopped after operator_park")  # restart_only: its park is a stop
+    stop = mark_of("v", "gave_way", {"instance": 0, "asked": "stop", "why": "a switch for t"}, 4.0)
+    assert stop == Mark(4.0, "stop", "gave_way", "stopped after a switch for t")
+    for kind in ("state_changed", "operator_stop", "operator_park", "idle_stop", "switch_planned"):
+        assert mark_of("r", kind, {"state": "stopped"}, 5.0) is None  # only what happened draws, not what was asked
 
 
 def test_a_mark_keeps_the_events_own_words() -> None:
-    (name, mark), = Marker().see("a", "woken", {"seconds": 1.5}, 10.0)
-    assert (name, mark) == ("a", Mark(10.0, "wake", "woken", "seconds=1.5"))
-    assert Marker().see(None, "switch_completed", {}, 1.0) == []  # the server's own events draw nothing
+    assert mark_of("a", "woken", {"seconds": 1.5}, 10.0) == Mark(10.0, "wake", "woken", "seconds=1.5")
+    assert mark_of(None, "switch_completed", {}, 1.0) is None  # the server's own events draw nothing
 
 
 # --- the dashboard's refusals as JSON -------------------------------------------------------------------------

@@ -150,6 +150,19 @@ async def kept_alive() -> tuple[KeptAlive, asyncio.Server, int]:
     return stand_in, server, server.sockets[0].getsockname()[1]
 
 
+@contextlib.asynccontextmanager
+async def gated(setup: Setup) -> AsyncIterator[tuple[KeptAlive, asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A kept-alive stand-in behind the open gate ``k1``, and one connection to the ingress; both closed after."""
+    stand_in, server, port = await kept_alive()
+    setup.ingress.open_gate("k1", port)
+    reader, writer = await setup.connect()
+    try:
+        yield stand_in, reader, writer
+    finally:
+        writer.close()
+        server.close()
+
+
 async def answer_of(reader: asyncio.StreamReader) -> bytes:
     """One answer with a length, head and body."""
     with anyio.fail_after(10):
@@ -184,28 +197,19 @@ async def test_a_request_with_an_open_gate_reaches_the_engine_and_its_answer_com
 
 
 async def test_one_connection_carries_request_after_request_and_the_engines_is_kept_too(setup: Setup) -> None:
-    stand_in, server, port = await kept_alive()
-    setup.ingress.open_gate("k1", port)
-    reader, writer = await setup.connect()
-    try:
+    async with gated(setup) as (stand_in, reader, writer):
         for n in (1, 2, 3):
             writer.write(post(b'{"n": %d}' % n))
             answer = await answer_of(reader)
             assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b"\r\n\r\nanswer %d" % n)
-    finally:
-        writer.close()
     assert stand_in.requests == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}']
     assert stand_in.connections == 1  # no connect, and no handshake, per request on either side
     setup.ingress.close_gate("k1")  # the launch ended: its kept connections go with it
-    server.close()
 
 
 @pytest.mark.parametrize("mid_answer", [False, True], ids=["written-at-once", "sent-mid-answer"])
 async def test_a_pipelined_request_is_answered_after_the_one_before_it(setup: Setup, mid_answer: bool) -> None:
-    stand_in, server, port = await kept_alive()
-    setup.ingress.open_gate("k1", port)
-    reader, writer = await setup.connect()
-    try:
+    async with gated(setup) as (stand_in, reader, writer):
         if mid_answer:
             stand_in.go.clear()  # the first answer stops halfway until the second request is in
             writer.write(post(b'{"n": 1}'))
@@ -219,26 +223,17 @@ async def test_a_pipelined_request_is_answered_after_the_one_before_it(setup: Se
             writer.write(post(b'{"n": 1}') + post(b'{"n": 2}'))
             assert (await answer_of(reader)).endswith(b"\r\n\r\nanswer 1")
         assert (await answer_of(reader)).endswith(b"\r\n\r\nanswer 2")
-    finally:
-        writer.close()
     assert stand_in.requests == [b'{"n": 1}', b'{"n": 2}']
     assert stand_in.connections == 1
-    server.close()
 
 
 async def test_a_malformed_request_behind_a_good_one_is_refused_after_the_good_ones_answer(setup: Setup) -> None:
-    stand_in, server, port = await kept_alive()
-    setup.ingress.open_gate("k1", port)
-    reader, writer = await setup.connect()
-    try:
+    async with gated(setup) as (stand_in, reader, writer):
         writer.write(post(b'{"n": 1}') + post(b'{"n": 2}').replace(b"Host: gpu-a\r\n", b"Host: gpu-a\n"))
         assert (await answer_of(reader)).endswith(b"\r\n\r\nanswer 1")
         assert error_of(await answer_of(reader)) == (400, "invalid_request")
         assert await rest(reader) == b""
-    finally:
-        writer.close()
     assert stand_in.requests == [b'{"n": 1}']
-    server.close()
 
 
 async def test_refusals_say_why_and_reach_no_engine(setup: Setup) -> None:

@@ -259,7 +259,7 @@ async def test_an_idle_timer_that_meets_an_error_leaves_the_others_running(tmp_p
         await w.request("b", 0.1)
         broken = w.fleet.get("a")
 
-        async def give_way(park: bool = False) -> None:
+        async def give_way(park: bool = False, why: str = "") -> None:
             raise RuntimeError("a bug on the way out")
 
         broken.give_way = give_way  # type: ignore[method-assign]

@@ -136,17 +136,22 @@ class ManagedController(ControllerBase):
     def unsettled_before_output(self) -> int:
         return sum(entry["count"] for entry in self.settlement.ledger.counts() if entry["rule"] == ENGINE_STOP)
 
-    async def give_way(self, park: bool = False) -> None:
+    async def give_way(self, park: bool = False, why: str = "") -> None:
         """Park (``park``, when its residency can) or stop, not stickily: the next request wakes or starts it.
 
-        Returns once the engine confirmed it sleeps, or once its process is gone.
+        Returns once the engine confirmed it sleeps, or once its process is gone. An engine stopped so (it
+        cannot park, or was to make room) is the event ``gave_way`` (a park is ``parked``), saying ``why``.
         """
         state = self._state
+        ran = state.holds
         parks, desired = give_way(park, self.spec.residency, state.holds, state.desired)
         if desired is not None:
             state.desire(desired)
         while state.holds and (not parks or state.status.state is not S.PARKED):
             await state.changed()
+        if ran and not parks:
+            asked = "park" if park else "stop"
+            self._events.emit(self.name, "gave_way", instance=0, asked=asked, why=why)
 
     # --- what requests ask ------------------------------------------------------
     async def read_load(self) -> tuple[int, int] | None:

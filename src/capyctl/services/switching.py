@@ -77,8 +77,9 @@ class Occupant(Protocol):
 
     def unsettled_before_output(self) -> int: ...
     def grant_room(self) -> None: ...
-    async def give_way(self, park: bool = False) -> None:
-        """Park (when it can) or stop, not stickily; returns once the engine sleeps or its process is gone."""
+    async def give_way(self, park: bool = False, why: str = "") -> None:
+        """Park (when it can) or stop, not stickily; returns once the engine sleeps or its process is gone.
+        ``why``: what asked (an operator's park, an idle timer, a switch), for the event a stop leaves."""
 
 
 class Switchboard:
@@ -129,7 +130,7 @@ class Switchboard:
                     raise StillServing(occupant.name, self._admission.state.in_flight(occupant.name),
                                        self._switching.drain_timeout)
                 await anyio.sleep(LOOK_AGAIN)
-            await occupant.give_way(park=True)
+            await occupant.give_way(park=True, why="operator_park")
         finally:
             self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
 
@@ -170,7 +171,7 @@ class Switchboard:
                 self._events.emit(occupant.name, "idle_park", after_s=quiet)
             else:
                 self._events.emit(occupant.name, "idle_stop", after_s=quiet)
-            await occupant.give_way(park=step == "park")
+            await occupant.give_way(park=step == "park", why=f"idle_{step}")
         finally:
             self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
 
@@ -288,7 +289,7 @@ class Switchboard:
         before = sum(self.charged(device).values())
         async with anyio.create_task_group() as tg:
             for victim in victims:
-                tg.start_soon(self._give_way, victim, actions[victim.name] == "park")
+                tg.start_soon(self._give_way, victim, actions[victim.name] == "park", f"a switch for {switch.target}")
         seconds = round(self._clock.monotonic() - began, 3)
         if sum(self.charged(device).values()) >= before:  # never plan the same switch again and again
             reason = "the victims gave back no memory (" + ", ".join(v.name for v in victims) + ")"
@@ -310,9 +311,9 @@ class Switchboard:
                 return
             await anyio.sleep(LOOK_AGAIN)
 
-    async def _give_way(self, victim: Occupant, park: bool) -> None:
+    async def _give_way(self, victim: Occupant, park: bool, why: str) -> None:
         try:
-            await victim.give_way(park)
+            await victim.give_way(park, why)
         finally:
             self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]  # its waiters ask for it again
 
@@ -330,7 +331,7 @@ class NoSwitchboard:
         occupant.grant_room()
 
     async def park(self, occupant: Occupant) -> None:
-        await occupant.give_way(park=True)
+        await occupant.give_way(park=True, why="operator_park")
 
     async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

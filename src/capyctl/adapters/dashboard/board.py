@@ -18,7 +18,7 @@ import msgspec
 from capyctl.adapters.dashboard.charts import WINDOW, marks_in, window_edges
 from capyctl.adapters.dashboard.hosts import HostRow, host_rows
 from capyctl.adapters.dashboard.live import Hub
-from capyctl.adapters.dashboard.marks import Mark, Marker, words
+from capyctl.adapters.dashboard.marks import Mark, mark_of, words
 from capyctl.adapters.dashboard.views import Card, Outlooks, bars, card
 from capyctl.domain.deployments import NAME_PATTERN, InstanceState
 from capyctl.domain.ports import Clock, Store
@@ -67,7 +67,6 @@ class Timeline:
         self._seeding = anyio.Lock()
         self.by_deployment: dict[str | None, deque[Entry]] = {}
         self.marks: dict[str, deque[Mark]] = {}  # the charts' marks, kept apart so busier kinds never push them out
-        self._marker = Marker()
 
     async def ensure_seeded(self) -> None:
         """The first read goes through the whole stored table, off the event loop (it may hold 100,000)."""
@@ -96,8 +95,8 @@ class Timeline:
         if row["kind"] in PER_REQUEST:
             return
         name = row["deployment"]
-        for marked, mark in self._marker.see(name, row["kind"], row["detail"], row["at"]):
-            self.marks.setdefault(marked, deque(maxlen=PER_MARKS)).append(mark)
+        if (mark := mark_of(name, row["kind"], row["detail"], row["at"])) is not None:
+            self.marks.setdefault(name, deque(maxlen=PER_MARKS)).append(mark)
         detail = words(row["detail"])
         log = None
         if name is not None:
