@@ -1245,9 +1245,10 @@ class Engine:
                 await self.wait_for(lambda: work.aborted is not None or not self.frozen)
                 continue
             changed, began = self._changed, loop.time()
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except asyncio.TimeoutError:
+            try:  # (not asyncio.wait_for: on 3.11 it loses a cancellation that lands as the wait ends)
+                async with asyncio.timeout(left):
+                    await changed.wait()
+            except TimeoutError:
                 pass
             left -= loop.time() - began
         work.last = time.monotonic()
@@ -1650,8 +1651,9 @@ async def serve(opts: Options, settings: Settings) -> int:
             if not engine.vllm:  # SGLang answers 503 while it loads; vLLM opens its socket when loaded
                 server = await asyncio.start_server(engine.serve_connection, opts.host, opts.port, backlog=1024)
             try:
-                await asyncio.wait_for(stop.wait(), settings.load_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(settings.load_s):
+                    await stop.wait()
+            except TimeoutError:
                 pass
             if stop.is_set():
                 reason = "sigterm"
