@@ -2,7 +2,8 @@
 and with ``--cpu-rounds`` their CPU per relayed event under load.
 
     python bench/ab_ttft.py --a SRC_A --b SRC_B [--requests 1200] [--recording DIR] [--case NAME]
-    python bench/ab_ttft.py --a SRC_A --b SRC_B --requests 0 --cpu-rounds 5 [--cpu-seconds 3] [--cpu-streams 32] [--cpu-paced]
+    python bench/ab_ttft.py --a SRC_A --b SRC_B --requests 0 --cpu-rounds 5 [--cpu-seconds 3] \
+        [--cpu-streams 32] [--cpu-paced]
 
 SRC_A and SRC_B are ``src`` folders of two checkouts (a worktree of the commit
 before a change, say, and the working tree). Each runs as its own CapyCTL
@@ -49,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from relay import _LISTENING, cpu_seconds, load, paced_ttft  # noqa: E402
+
 from tests.integration.harness import CapyServer  # noqa: E402
 
 
@@ -73,15 +75,14 @@ def half(tmp: Path, trees: dict[str, str], first: str, engine: str, requests: in
         for name in order:
             servers[name] = start(tmp / f"{first}-first", name, trees[name], engine)
         host, port = engine.removeprefix("http://").split(":")
-        body = (b'{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}],'
-                b'"replay_pace":"recorded"}')
+        body = b'{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}],"replay_pace":"recorded"}'
         plain = body.replace(b'"bench"', b'"x"')
         for server in servers.values():  # warm both
             for _ in range(20):
                 asyncio.run(paced_ttft("127.0.0.1", server.port, body, server.api_key))
         times: dict[str, list[float]] = {"A": [], "B": [], "engine": []}
         for i in range(requests):
-            for name in (("A", "B") if i % 2 else ("B", "A")):
+            for name in ("A", "B") if i % 2 else ("B", "A"):
                 server = servers[name]
                 times[name].append(asyncio.run(paced_ttft("127.0.0.1", server.port, body, server.api_key)) * 1e3)
             times["engine"].append(asyncio.run(paced_ttft(host, int(port), plain, None)) * 1e3)
@@ -91,27 +92,39 @@ def half(tmp: Path, trees: dict[str, str], first: str, engine: str, requests: in
             server.stop()
 
 
-def cpu_loads(tmp: Path, trees: dict[str, str], engine: str, case: str, events: int, rounds: int, seconds: float,
-              streams: int, paced: bool = False) -> dict[str, list[float]]:
+def cpu_loads(
+    tmp: Path,
+    trees: dict[str, str],
+    engine: str,
+    case: str,
+    events: int,
+    rounds: int,
+    seconds: float,
+    streams: int,
+    paced: bool = False,
+) -> dict[str, list[float]]:
     """µs of server CPU per relayed event in each of ``rounds`` alternated loads per tree; ``paced``: the engine
     sends at its recorded pace (a token a read, as a real engine does), not as fast as it can."""
     (tmp / "cpu").mkdir()
     config = tmp / "cpu.yaml"  # a slot for every client: this measures the relay, not the queue
-    config.write_text(f"queue:\n  max_in_flight_per_instance: {streams}\n  max_pending_per_deployment: {streams}\n"
-                      f"  max_pending_total: {streams}\n")
+    config.write_text(
+        f"queue:\n  max_in_flight_per_instance: {streams}\n  max_pending_per_deployment: {streams}\n"
+        f"  max_pending_total: {streams}\n"
+    )
     servers = {}
     try:
         for name in ("A", "B"):
             servers[name] = start(tmp / "cpu", name, trees[name], engine, "--config", str(config))
         body = b'{"model":"bench","stream":true,"replay_case":"%b","messages":[{"role":"user","content":"hi"}]}' % (
-            case.encode())
+            case.encode()
+        )
         if paced:
             body = body[:-1] + b',"replay_pace":"recorded"}'
         for server in servers.values():  # warm both
             asyncio.run(load("127.0.0.1", server.port, body, server.api_key, streams, 0.5, events))
         per_event: dict[str, list[float]] = {"A": [], "B": []}
         for round_ in range(rounds):
-            for name in (("A", "B") if round_ % 2 == 0 else ("B", "A")):
+            for name in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
                 server = servers[name]
                 pid = server.process.pid  # type: ignore[union-attr]
                 before = cpu_seconds(pid)
@@ -126,8 +139,9 @@ def cpu_loads(tmp: Path, trees: dict[str, str], engine: str, case: str, events: 
 def difference(times: dict[str, list[float]], rng: random.Random) -> tuple[float, float, float]:
     """B - A of the medians, and a bootstrap 95% interval of it."""
     a, b = times["A"], times["B"]
-    draws = sorted(statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a)))
-                   for _ in range(2000))
+    draws = sorted(
+        statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a))) for _ in range(2000)
+    )
     return statistics.median(b) - statistics.median(a), draws[50], draws[1949]
 
 
@@ -138,13 +152,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1200, help="requests to each tree, over both halves")
     parser.add_argument("--recording", default=str(ROOT / "tests/contract/recordings/vllm/0.32.0"))
     parser.add_argument("--case", default="chat_stream_usage")
-    parser.add_argument("--cpu-rounds", type=int, default=0,
-                        help="also alternate this many loads per tree and compare their CPU per event (0: no)")
+    parser.add_argument(
+        "--cpu-rounds",
+        type=int,
+        default=0,
+        help="also alternate this many loads per tree and compare their CPU per event (0: no)",
+    )
     parser.add_argument("--cpu-seconds", type=float, default=3.0, help="seconds per load")
     parser.add_argument("--cpu-streams", type=int, default=32, help="clients sending streams back to back in a load")
-    parser.add_argument("--cpu-paced", action="store_true",
-                        help="the engine sends the CPU loads' streams at its recorded pace (a token a read, as a real "
-                             "engine does) rather than as fast as it can")
+    parser.add_argument(
+        "--cpu-paced",
+        action="store_true",
+        help="the engine sends the CPU loads' streams at its recorded pace (a token a read, as a real "
+        "engine does) rather than as fast as it can",
+    )
     args = parser.parse_args()
     trees = {"A": str(Path(args.a).resolve()), "B": str(Path(args.b).resolve())}
     for name, src in trees.items():
@@ -157,8 +178,21 @@ def main() -> None:
     events = (Path(args.recording) / f"{args.case}.sse").read_bytes().count(b"data: ") if args.cpu_rounds else 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop every child
 
-    replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", args.recording, "--port", "0",
-                               "--default-case", args.case], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    replay = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "capyctl.replay",
+            "--recordings",
+            args.recording,
+            "--port",
+            "0",
+            "--default-case",
+            args.case,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         match = _LISTENING.search(replay.stdout.readline().decode())  # type: ignore[union-attr]
         if not match:
@@ -170,15 +204,28 @@ def main() -> None:
         if args.requests:
             first_token(tmp, trees, engine, args.requests, rng)
         if args.cpu_rounds:
-            print(f"{args.cpu_rounds} loads per tree of {args.cpu_seconds:g} s, {args.cpu_streams} streams of "
-                  f"{args.case} ({events} events), the engine "
-                  f"{'at its recorded pace' if args.cpu_paced else 'at full speed'}")
-            per_event = cpu_loads(tmp, trees, engine, args.case, events, args.cpu_rounds, args.cpu_seconds,
-                                  args.cpu_streams, args.cpu_paced)
+            print(
+                f"{args.cpu_rounds} loads per tree of {args.cpu_seconds:g} s, {args.cpu_streams} streams of "
+                f"{args.case} ({events} events), the engine "
+                f"{'at its recorded pace' if args.cpu_paced else 'at full speed'}"
+            )
+            per_event = cpu_loads(
+                tmp,
+                trees,
+                engine,
+                args.case,
+                events,
+                args.cpu_rounds,
+                args.cpu_seconds,
+                args.cpu_streams,
+                args.cpu_paced,
+            )
             for name in ("A", "B"):
                 loads = per_event[name]
-                print(f"{name} CPU µs per event: {' '.join(f'{v:.2f}' for v in loads)} (median "
-                      f"{statistics.median(loads):.2f}); per request: {' '.join(f'{v * events:.0f}' for v in loads)}")
+                print(
+                    f"{name} CPU µs per event: {' '.join(f'{v:.2f}' for v in loads)} (median "
+                    f"{statistics.median(loads):.2f}); per request: {' '.join(f'{v * events:.0f}' for v in loads)}"
+                )
             ratio = statistics.median(per_event["B"]) / statistics.median(per_event["A"])
             print(f"B / A, CPU per event (medians): {ratio:.3f}")
     finally:
@@ -196,9 +243,11 @@ def first_token(tmp: Path, trees: dict[str, str], engine: str, requests: int, rn
         engine_p50 = statistics.median(times["engine"])
         d, low, high = difference(times, rng)
         halves.append(d)
-        print(f"{first} started first: added A {statistics.median(times['A']) - engine_p50:.3f} ms, "
-              f"B {statistics.median(times['B']) - engine_p50:.3f} ms, B - A {d * 1000:+.0f} µs "
-              f"(95% {low * 1000:+.0f}..{high * 1000:+.0f})")
+        print(
+            f"{first} started first: added A {statistics.median(times['A']) - engine_p50:.3f} ms, "
+            f"B {statistics.median(times['B']) - engine_p50:.3f} ms, B - A {d * 1000:+.0f} µs "
+            f"(95% {low * 1000:+.0f}..{high * 1000:+.0f})"
+        )
     print(f"B - A, start order cancelled: {statistics.mean(halves) * 1000:+.0f} µs")
 
 

@@ -61,7 +61,9 @@ def way(kind: str, family: str, version: str) -> Way:
         parser = SseParser(scan=kind == "C facts")
         if kind == "dicts":
             oracle = OracleCheck(row, where, NAME)
-            check: Callable[[Chunks], bytes] = lambda chunks: oracle.check(chunks.payload_list(), meter, clock())
+
+            def check(chunks: Chunks, oracle: OracleCheck = oracle) -> bytes:
+                return oracle.check(chunks.payload_list(), meter, clock())
         else:
             check = StreamCheck(rules, meter, NAME, clock).check
         out = []
@@ -100,8 +102,10 @@ def main() -> None:
     kinds = ["C facts", "typed decode", "dicts"] if scan_run is not None else ["typed decode", "dicts"]
     ways = {kind: way(kind, family, version) for kind in kinds}
     shown = args.recording.relative_to(ROOT) if args.recording.is_relative_to(ROOT) else args.recording
-    print(f"{shown}: {len(events)} events, {chunks} chunks; {family} {version}"
-          + ("" if scan_run is not None else " (the C scan was not built: its way is left out)"))
+    print(
+        f"{shown}: {len(events)} events, {chunks} chunks; {family} {version}"
+        + ("" if scan_run is not None else " (the C scan was not built: its way is left out)")
+    )
     for label, reads in (("one read per event", events), ("one read in all", [data])):
         results = {name: run(reads) for name, run in ways.items()}
         (first_out, first_meter), *others = results.values()
@@ -115,9 +119,11 @@ def main() -> None:
                 figures[name].append(per_chunk_us(run, reads, chunks, args.repeat))
         medians = {name: statistics.median(values) for name, values in figures.items()}
         base = medians[kinds[0]]
-        print(f"{label:>20}: " + ", ".join(f"{name} {us:.2f} µs/chunk ({us / base:.2f}x)"
-                                          for name, us in medians.items())
-              + f" (median of {args.rounds} rounds x {args.repeat})")
+        print(
+            f"{label:>20}: "
+            + ", ".join(f"{name} {us:.2f} µs/chunk ({us / base:.2f}x)" for name, us in medians.items())
+            + f" (median of {args.rounds} rounds x {args.repeat})"
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ from capyctl.domain.keys import digest  # noqa: E402
 
 _SECRET = "k" * 43
 _BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
-_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8443\r\nAuthorization: Bearer capy_x\r\n"
-         b"Content-Type: application/json\r\nContent-Length: 71\r\n\r\n")
+_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8443\r\nAuthorization: Bearer capy_x\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 71\r\n\r\n"
+)
 
 
 class _Head:
@@ -90,8 +92,9 @@ def idle_times(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--idle-ms takes milliseconds separated by commas, such as 0,1,5,50; "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--idle-ms takes milliseconds separated by commas, such as 0,1,5,50; got {text!r}"
+        ) from None
     if not values or any(value < 0 or value > 10_000 for value in values):
         raise argparse.ArgumentTypeError(f"--idle-ms takes one or more times from 0 to 10000 ms; got {text!r}")
     return values if values[0] == 0 else [0.0, *values]  # back to back first: the baseline of the ratios
@@ -100,17 +103,22 @@ def idle_times(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=300, help="timed runs per step and idle time (default 300)")
-    parser.add_argument("--idle-ms", type=idle_times, default=idle_times("0,1,5,50"),
-                        help="idle times before each run, in ms, comma-separated (0, back to back, is always "
-                             "measured first; default 0,1,5,50)")
+    parser.add_argument(
+        "--idle-ms",
+        type=idle_times,
+        default=idle_times("0,1,5,50"),
+        help="idle times before each run, in ms, comma-separated (0, back to back, is always "
+        "measured first; default 0,1,5,50)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1; got {args.repeat}")
     for step in STEPS.values():  # loaded and warmed: what is measured is coldness, not a first use
         timed(step, 0, 50)
-    results = {name: {f"{ms:g}": timed(step, ms / 1000, args.repeat) for ms in args.idle_ms}
-               for name, step in STEPS.items()}
+    results = {
+        name: {f"{ms:g}": timed(step, ms / 1000, args.repeat) for ms in args.idle_ms} for name, step in STEPS.items()
+    }
     if args.json:
         print(json.dumps({"repeat": args.repeat, "idle_ms": args.idle_ms, "median_us": results}))
         return 0

@@ -51,13 +51,15 @@ BODY = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "
 
 async def first_token(url: str, body: dict, headers: dict[str, str]) -> float:
     """time.time() when the first content chunk of a streamed answer arrived."""
-    async with httpx.AsyncClient(timeout=300) as client:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                raise SystemExit(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and '"content"' in line and '"content":null' not in line:
-                    return time.time()
+    async with (
+        httpx.AsyncClient(timeout=300) as client,
+        client.stream("POST", url, json=body, headers=headers) as response,
+    ):
+        if response.status_code != 200:
+            raise SystemExit(f"{url} answered {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and '"content"' in line and '"content":null' not in line:
+                return time.time()
     raise SystemExit("the answer ended without content")
 
 
@@ -111,15 +113,24 @@ def cold_starts(work: Path, rounds: int) -> float:
     try:
         server.cli("engine", "add", str(llama.server), "--name", "llama-server")
         path = work / "cold.yaml"
-        path.write_bytes(msgspec.yaml.encode({"name": "cold", "engine": "llama-server", "model": str(llama.model),
-                                              "engine_config": {"context_length": 2048,
-                                                                "extra_args": ["--parallel", "1"]}}))
+        path.write_bytes(
+            msgspec.yaml.encode(
+                {
+                    "name": "cold",
+                    "engine": "llama-server",
+                    "model": str(llama.model),
+                    "engine_config": {"context_length": 2048, "extra_args": ["--parallel", "1"]},
+                }
+            )
+        )
         server.cli("deploy", "model", "--file", str(path), "--wait")
         argv = engine_argv(server, "cold")
         capy, own, seen, rest = [], [], [], []
         print("cold start (llama-server, SmolLM2-135M), ms")
-        print("   round   through CapyCTL:   request -> 1st token   its spawn -> ready   |   direct: spawn -> "
-              "ready   spawn -> 1st token")
+        print(
+            "   round   through CapyCTL:   request -> 1st token   its spawn -> ready   |   direct: spawn -> "
+            "ready   spawn -> 1st token"
+        )
         for i in range(rounds):
             server.cli("park", "deployment", "cold")  # CapyCTL's engine gone: the direct one has the cores alone
             ready, first = direct(argv, "cold")
@@ -127,17 +138,23 @@ def cold_starts(work: Path, rounds: int) -> float:
             seen.append(server.cli_json("status", "deployment", "cold")["instances"][0]["cold_starts_s"][-1])
             own.append(first)
             rest.append(first - ready)
-            print(f"   {i + 1:5d}   {ms(capy[-1])}               {ms(seen[-1])}           |   {ms(ready)}"
-                  f"            {ms(first)}")
+            print(
+                f"   {i + 1:5d}   {ms(capy[-1])}               {ms(seen[-1])}           |   {ms(ready)}"
+                f"            {ms(first)}"
+            )
         cost = statistics.median(capy) - statistics.median(own)
-        print(f"   median  {ms(statistics.median(capy))}                                    |"
-              f"                       {ms(statistics.median(own))}")
+        print(
+            f"   median  {ms(statistics.median(capy))}                                    |"
+            f"                       {ms(statistics.median(own))}"
+        )
         print(f"CapyCTL's cost on a cold start: p50 {cost * 1000:.1f} ms (difference of the medians; target <= 50 ms)")
         after_ready = statistics.median(rest)  # the engine's own time from ready to its first token
-        per_round = [total - start - after_ready for total, start in zip(capy, seen)]
-        print(f"   per round, request -> 1st token less that launch's spawn -> ready (CapyCTL's reading, to 10 ms) "
-              f"and the direct ready -> 1st token ({after_ready * 1000:.1f} ms): p50 "
-              f"{statistics.median(per_round) * 1000:.1f} ms")
+        per_round = [total - start - after_ready for total, start in zip(capy, seen, strict=False)]
+        print(
+            f"   per round, request -> 1st token less that launch's spawn -> ready (CapyCTL's reading, to 10 ms) "
+            f"and the direct ready -> 1st token ({after_ready * 1000:.1f} ms): p50 "
+            f"{statistics.median(per_round) * 1000:.1f} ms"
+        )
         return cost
     finally:
         server.stop()
@@ -153,12 +170,24 @@ def wakes(work: Path, rounds: int) -> float:
         server.cli("engine", "add", str(venv), "--name", "vllm")
         (work / "model").mkdir(exist_ok=True)
         path = work / "warm.yaml"
-        path.write_bytes(msgspec.yaml.encode({
-            "name": "warm", "engine": "vllm", "model": str(work / "model"), "residency": "host_backed",
-            "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
-            "engine_config": {"env": {"STANDIN_TIMELINE": str(timeline), "STANDIN_TOKEN_DELAY_MS": "0",
-                                      "STANDIN_WAKE_S": "0.2"}},
-        }))
+        path.write_bytes(
+            msgspec.yaml.encode(
+                {
+                    "name": "warm",
+                    "engine": "vllm",
+                    "model": str(work / "model"),
+                    "residency": "host_backed",
+                    "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
+                    "engine_config": {
+                        "env": {
+                            "STANDIN_TIMELINE": str(timeline),
+                            "STANDIN_TOKEN_DELAY_MS": "0",
+                            "STANDIN_WAKE_S": "0.2",
+                        }
+                    },
+                }
+            )
+        )
         server.cli("deploy", "model", "--file", str(path), "--wait")
         costs = []
         print("wake (stand-in as vLLM 0.32.0, host_backed): ms")
@@ -175,8 +204,10 @@ def wakes(work: Path, rounds: int) -> float:
             costs.append(total - own)
             print(f"   {i + 1:5d}   {ms(total)}               {ms(own)}        {ms(costs[-1])}")
         cost = statistics.median(costs)
-        print(f"CapyCTL's cost on a wake: p50 {cost * 1000:.1f} ms, p90 "
-              f"{sorted(costs)[int(0.9 * (len(costs) - 1))] * 1000:.1f} ms (target p50 <= 50 ms)")
+        print(
+            f"CapyCTL's cost on a wake: p50 {cost * 1000:.1f} ms, p90 "
+            f"{sorted(costs)[int(0.9 * (len(costs) - 1))] * 1000:.1f} ms (target p50 <= 50 ms)"
+        )
         return cost
     finally:
         server.stop()

@@ -70,15 +70,28 @@ def fill_records(state: Path, count: int, names: list[str], now: float) -> str:
         at = now - 86400 * (count - n) / count
         name = names[n % len(names)]
         refused = rng.random() < 0.05
-        rows.append(RequestRow(
-            id=f"01BENCH{n:019d}", at=at, api="chat", code="queue_full" if refused else "ok",
-            status=429 if refused else 200, deployment=name, key="default", instance=None if refused else 0,
-            stream=bool(n % 2), total_ms=None if refused else rng.uniform(200, 4000),
-            queue_wait_ms=rng.uniform(0, 50), ttft_ms=None if refused else rng.uniform(20, 400),
-            queue_ms=None if refused else rng.uniform(0, 5), prefill_ms=None if refused else rng.uniform(5, 100),
-            decode_tokens_per_second=None if refused else rng.uniform(20, 90),
-            prompt_tokens=None if refused else rng.randint(10, 2000), cached_tokens=None if refused else 0,
-            completion_tokens=None if refused else rng.randint(1, 500)))
+        rows.append(
+            RequestRow(
+                id=f"01BENCH{n:019d}",
+                at=at,
+                api="chat",
+                code="queue_full" if refused else "ok",
+                status=429 if refused else 200,
+                deployment=name,
+                key="default",
+                instance=None if refused else 0,
+                stream=bool(n % 2),
+                total_ms=None if refused else rng.uniform(200, 4000),
+                queue_wait_ms=rng.uniform(0, 50),
+                ttft_ms=None if refused else rng.uniform(20, 400),
+                queue_ms=None if refused else rng.uniform(0, 5),
+                prefill_ms=None if refused else rng.uniform(5, 100),
+                decode_tokens_per_second=None if refused else rng.uniform(20, 90),
+                prompt_tokens=None if refused else rng.randint(10, 2000),
+                cached_tokens=None if refused else 0,
+                completion_tokens=None if refused else rng.randint(1, 500),
+            )
+        )
     try:
         store.add_requests(rows)  # type: ignore[arg-type]
     finally:
@@ -95,8 +108,9 @@ def rss_bytes(pid: int) -> int:
 
 def admin(server: CapyServer) -> httpx.Client:
     token = (server.state_dir / "identity" / "admin-token").read_text().strip()
-    return httpx.Client(base_url=f"http://127.0.0.1:{server.management_port}", timeout=60,
-                        headers={"authorization": f"Bearer {token}"})
+    return httpx.Client(
+        base_url=f"http://127.0.0.1:{server.management_port}", timeout=60, headers={"authorization": f"Bearer {token}"}
+    )
 
 
 def signed_in(server: CapyServer) -> httpx.Client:
@@ -125,8 +139,9 @@ def time_pages(client: httpx.Client, origin: str, urls: list[str], samples: int)
     return out
 
 
-async def open_streams(port: int, cookie: str, pages: list[str], ready: asyncio.Event | None = None,
-                       hold: asyncio.Event | None = None) -> list[int]:
+async def open_streams(
+    port: int, cookie: str, pages: list[str], ready: asyncio.Event | None = None, hold: asyncio.Event | None = None
+) -> list[int]:
     """Open one stream per entry of ``pages``, read each until its first full picture arrived (no more bytes
     for 0.3 s after an event), then hold them open, reading, until ``hold`` is set; bytes read per stream."""
     got = [0] * len(pages)
@@ -134,8 +149,10 @@ async def open_streams(port: int, cookie: str, pages: list[str], ready: asyncio.
 
     async def one(i: int, page: str) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(f"GET /ui/stream?page={page} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nCookie: {cookie}\r\n"
-                     f"Accept: text/event-stream\r\n\r\n".encode())
+        writer.write(
+            f"GET /ui/stream?page={page} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nCookie: {cookie}\r\n"
+            f"Accept: text/event-stream\r\n\r\n".encode()
+        )
         head = await reader.readuntil(b"\r\n\r\n")
         if b" 200 " not in head.split(b"\r\n", 1)[0]:
             raise SystemExit(f"the {page} stream was refused: {head[:200]!r}")
@@ -159,8 +176,9 @@ async def open_streams(port: int, cookie: str, pages: list[str], ready: asyncio.
     tasks = [asyncio.create_task(one(i, page)) for i, page in enumerate(pages)]
     try:
         waiting = asyncio.gather(*(f.wait() for f in first))
-        done, _ = await asyncio.wait([asyncio.ensure_future(waiting), *tasks], timeout=60,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            [asyncio.ensure_future(waiting), *tasks], timeout=60, return_when=asyncio.FIRST_COMPLETED
+        )
         for task in tasks:
             if task in done:
                 task.result()  # raises what ended it
@@ -222,8 +240,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="alternations of quiet and watched for the relay line")
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds of load at 32 streams per half-round")
     parser.add_argument("--paced", type=int, default=80, help="paced first-token streams per path and half")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the interpreter that runs CapyCTL (another tree's venv, or a wrapper that profiles it)")
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter that runs CapyCTL (another tree's venv, or a wrapper that profiles it)",
+    )
     parser.add_argument("--watch", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.watch:
@@ -241,13 +262,30 @@ def main() -> None:
     names = [RELAYED] + [f"d{i:03d}" for i in range(args.deployments - 1)]
     last_id = fill_records(tmp / "state", args.records, names, time.time())
     config = tmp / "server.yaml"
-    config.write_text("memory:\n  devices:\n    - name: gpu0\n      capacity: 64GiB\n      reserve: 1GiB\n"
-                      "queue:\n  max_in_flight_per_instance: 64\n  max_pending_per_deployment: 64\n"
-                      "  max_pending_total: 256\n")
+    config.write_text(
+        "memory:\n  devices:\n    - name: gpu0\n      capacity: 64GiB\n      reserve: 1GiB\n"
+        "queue:\n  max_in_flight_per_instance: 64\n  max_pending_per_deployment: 64\n"
+        "  max_pending_total: 256\n"
+    )
     replay = subprocess.Popen(
-        [sys.executable, "-m", "capyctl.replay", "--dialect", "vllm", "--version", "0.32.0",
-         "--recordings", str(recording), "--port", "0", "--pace", "fast"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "capyctl.replay",
+            "--dialect",
+            "vllm",
+            "--version",
+            "0.32.0",
+            "--recordings",
+            str(recording),
+            "--port",
+            "0",
+            "--pace",
+            "fast",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     server = CapyServer(tmp / "state", "--config", str(config), python=args.python)
     try:
         match = _LISTENING.search(replay.stdout.readline().decode())  # type: ignore[union-attr]
@@ -260,13 +298,26 @@ def main() -> None:
         server.cli("engine", "add", str(venv), "--name", "vllm")
         with admin(server) as api:
             began = time.perf_counter()
-            relayed = {"name": RELAYED, "engine": "vllm", "endpoint": f"http://{rhost}:{rport}",
-                       "engine_version": "0.32.0"}
+            relayed = {
+                "name": RELAYED,
+                "engine": "vllm",
+                "endpoint": f"http://{rhost}:{rport}",
+                "engine_version": "0.32.0",
+            }
             api.put("/deployments", json={"document": relayed}).raise_for_status()
             for name in names[1:]:
-                api.put("/deployments", json={"document": {
-                    "name": name, "engine": "vllm", "model": str(tmp / "model"), "residency": "host_backed",
-                    "resources": {"memory": "4GiB", "parked_memory": "1GiB"}}}).raise_for_status()
+                api.put(
+                    "/deployments",
+                    json={
+                        "document": {
+                            "name": name,
+                            "engine": "vllm",
+                            "model": str(tmp / "model"),
+                            "residency": "host_backed",
+                            "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
+                        }
+                    },
+                ).raise_for_status()
             for name in names[1:6]:
                 api.post(f"/deployments/{name}/start").raise_for_status()
             deadline = time.monotonic() + 120
@@ -274,17 +325,32 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit("five started deployments were not ready within 120 s")
                 time.sleep(0.2)
-            print(f"dashboard benchmark: {os.cpu_count()} cores; {len(names)} deployments (1 relayed, "
-                  f"{len(names) - 1} stand-in vLLM, 5 started) made in {time.perf_counter() - began:.1f} s; "
-                  f"{args.records:,} request records over 24 h")
+            print(
+                f"dashboard benchmark: {os.cpu_count()} cores; {len(names)} deployments (1 relayed, "
+                f"{len(names) - 1} stand-in vLLM, 5 started) made in {time.perf_counter() - began:.1f} s; "
+                f"{args.records:,} request records over 24 h"
+            )
 
         client = signed_in(server)
         cookie = "; ".join(f"{k}={v}" for k, v in client.cookies.items())
-        urls = ["/ui/", "/ui/memory", "/ui/requests", f"/ui/requests/{last_id}", "/ui/charts",
-                "/ui/charts/data?window=15m", "/ui/charts/data?window=1h", "/ui/charts/data?window=24h",
-                "/ui/keys", "/ui/events", f"/ui/deployments/{names[10]}/start", f"/ui/deployments/{names[1]}/park"]
-        print(f"\n1. page answers, {args.samples} fetches each (whole answer as the client saw it; "
-              f"target p50 <= {PAGE_TARGET_MS:g} ms)")
+        urls = [
+            "/ui/",
+            "/ui/memory",
+            "/ui/requests",
+            f"/ui/requests/{last_id}",
+            "/ui/charts",
+            "/ui/charts/data?window=15m",
+            "/ui/charts/data?window=1h",
+            "/ui/charts/data?window=24h",
+            "/ui/keys",
+            "/ui/events",
+            f"/ui/deployments/{names[10]}/start",
+            f"/ui/deployments/{names[1]}/park",
+        ]
+        print(
+            f"\n1. page answers, {args.samples} fetches each (whole answer as the client saw it; "
+            f"target p50 <= {PAGE_TARGET_MS:g} ms)"
+        )
         print(f"   {'page':<44} {'p50 ms':>8} {'p95 ms':>8}")
         worst = 0.0
         for url, p50, p95 in time_pages(client, origin, urls, args.samples):
@@ -307,43 +373,57 @@ def main() -> None:
 
         got = asyncio.run(streams_open())
         added = (with_streams[0] - before) / 2**20
-        print(f"\n2. {args.streams} live streams open ({', '.join(LIVE)} in turn; {sum(got) / 1024:.0f} KiB read): "
-              f"server RSS {before / 2**20:.1f} -> {with_streams[0] / 2**20:.1f} MiB, added {added:.1f} MiB "
-              f"(target < {STREAMS_TARGET_MB:g}) -> {'met' if added < STREAMS_TARGET_MB else 'NOT met'}")
+        print(
+            f"\n2. {args.streams} live streams open ({', '.join(LIVE)} in turn; {sum(got) / 1024:.0f} KiB read): "
+            f"server RSS {before / 2**20:.1f} -> {with_streams[0] / 2**20:.1f} MiB, added {added:.1f} MiB "
+            f"(target < {STREAMS_TARGET_MB:g}) -> {'met' if added < STREAMS_TARGET_MB else 'NOT met'}"
+        )
 
-        body = (b'{"model":"%s","stream":true,"replay_case":"%s","messages":[{"role":"user","content":"hi"}]}'
-                % (RELAYED.encode(), case.encode()))
+        body = b'{"model":"%s","stream":true,"replay_case":"%s","messages":[{"role":"user","content":"hi"}]}' % (
+            RELAYED.encode(),
+            case.encode(),
+        )
         plain = body.replace(b'"%s"' % RELAYED.encode(), b'"x"')
         expect = (recording / f"{case}.sse").read_bytes().count(b"data: ")
-        direct = Route("direct", rhost, rport, plain, None)
-        routes = {"quiet": Route("quiet", "127.0.0.1", server.port, body, server.api_key, lambda: cpu_seconds(pid)),
-                  "watched": Route("watched", "127.0.0.1", server.port, body, server.api_key,
-                                   lambda: cpu_seconds(pid))}
+        routes = {
+            "quiet": Route("quiet", "127.0.0.1", server.port, body, server.api_key, lambda: cpu_seconds(pid)),
+            "watched": Route("watched", "127.0.0.1", server.port, body, server.api_key, lambda: cpu_seconds(pid)),
+        }
         paced: dict[str, list[float]] = {"quiet": [], "watched": [], "direct quiet": [], "direct watched": []}
         per_half = max(1, args.paced // args.rounds)
         for round_ in range(args.rounds):
-            for half in (("quiet", "watched") if round_ % 2 == 0 else ("watched", "quiet")):
+            for half in ("quiet", "watched") if round_ % 2 == 0 else ("watched", "quiet"):
                 # the quiet half runs the same child with no stream open: the halves differ by the streams only
                 count = args.dashboards if half == "watched" else 0
                 with Watchers(server.management_port, cookie, count):
                     measure(routes[half], 32, args.seconds, expect)
                     for _ in range(per_half):
-                        paced[f"direct {half}"].append(asyncio.run(paced_ttft(
-                            rhost, rport, plain[:-1] + b',"replay_pace":"recorded"}', None)))
-                        paced[half].append(asyncio.run(paced_ttft(
-                            "127.0.0.1", server.port, body[:-1] + b',"replay_pace":"recorded"}', server.api_key)))
+                        paced[f"direct {half}"].append(
+                            asyncio.run(paced_ttft(rhost, rport, plain[:-1] + b',"replay_pace":"recorded"}', None))
+                        )
+                        paced[half].append(
+                            asyncio.run(
+                                paced_ttft(
+                                    "127.0.0.1", server.port, body[:-1] + b',"replay_pace":"recorded"}', server.api_key
+                                )
+                            )
+                        )
         print(f"\n3. relay line without and with {args.dashboards} dashboards open ({args.rounds} alternating rounds)")
         line = {}
         for half in ("quiet", "watched"):
             p = pooled(routes[half].rounds[32])
-            added_ms = pct(paced[half], .5) - pct(paced[f"direct {half}"], .5)  # pct: seconds in, ms out
+            added_ms = pct(paced[half], 0.5) - pct(paced[f"direct {half}"], 0.5)  # pct: seconds in, ms out
             cpu_us = p["cpu"] / p["chunks"] * 1e6
             line[half] = (added_ms, cpu_us)
-            print(f"   {half:<8} added first token p50 {added_ms:.3f} ms ({len(paced[half])} paced streams), "
-                  f"CPU per chunk at 32 streams {cpu_us:.2f} µs ({p['chunks']:,} chunks)")
+            print(
+                f"   {half:<8} added first token p50 {added_ms:.3f} ms ({len(paced[half])} paced streams), "
+                f"CPU per chunk at 32 streams {cpu_us:.2f} µs ({p['chunks']:,} chunks)"
+            )
         (qa, qc), (wa, wc) = line["quiet"], line["watched"]
-        print(f"   watched - quiet: first token {wa - qa:+.3f} ms, CPU per chunk {wc - qc:+.2f} µs "
-              f"({(wc / qc - 1) * 100:+.1f} %)")
+        print(
+            f"   watched - quiet: first token {wa - qa:+.3f} ms, CPU per chunk {wc - qc:+.2f} µs "
+            f"({(wc / qc - 1) * 100:+.1f} %)"
+        )
     finally:
         server.stop()
         replay.terminate()

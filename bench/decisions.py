@@ -26,8 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.integration.harness import CapyServer  # noqa: E402
 
 QUESTIONS = {
-    "route": {"type": "choice", "instructions": "Which team should handle this?",
-              "criteria": {"billing": "payments and refunds", "shipping": None, "technical": None}},
+    "route": {
+        "type": "choice",
+        "instructions": "Which team should handle this?",
+        "criteria": {"billing": "payments and refunds", "shipping": None, "technical": None},
+    },
     "angry": {"type": "noul", "instructions": "Is the customer angry?"},
     "urgency": {"type": "score", "instructions": "How urgent is this?", "criteria": ["can wait", "this week", "today"]},
 }
@@ -50,22 +53,36 @@ def main() -> None:
         try:
             server.cli("engine", "add", venv, "--name", "vllm")
             path = Path(tmp) / "decider.yaml"
-            path.write_bytes(msgspec.yaml.encode({
-                "name": "decider", "engine": "vllm", "model": model, "api": "decisions",
-                "engine_config": {"context_length": 2048, "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                                  "extra_args": ["--dtype", "bfloat16", "--logprobs-mode", "raw_logprobs"]},
-            }))
+            path.write_bytes(
+                msgspec.yaml.encode(
+                    {
+                        "name": "decider",
+                        "engine": "vllm",
+                        "model": model,
+                        "api": "decisions",
+                        "engine_config": {
+                            "context_length": 2048,
+                            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                            "extra_args": ["--dtype", "bfloat16", "--logprobs-mode", "raw_logprobs"],
+                        },
+                    }
+                )
+            )
             server.cli("deploy", "model", "--file", str(path), "--wait", "--timeout", "600", timeout=660)
             port = server.cli_json("status", "deployment", "decider")["instances"][0]["port"]
             body = {"state": "I was charged twice for my order last week.", "questions": QUESTIONS}
             direct, relayed = [], []
             with httpx.Client(timeout=120) as engine, httpx.Client(timeout=120, headers=server.headers()) as capy:
-                for client, url, model_name in ((engine, f"http://127.0.0.1:{port}", "decider"),
-                                                (capy, server.base_url, "decider")):  # warm both paths
+                for client, url, model_name in (
+                    (engine, f"http://127.0.0.1:{port}", "decider"),
+                    (capy, server.base_url, "decider"),
+                ):  # warm both paths
                     client.post(url + "/v1/systemone", json={"model": model_name, **body}).raise_for_status()
                 for _ in range(args.requests):
-                    for client, url, out in ((engine, f"http://127.0.0.1:{port}", direct),
-                                             (capy, server.base_url, relayed)):
+                    for client, url, out in (
+                        (engine, f"http://127.0.0.1:{port}", direct),
+                        (capy, server.base_url, relayed),
+                    ):
                         began = time.perf_counter()
                         r = client.post(url + "/v1/systemone", json={"model": "decider", **body})
                         out.append(time.perf_counter() - began)
@@ -74,8 +91,10 @@ def main() -> None:
         finally:
             server.stop()
     ms = 1000
-    print(f"decision benchmark (vLLM 0.32 on CPU, tiny Qwen3, 3 questions), {args.requests} requests per path,"
-          f" {os.cpu_count()} cores")
+    print(
+        f"decision benchmark (vLLM 0.32 on CPU, tiny Qwen3, 3 questions), {args.requests} requests per path,"
+        f" {os.cpu_count()} cores"
+    )
     print(f"  direct   p50 {statistics.median(direct) * ms:7.2f} ms   p99 {p(direct, 0.99) * ms:7.2f} ms")
     print(f"  relayed  p50 {statistics.median(relayed) * ms:7.2f} ms   p99 {p(relayed, 0.99) * ms:7.2f} ms")
     print(f"  added by CapyCTL: p50 {(statistics.median(relayed) - statistics.median(direct)) * ms:.2f} ms")

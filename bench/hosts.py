@@ -130,17 +130,48 @@ class ChainedNginx:
         self.binary, self.tmp = binary, tmp
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, node: Node, name: str, listen: str, upstream: str, scheme: str = "http", tls: str = "",
-              certificate: str = "") -> None:
+    def start(
+        self,
+        node: Node,
+        name: str,
+        listen: str,
+        upstream: str,
+        scheme: str = "http",
+        tls: str = "",
+        certificate: str = "",
+    ) -> None:
         prefix = self.tmp / name
         prefix.mkdir()
-        (prefix / "nginx.conf").write_text(NGINX_FRONT.format(
-            prefix=prefix, basics=NGINX_HTTP_BASICS.format(prefix=prefix), listen=listen, upstream=upstream,
-            scheme=scheme, tls=tls, certificate=certificate))
+        (prefix / "nginx.conf").write_text(
+            NGINX_FRONT.format(
+                prefix=prefix,
+                basics=NGINX_HTTP_BASICS.format(prefix=prefix),
+                listen=listen,
+                upstream=upstream,
+                scheme=scheme,
+                tls=tls,
+                certificate=certificate,
+            )
+        )
         with open(prefix / "stdout.log", "ab") as out:
-            self.processes.append(node.popen([self.binary, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c",
-                                              str(prefix / "nginx.conf"), "-g", "daemon off;"],
-                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            self.processes.append(
+                node.popen(
+                    [
+                        self.binary,
+                        "-p",
+                        str(prefix),
+                        "-e",
+                        str(prefix / "error.log"),
+                        "-c",
+                        str(prefix / "nginx.conf"),
+                        "-g",
+                        "daemon off;",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
 
     def cpu(self) -> float:
         return sum(tree_cpu_seconds(p.pid) for p in self.processes)
@@ -166,8 +197,11 @@ def until(condition: Callable[[], object], timeout: float, what: str) -> None:
 def engine_port(server: Machine, name: str) -> int:
     status = json.loads(server.cli("status", "deployment", name, "--json").stdout)
     log = Path(status["instances"][0]["log"].split(":", 1)[1])
-    until(lambda: _LISTENING.search(log.read_text(errors="replace")) if log.exists() else None, 30,
-          f"the {name} engine's port in its log")
+    until(
+        lambda: _LISTENING.search(log.read_text(errors="replace")) if log.exists() else None,
+        30,
+        f"the {name} engine's port in its log",
+    )
     match = _LISTENING.search(log.read_text(errors="replace"))
     assert match is not None
     return int(match.group(1))
@@ -203,9 +237,11 @@ def main() -> None:
             most = max(ns)
             (server.state / "config.yaml").write_text(
                 f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
-                f"  max_pending_total: {most}\n")
-            server.start("server", "--listen", f"0.0.0.0:{INFERENCE_PORT}",
-                         "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
+                f"  max_pending_total: {most}\n"
+            )
+            server.start(
+                "server", "--listen", f"0.0.0.0:{INFERENCE_PORT}", "--control-listen", f"0.0.0.0:{CONTROL_PORT}"
+            )
             until(lambda: (server.state / "management.json").exists(), 30, "the server")
             host = Machine(lan.hosts["gpu-a"], tmp / "gpu-a")
             host.cli("join", "host", "--join-file", str(invite(server, lan, "gpu-a")))
@@ -216,8 +252,7 @@ def main() -> None:
                 server.cli("engine", "add", str(venv), "--host", "gpu-a", "--name", f"replay-{pace}")
                 name = "fast" if pace == "fast" else "paced"
                 (tmp / f"{name}.yaml").write_text(f"name: {name}\nengine: replay-{pace}\nhost: gpu-a\nmodel: /m\n")
-                server.cli("deploy", "model", "--file", str(tmp / f"{name}.yaml"), "--activate", "--wait",
-                           timeout=120)
+                server.cli("deploy", "model", "--file", str(tmp / f"{name}.yaml"), "--activate", "--wait", timeout=120)
             ports = {name: engine_port(server, name) for name in ("fast", "paced")}
             key = json.loads((server.state / "identity" / "server-credentials.json").read_text())["api_key"]
             identity = host.state / "identity"
@@ -225,37 +260,56 @@ def main() -> None:
             address = lan.hosts["gpu-a"].address
             # one chain per engine: the host's nginx (TLS in, with the host's certificate), the server's (TLS out,
             # checking it as CapyCTL does: the server's CA, the host's name)
-            certificate = (f"ssl_certificate {identity / 'host-cert.pem'}; "
-                           f"ssl_certificate_key {identity / 'host-key.pem'};")
-            tls = (f"proxy_ssl_trusted_certificate {ca}; proxy_ssl_verify on; proxy_ssl_name gpu-a; "
-                   "proxy_ssl_server_name on; proxy_ssl_session_reuse on;")
+            certificate = (
+                f"ssl_certificate {identity / 'host-cert.pem'}; ssl_certificate_key {identity / 'host-key.pem'};"
+            )
+            tls = (
+                f"proxy_ssl_trusted_certificate {ca}; proxy_ssl_verify on; proxy_ssl_name gpu-a; "
+                "proxy_ssl_server_name on; proxy_ssl_session_reuse on;"
+            )
             for i, name in enumerate(("fast", "paced")):
-                nginx.start(lan.hosts["gpu-a"], f"back-{name}", f"{address}:{9444 + i} ssl",
-                            f"127.0.0.1:{ports[name]}", certificate=certificate)
+                nginx.start(
+                    lan.hosts["gpu-a"],
+                    f"back-{name}",
+                    f"{address}:{9444 + i} ssl",
+                    f"127.0.0.1:{ports[name]}",
+                    certificate=certificate,
+                )
                 nginx.start(lan.server, f"front-{name}", f"0.0.0.0:{9440 + i}", f"{address}:{9444 + i}", "https", tls)
             time.sleep(0.5)  # (nginx has no readiness signal; the warm-up below fails loudly if it is not up)
             server_pid = server.process.pid  # type: ignore[union-attr]
             agent_pid = host.process.pid  # type: ignore[union-attr]
 
             def body(model: str) -> str:
-                return ('{"model":"%s","stream":true,"replay_case":"%s","messages":[{"role":"user","content":"hi"}]}'
-                        % (model, CASE))
+                messages = '[{"role":"user","content":"hi"}]'
+                return f'{{"model":"{model}","stream":true,"replay_case":"{CASE}","messages":{messages}}}'
 
             expect = (RECORDING / f"{CASE}.sse").read_bytes().count(b"data: ")
             paths = {
-                "direct": (lan.hosts["gpu-a"], "127.0.0.1", {"fast": ports["fast"], "paced": ports["paced"]}, None,
-                           None),
+                "direct": (
+                    lan.hosts["gpu-a"],
+                    "127.0.0.1",
+                    {"fast": ports["fast"], "paced": ports["paced"]},
+                    None,
+                    None,
+                ),
                 "nginx chain": (lan.server, lan.server.address, {"fast": 9440, "paced": 9441}, None, nginx.cpu),
-                "capyctl": (lan.server, lan.server.address, {"fast": INFERENCE_PORT, "paced": INFERENCE_PORT}, key,
-                            lambda: cpu_seconds(server_pid) + cpu_seconds(agent_pid)),
+                "capyctl": (
+                    lan.server,
+                    lan.server.address,
+                    {"fast": INFERENCE_PORT, "paced": INFERENCE_PORT},
+                    key,
+                    lambda: cpu_seconds(server_pid) + cpu_seconds(agent_pid),
+                ),
             }
 
             def run_client(path: str, spec: dict) -> dict:
                 node, where, port_of, auth, _ = paths[path]
                 model = spec.pop("model")
                 spec.update(host=where, port=port_of[model], key=auth, body=body(model), expect=expect)
-                done = node.run([sys.executable, str(Path(__file__).resolve()), "client", json.dumps(spec)],
-                                timeout=600)
+                done = node.run(
+                    [sys.executable, str(Path(__file__).resolve()), "client", json.dumps(spec)], timeout=600
+                )
                 if done.returncode != 0:
                     raise SystemExit(f"bench: the {path} client failed: {done.stdout}{done.stderr}")
                 return json.loads(done.stdout)
@@ -269,7 +323,7 @@ def main() -> None:
             cpu: dict[tuple[str, int], list[float]] = {}
             names = list(paths)
             for round_ in range(args.rounds):
-                order = names[round_ % len(names):] + names[:round_ % len(names)]
+                order = names[round_ % len(names) :] + names[: round_ % len(names)]
                 medians = {}
                 for path in order:
                     got = run_client(path, {"what": "paced", "model": "paced", "count": args.paced})["firsts"]
@@ -286,11 +340,14 @@ def main() -> None:
                         rates.setdefault((path, n), []).append(got["chunks"] / got["elapsed"])
                         if reader:
                             cpu.setdefault((path, n), []).append(spent / got["chunks"] * 1e6)
-            print(f"several machines: server -> ingress (TLS) -> engine, {os.cpu_count()} cores, "
-                  f"{args.rounds} rounds, {args.paced} paced streams per path and round, {args.seconds} s of load "
-                  f"per path, N and round; nginx {args.nginx}")
+            print(
+                f"several machines: server -> ingress (TLS) -> engine, {os.cpu_count()} cores, "
+                f"{args.rounds} rounds, {args.paced} paced streams per path and round, {args.seconds} s of load "
+                f"per path, N and round; nginx {args.nginx}"
+            )
             head = f"{'path':<14}{'added TTFT p50 ms':>18}{'ttft p50/p99 ms':>18}" + "".join(
-                f"{f'chunks/s @{n}':>15}{f'CPU µs/chunk @{n}':>18}" for n in ns)
+                f"{f'chunks/s @{n}':>15}{f'CPU µs/chunk @{n}':>18}" for n in ns
+            )
             print(head)
             for path in names:
                 line = f"{path:<14}"
@@ -306,26 +363,39 @@ def main() -> None:
                 for path in ("nginx chain", "capyctl"):
                     _, _, port_of, auth, _ = paths[path]
                     paced_body = body("fast")[:-1] + ',"replay_pace":"recorded"}'
-                    spec = {"what": "hangup", "host": lan.server_address_for["gpu-a"], "port": port_of["fast"],
-                            "key": auth, "body": paced_body, "count": args.hangups,
-                            "stats": f"http://127.0.0.1:{ports['fast']}/replay/stats"}
-                    done = lan.hosts["gpu-a"].run([sys.executable, str(Path(__file__).resolve()), "client",
-                                                   json.dumps(spec)], timeout=600)
+                    spec = {
+                        "what": "hangup",
+                        "host": lan.server_address_for["gpu-a"],
+                        "port": port_of["fast"],
+                        "key": auth,
+                        "body": paced_body,
+                        "count": args.hangups,
+                        "stats": f"http://127.0.0.1:{ports['fast']}/replay/stats",
+                    }
+                    done = lan.hosts["gpu-a"].run(
+                        [sys.executable, str(Path(__file__).resolve()), "client", json.dumps(spec)], timeout=600
+                    )
                     if done.returncode != 0:
                         raise SystemExit(f"bench: the {path} hang-up client failed: {done.stdout}{done.stderr}")
                     delays = sorted(json.loads(done.stdout)["delays"])
-                    print(f"client hang-up at the {'server' if path == 'capyctl' else 'front nginx'} -> the engine's "
-                          f"connection on the host closed, {path}: p50 {statistics.median(delays) * 1000:.2f} ms, "
-                          f"p99 {delays[min(len(delays) - 1, int(0.99 * len(delays)))] * 1000:.2f} ms over "
-                          f"{len(delays)} streams (includes one stats poll)")
+                    print(
+                        f"client hang-up at the {'server' if path == 'capyctl' else 'front nginx'} -> the engine's "
+                        f"connection on the host closed, {path}: p50 {statistics.median(delays) * 1000:.2f} ms, "
+                        f"p99 {delays[min(len(delays) - 1, int(0.99 * len(delays)))] * 1000:.2f} ms over "
+                        f"{len(delays)} streams (includes one stats poll)"
+                    )
             capy, chain = statistics.median(added["capyctl"]), statistics.median(added["nginx chain"])
             ratios = f"ratio capyctl / nginx chain: added first token {capy / chain:.2f}" if chain > 0 else ""
             for n in ns:
-                ratios += (f", CPU per chunk @{n} "
-                           f"{statistics.median(cpu[('capyctl', n)]) / statistics.median(cpu[('nginx chain', n)]):.2f}")
+                ratios += (
+                    f", CPU per chunk @{n} "
+                    f"{statistics.median(cpu[('capyctl', n)]) / statistics.median(cpu[('nginx chain', n)]):.2f}"
+                )
             print(ratios)
-            print("(added TTFT: per round, the path's median minus direct's, then the median over rounds; CPU: "
-                  "the relay's own processes, /proc utime+stime, per relayed data chunk)")
+            print(
+                "(added TTFT: per round, the path's median minus direct's, then the median over rounds; CPU: "
+                "the relay's own processes, /proc utime+stime, per relayed data chunk)"
+            )
         finally:
             nginx.stop()
             shutil.rmtree(tmp, ignore_errors=True)

@@ -46,8 +46,9 @@ def create_keys(server: CapyServer, n: int) -> str:
     state = server.state_dir
     info = json.loads((state / "management.json").read_text())
     token = (state / "identity" / "admin-token").read_text().strip()
-    with httpx.Client(base_url=info["url"], headers={"authorization": f"Bearer {token}"},
-                      timeout=30, trust_env=False) as client:
+    with httpx.Client(
+        base_url=info["url"], headers={"authorization": f"Bearer {token}"}, timeout=30, trust_env=False
+    ) as client:
         secret = ""
         for i in range(n):
             answer = client.post("/keys", json={"name": f"bench-{i:05d}"})
@@ -60,8 +61,11 @@ def create_keys(server: CapyServer, n: int) -> str:
     return secret
 
 
-async def measure(paths: dict[str, tuple[str, int, bytes, str | None]], rounds: int, requests: int,
-                  ) -> list[dict[str, float]]:
+async def measure(
+    paths: dict[str, tuple[str, int, bytes, str | None]],
+    rounds: int,
+    requests: int,
+) -> list[dict[str, float]]:
     """Per round, each path's median TTFT in ms; the paths take turns request by request."""
     names = list(paths)
     for name in names:  # warm each path once (connections, first-use caches)
@@ -92,9 +96,23 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="capyctl-bench-keys-"))
     replay = subprocess.Popen(
-        [sys.executable, "-m", "capyctl.replay", "--dialect", engine, "--version", version,
-         "--recordings", str(recording), "--port", "0", "--pace", "fast"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "capyctl.replay",
+            "--dialect",
+            engine,
+            "--version",
+            version,
+            "--recordings",
+            str(recording),
+            "--port",
+            "0",
+            "--pace",
+            "fast",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     one, many = CapyServer(tmp / "a-state"), CapyServer(tmp / "b-state")
     try:
@@ -105,18 +123,23 @@ def main() -> int:
         rhost, rport = match.group(1), int(match.group(2))
         deployment = tmp / "bench.yaml"
         deployment.write_text(
-            f"name: bench\nengine: {engine}\nendpoint: http://{rhost}:{rport}\nengine_version: {version}\n")
+            f"name: bench\nengine: {engine}\nendpoint: http://{rhost}:{rport}\nengine_version: {version}\n"
+        )
         for server in (one, many):
             server.start()
             server.cli("deploy", "model", "--file", str(deployment))
         began = time.perf_counter()
         named = create_keys(many, args.keys)
         took = time.perf_counter() - began
-        print(f"key benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores; "
-              f"{args.keys} keys created on B in {took:.1f} s ({took / max(args.keys, 1) * 1000:.2f} ms each)")
+        print(
+            f"key benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores; "
+            f"{args.keys} keys created on B in {took:.1f} s ({took / max(args.keys, 1) * 1000:.2f} ms each)"
+        )
 
-        body = (b'{"model":"bench","stream":true,"replay_case":"%s",'
-                b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode())
+        body = (
+            b'{"model":"bench","stream":true,"replay_case":"%s",'
+            b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode()
+        )
         paced = body[:-1] + b',"replay_pace":"recorded"}'
         paths = {
             "direct": (rhost, rport, paced.replace(b'"bench"', b'"x"'), None),
@@ -141,11 +164,16 @@ def main() -> int:
             added[name] = statistics.median(r[name] - r["direct"] for r in rounds)
             print(f"{name:<26} {ttft[name]:>8.3f} {'' if name == 'direct' else f'{added[name]:.3f}':>9}")
         a, b, a2 = "A, 1 key", f"B, named key of {args.keys}", "A again (noise)"
-        print(f"ratios to A: added B named {added[b] / added[a]:.3f}, B default {added['B, default key'] / added[a]:.3f}, "
-              f"A again {added[a2] / added[a]:.3f}; relayed ttft B named {ttft[b] / ttft[a]:.3f}, "
-              f"A again {ttft[a2] / ttft[a]:.3f}")
-        print(f"auth with {args.keys} keys: added TTFT p50 {added[b]:.3f} ms vs {added[a]:.3f} ms with 1 key: "
-              f"ratio {added[b] / added[a]:.3f}")
+        print(
+            f"ratios to A: added B named {added[b] / added[a]:.3f}, "
+            f"B default {added['B, default key'] / added[a]:.3f}, "
+            f"A again {added[a2] / added[a]:.3f}; relayed ttft B named {ttft[b] / ttft[a]:.3f}, "
+            f"A again {ttft[a2] / ttft[a]:.3f}"
+        )
+        print(
+            f"auth with {args.keys} keys: added TTFT p50 {added[b]:.3f} ms vs {added[a]:.3f} ms with 1 key: "
+            f"ratio {added[b] / added[a]:.3f}"
+        )
         return 0
     except Exception as error:  # a bench reports; only a failure to measure exits 1
         print(f"error: {error}", file=sys.stderr)

@@ -30,7 +30,7 @@ def _children() -> dict[int, list[int]]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
         tree.setdefault(parent, []).append(int(entry.name))
     return tree
 
@@ -70,8 +70,11 @@ def main(argv: list[str]) -> int:
         if rss > peak:
             peak, at_peak, when = rss, count, time.monotonic() - started
         time.sleep(0.1)
-    print(f"peak memory: {peak / 2**30:.2f} GiB summed RSS over {at_peak} processes, {when:.0f} s in; "
-          f"exit {child.returncode} after {time.monotonic() - started:.0f} s", file=sys.stderr)
+    print(
+        f"peak memory: {peak / 2**30:.2f} GiB summed RSS over {at_peak} processes, {when:.0f} s in; "
+        f"exit {child.returncode} after {time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
     return child.returncode or 0
 
 

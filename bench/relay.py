@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -61,8 +62,10 @@ _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 def request(host: str, body: bytes, key: str | None) -> bytes:
     """A streamed chat request, as raw bytes (a lean client, the same for both paths)."""
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
 
 
 class Dechunk:
@@ -89,7 +92,7 @@ class Dechunk:
                 self.skip -= step
                 i += step
             elif self.left:
-                piece = data[i:i + self.left]
+                piece = data[i : i + self.left]
                 out.append(piece)
                 self.left -= len(piece)
                 i += len(piece)
@@ -246,10 +249,8 @@ def tree_cpu_seconds(pid: int) -> float:
     """user+system CPU seconds of ``pid`` and its descendants alive now."""
     total = 0.0
     for one in process_tree(pid):
-        try:
+        with contextlib.suppress(OSError, IndexError, ValueError):  # exited between the listing and the read
             total += cpu_seconds(one)
-        except (OSError, IndexError, ValueError):
-            pass  # exited between the listing and the read
     return total
 
 
@@ -318,13 +319,19 @@ class Nginx:
         self.prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
         self.port = free_port()
         self.conf = self.prefix / "nginx.conf"
-        self.conf.write_text(NGINX_CONF.format(
-            prefix=self.prefix, basics=NGINX_HTTP_BASICS.format(prefix=self.prefix), port=self.port, engine_host=engine_host, engine_port=engine_port,
-            keepalive=max(32, streams),  # every stream's engine connection can go back to the pool
-            connections=max(1024, 4 * streams),  # a client and an engine connection per stream, plus idle ones
-            # as root the worker would switch to nobody; the prefix is root's own (mode 0700), so keep root
-            user="user root;" if os.geteuid() == 0 else "",
-        ))
+        self.conf.write_text(
+            NGINX_CONF.format(
+                prefix=self.prefix,
+                basics=NGINX_HTTP_BASICS.format(prefix=self.prefix),
+                port=self.port,
+                engine_host=engine_host,
+                engine_port=engine_port,
+                keepalive=max(32, streams),  # every stream's engine connection can go back to the pool
+                connections=max(1024, 4 * streams),  # a client and an engine connection per stream, plus idle ones
+                # as root the worker would switch to nobody; the prefix is root's own (mode 0700), so keep root
+                user="user root;" if os.geteuid() == 0 else "",
+            )
+        )
         self.process: subprocess.Popen[bytes] | None = None
         self.workers: set[int] = set()
 
@@ -337,9 +344,20 @@ class Nginx:
 
         with open(self.prefix / "stdout.log", "ab") as out:
             self.process = subprocess.Popen(
-                [self.binary, "-p", str(self.prefix), "-e", str(self.prefix / "error.log"),
-                 "-c", str(self.conf), "-g", "daemon off;"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    self.binary,
+                    "-p",
+                    str(self.prefix),
+                    "-e",
+                    str(self.prefix / "error.log"),
+                    "-c",
+                    str(self.conf),
+                    "-g",
+                    "daemon off;",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -405,8 +423,12 @@ def rotated(routes: list[Route], round_: int) -> list[Route]:
 
 
 def pooled(results: list[dict]) -> dict:
-    return {"ttfts": [t for r in results for t in r["ttfts"]], "chunks": sum(r["chunks"] for r in results),
-            "elapsed": sum(r["elapsed"] for r in results), "cpu": sum(r["cpu"] for r in results)}
+    return {
+        "ttfts": [t for r in results for t in r["ttfts"]],
+        "chunks": sum(r["chunks"] for r in results),
+        "elapsed": sum(r["elapsed"] for r in results),
+        "cpu": sum(r["cpu"] for r in results),
+    }
 
 
 def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], list[list[float]]], source: str) -> None:
@@ -415,8 +437,9 @@ def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], l
     rows: dict[str, list[float | None]] = {}
     for route in routes:
         row: list[float | None] = []
-        pairs = [(mine, base) for mine, base in zip(ttft_rounds(route), ttft_rounds(direct)) if mine and base]
-        for q in (.5, .99):
+        rounds = zip(ttft_rounds(route), ttft_rounds(direct), strict=False)
+        pairs = [(mine, base) for mine, base in rounds if mine and base]
+        for q in (0.5, 0.99):
             if route is direct:
                 row.append(None)
             else:
@@ -424,8 +447,9 @@ def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], l
         for n in ns:
             row.append(statistics.median(r["chunks"] / r["elapsed"] for r in route.rounds[n]))
         for n in ns:
-            row.append(None if route.cpu is None else
-                       statistics.median(r["cpu"] / r["chunks"] * 1e6 for r in route.rounds[n]))
+            row.append(
+                None if route.cpu is None else statistics.median(r["cpu"] / r["chunks"] * 1e6 for r in route.rounds[n])
+            )
         rows[route.name] = row
 
     def cell(value: float | None, width: int, digits: int) -> str:
@@ -435,21 +459,29 @@ def summary(routes: list[Route], ns: list[int], ttft_rounds: Callable[[Route], l
     heads = [f"chunks/s @{n}" if i == 0 else f"@{n}" for i, n in enumerate(ns)]
     heads += [f"CPU µs/chunk @{n}" if i == 0 else f"@{n}" for i, n in enumerate(ns)]
     widths = [max(len(h), 8) for h in heads]
-    print(f"{'path':<26} {ttft_head:>33} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, widths)))
+    print(f"{'path':<26} {ttft_head:>33} " + " ".join(f"{h:>{w}}" for h, w in zip(heads, widths, strict=False)))
 
     def line(label: str, row: list[float | None], ttft_digits: int = 3, digits: list[int] | None = None) -> None:
-        ttft = ("(baseline)" if label == "direct" else
-                f"{cell(row[0], 0, ttft_digits).strip()} / {cell(row[1], 0, ttft_digits).strip()}")
+        ttft = (
+            "(baseline)"
+            if label == "direct"
+            else f"{cell(row[0], 0, ttft_digits).strip()} / {cell(row[1], 0, ttft_digits).strip()}"
+        )
         digits = digits or [0] * len(ns) + [1] * len(ns)
-        print(f"{label:<26} {ttft:>33} " + " ".join(cell(v, w, d) for v, w, d in zip(row[2:], widths, digits)))
+        cells = " ".join(cell(v, w, d) for v, w, d in zip(row[2:], widths, digits, strict=False))
+        print(f"{label:<26} {ttft:>33} " + cells)
 
     for name, row in rows.items():
         line(name, row)
-    for name, other in (("capyctl", "nginx"), ("capyctl", "bare python"), ("capyctl@base", "nginx"),
-                        ("capyctl", "capyctl@base")):
+    for name, other in (
+        ("capyctl", "nginx"),
+        ("capyctl", "bare python"),
+        ("capyctl@base", "nginx"),
+        ("capyctl", "capyctl@base"),
+    ):
         if other in rows and name in rows:
             ratio: list[float | None] = []
-            for mine, theirs in zip(rows[name], rows[other]):
+            for mine, theirs in zip(rows[name], rows[other], strict=False):
                 ratio.append(mine / theirs if mine is not None and theirs is not None and theirs > 0.0005 else None)
             line(f"ratio {name}/{other}", ratio, 2, [2] * (2 * len(ns)))
     if "nginx" not in rows:
@@ -465,21 +497,41 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds per path and round")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of direct, nginx and relayed per N")
     parser.add_argument("--hangups", type=int, default=20, help="client hang-ups to time (0: none)")
-    parser.add_argument("--handoff", type=int, default=256,
-                        help="streams waiting on one slot, to time a freed slot's hand-over to the next (0: none)")
-    parser.add_argument("--paced", type=int, default=60,
-                        help="streams per path to time to first token with the engine at its recorded pace (0: none)")
-    parser.add_argument("--floor", action="store_true",
-                        help="also measure bench/bare_relay.py --decode: a featureless Python relay that only decodes "
-                             "each chunk, the floor of what a relay in Python costs on this machine")
-    parser.add_argument("--floor-checks", action="store_true",
-                        help="also measure bench/bare_relay.py --decode --checks: the floor relay doing the least "
-                             "of CapyCTL's front per request (ULID, key digest, body decode, in-flight limit) in "
-                             "flat code")
-    parser.add_argument("--baseline", metavar="PYTHON",
-                        help="also measure the CapyCTL this interpreter runs (another tree's venv), as capyctl@base")
-    parser.add_argument("--nginx", default=find_nginx(),
-                        help="nginx binary for the nginx path (default: nginx on PATH, else /usr/sbin/nginx)")
+    parser.add_argument(
+        "--handoff",
+        type=int,
+        default=256,
+        help="streams waiting on one slot, to time a freed slot's hand-over to the next (0: none)",
+    )
+    parser.add_argument(
+        "--paced",
+        type=int,
+        default=60,
+        help="streams per path to time to first token with the engine at its recorded pace (0: none)",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure bench/bare_relay.py --decode: a featureless Python relay that only decodes "
+        "each chunk, the floor of what a relay in Python costs on this machine",
+    )
+    parser.add_argument(
+        "--floor-checks",
+        action="store_true",
+        help="also measure bench/bare_relay.py --decode --checks: the floor relay doing the least "
+        "of CapyCTL's front per request (ULID, key digest, body decode, in-flight limit) in "
+        "flat code",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="also measure the CapyCTL this interpreter runs (another tree's venv), as capyctl@base",
+    )
+    parser.add_argument(
+        "--nginx",
+        default=find_nginx(),
+        help="nginx binary for the nginx path (default: nginx on PATH, else /usr/sbin/nginx)",
+    )
     args = parser.parse_args()
     if not 0 <= args.handoff <= 1000:
         parser.error("--handoff must be within 0..1000 (the replay engine keeps its last 1,000 idle gaps)")
@@ -492,17 +544,35 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     replay = subprocess.Popen(
-        [sys.executable, "-m", "capyctl.replay", "--dialect", engine, "--version", version,
-         "--recordings", str(recording), "--port", "0", "--pace", "fast"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "capyctl.replay",
+            "--dialect",
+            engine,
+            "--version",
+            version,
+            "--recordings",
+            str(recording),
+            "--port",
+            "0",
+            "--pace",
+            "fast",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     tmp = Path(tempfile.mkdtemp(prefix="capyctl-bench-"))
     most = max(ns)
     relay_config = tmp / "relay.yaml"  # every client at the engine at once: this measures the relay, not the queue
-    relay_config.write_text(f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
-                            f"  max_pending_total: {most}\n")
+    relay_config.write_text(
+        f"queue:\n  max_in_flight_per_instance: {most}\n  max_pending_per_deployment: {most}\n"
+        f"  max_pending_total: {most}\n"
+    )
     capy = CapyServer(tmp / "state", "--config", str(relay_config))
-    base = CapyServer(tmp / "base-state", "--config", str(relay_config), python=args.baseline) if args.baseline else None
+    base = (
+        CapyServer(tmp / "base-state", "--config", str(relay_config), python=args.baseline) if args.baseline else None
+    )
     nginx: Nginx | None = None
     bare: subprocess.Popen[bytes] | None = None
     checked: subprocess.Popen[bytes] | None = None
@@ -513,13 +583,16 @@ def main() -> None:
         rhost, rport = match.group(1), int(match.group(2))
         deployment = tmp / "bench.yaml"
         deployment.write_text(
-            f"name: bench\nengine: {engine}\nendpoint: http://{rhost}:{rport}\nengine_version: {version}\n")
+            f"name: bench\nengine: {engine}\nendpoint: http://{rhost}:{rport}\nengine_version: {version}\n"
+        )
         for server in (capy, base):
             if server is not None:
                 server.start()
                 server.cli("deploy", "model", "--file", str(deployment))
-        body = (b'{"model":"bench","stream":true,"replay_case":"%s",'
-                b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode())
+        body = (
+            b'{"model":"bench","stream":true,"replay_case":"%s",'
+            b'"messages":[{"role":"user","content":"hi"}]}' % args.case.encode()
+        )
         pid = capy.process.pid  # type: ignore[union-attr]
         expect = (recording / f"{args.case}.sse").read_bytes().count(b"data: ")
         plain = body.replace(b'"bench"', b'"x"')  # straight to the engine, or through nginx: no CapyCTL model
@@ -527,8 +600,10 @@ def main() -> None:
         capyctl = Route("capyctl", "127.0.0.1", capy.port, body, capy.api_key, lambda: cpu_seconds(pid))
         routes = [direct]
         if not (args.nginx and os.path.isfile(args.nginx) and os.access(args.nginx, os.X_OK)):
-            print(f"nginx not found ({args.nginx or 'not on PATH, not /usr/sbin/nginx'}): the nginx path is skipped; "
-                  f"install it with `apt-get install nginx-light` (Debian/Ubuntu) or pass --nginx PATH")
+            print(
+                f"nginx not found ({args.nginx or 'not on PATH, not /usr/sbin/nginx'}): the nginx path is skipped; "
+                f"install it with `apt-get install nginx-light` (Debian/Ubuntu) or pass --nginx PATH"
+            )
         else:
             nginx = Nginx(args.nginx, rhost, rport, most)
             try:
@@ -540,38 +615,53 @@ def main() -> None:
         if nginx is not None:
             routes.append(Route("nginx", "127.0.0.1", nginx.port, plain, None, nginx.cpu))
         if args.floor:
-            bare = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_relay.py"), rhost, str(rport), "--decode"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            bare = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "bare_relay.py"), rhost, str(rport), "--decode"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             match = _LISTENING.search(bare.stdout.readline().decode())  # type: ignore[union-attr]
             assert match, "bench/bare_relay.py did not start"
-            routes.append(Route("bare python", "127.0.0.1", int(match.group(2)), plain, None,
-                                lambda: cpu_seconds(bare.pid)))
+            routes.append(
+                Route("bare python", "127.0.0.1", int(match.group(2)), plain, None, lambda: cpu_seconds(bare.pid))
+            )
         if args.floor_checks:
             key = "capy_" + "k" * 52
-            checked = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_relay.py"), rhost, str(rport),
-                                        "--decode", "--checks", key], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            checked = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "bare_relay.py"), rhost, str(rport), "--decode", "--checks", key],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             match = _LISTENING.search(checked.stdout.readline().decode())  # type: ignore[union-attr]
             assert match, "bench/bare_relay.py --checks did not start"
-            routes.append(Route("python + checks", "127.0.0.1", int(match.group(2)), plain, key,
-                                lambda: cpu_seconds(checked.pid)))
+            routes.append(
+                Route("python + checks", "127.0.0.1", int(match.group(2)), plain, key, lambda: cpu_seconds(checked.pid))
+            )
         if base is not None:
             base_pid = base.process.pid  # type: ignore[union-attr]
-            routes.append(Route("capyctl@base", "127.0.0.1", base.port, body, base.api_key,
-                                lambda: cpu_seconds(base_pid)))
+            routes.append(
+                Route("capyctl@base", "127.0.0.1", base.port, body, base.api_key, lambda: cpu_seconds(base_pid))
+            )
         routes.append(capyctl)
         for route in routes:  # warm each path (connections, first-use code paths) before anything is measured
             asyncio.run(load(route.host, route.port, route.body, route.key, 1, 0.2, expect))
 
-        print(f"relay benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores, "
-              f"{args.rounds}x{args.seconds:g} s per path and N")
+        print(
+            f"relay benchmark: {engine} {version} case {args.case}, {os.cpu_count()} cores, "
+            f"{args.rounds}x{args.seconds:g} s per path and N"
+        )
         if nginx is not None:
-            print(f"nginx path: {args.nginx} ({nginx_version(args.nginx)}), 1 worker, keepalive to the engine, "
-                  f"proxy_buffering off; its columns follow CapyCTL's on each line")
+            print(
+                f"nginx path: {args.nginx} ({nginx_version(args.nginx)}), 1 worker, keepalive to the engine, "
+                f"proxy_buffering off; its columns follow CapyCTL's on each line"
+            )
             extra = f" {'ttft p50 nginx':>15} {'chunks/s nginx':>15} {'ratio':>6} {'CPU s/1k nginx':>15}"
         else:
             extra = ""
-        print(f"{'N':>4} {'ttft p50 direct/relay ms':>26} {'added p50':>10} {'ttft p99 direct/relay ms':>26} "
-              f"{'chunks/s direct':>16} {'relay':>10} {'ratio':>6} {'CPU s/1k chunks':>16}{extra}")
+        print(
+            f"{'N':>4} {'ttft p50 direct/relay ms':>26} {'added p50':>10} {'ttft p99 direct/relay ms':>26} "
+            f"{'chunks/s direct':>16} {'relay':>10} {'ratio':>6} {'CPU s/1k chunks':>16}{extra}"
+        )
         for n in ns:
             for round_ in range(args.rounds):
                 for route in rotated(routes, round_):
@@ -583,57 +673,83 @@ def main() -> None:
             if nginx is not None:
                 x = pooled(routes[1].rounds[n])
                 x_rate = x["chunks"] / x["elapsed"]
-                extra = (f" {pct(x['ttfts'], .5):>15.2f} {x_rate:>15.0f} {x_rate / d_rate:>6.2f} "
-                         f"{x['cpu'] / x['chunks'] * 1000:>15.4f}")
-            print(f"{n:>4} {pct(d['ttfts'], .5):>12.2f} / {pct(r['ttfts'], .5):>9.2f} {added:>10.2f} "
-                  f"{pct(d['ttfts'], .99):>12.2f} / {pct(r['ttfts'], .99):>9.2f} "
-                  f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {r['cpu'] / r['chunks'] * 1000:>16.3f}"
-                  f"{extra}")
+                extra = (
+                    f" {pct(x['ttfts'], 0.5):>15.2f} {x_rate:>15.0f} {x_rate / d_rate:>6.2f} "
+                    f"{x['cpu'] / x['chunks'] * 1000:>15.4f}"
+                )
+            print(
+                f"{n:>4} {pct(d['ttfts'], 0.5):>12.2f} / {pct(r['ttfts'], 0.5):>9.2f} {added:>10.2f} "
+                f"{pct(d['ttfts'], 0.99):>12.2f} / {pct(r['ttfts'], 0.99):>9.2f} "
+                f"{d_rate:>16.0f} {r_rate:>10.0f} {r_rate / d_rate:>6.2f} {r['cpu'] / r['chunks'] * 1000:>16.3f}"
+                f"{extra}"
+            )
         if args.paced:
             for route in routes:
                 route.paced = [[] for _ in range(args.rounds)]
             for i in range(args.paced):  # one stream per path in turn; the streams split evenly over the rounds
                 round_ = i * args.rounds // args.paced
                 for route in rotated(routes, i):
-                    route.paced[round_].append(asyncio.run(paced_ttft(
-                        route.host, route.port, route.body[:-1] + b',"replay_pace":"recorded"}', route.key)))
+                    route.paced[round_].append(
+                        asyncio.run(
+                            paced_ttft(
+                                route.host, route.port, route.body[:-1] + b',"replay_pace":"recorded"}', route.key
+                            )
+                        )
+                    )
             direct_t = [t for r in direct.paced for t in r]
             relay_t = [t for r in capyctl.paced for t in r]
-            print(f"time to first token, engine at its recorded pace, one stream: direct p50 {pct(direct_t, .5):.2f} ms, "
-                  f"relayed p50 {pct(relay_t, .5):.2f} ms, added {pct(relay_t, .5) - pct(direct_t, .5):.2f} ms "
-                  f"over {args.paced} streams each")
-            print(f"for scale, this machine's own hop: a one-byte round trip between two processes over loopback, "
-                  f"5 ms apart as paced streams are: p50 {loopback_round_trip():.0f} µs (any relay adds two hops, "
-                  f"one each way, to the first token)")
+            print(
+                "time to first token, engine at its recorded pace, one stream: "
+                f"direct p50 {pct(direct_t, 0.5):.2f} ms, "
+                f"relayed p50 {pct(relay_t, 0.5):.2f} ms, added {pct(relay_t, 0.5) - pct(direct_t, 0.5):.2f} ms "
+                f"over {args.paced} streams each"
+            )
+            print(
+                f"for scale, this machine's own hop: a one-byte round trip between two processes over loopback, "
+                f"5 ms apart as paced streams are: p50 {loopback_round_trip():.0f} µs (any relay adds two hops, "
+                f"one each way, to the first token)"
+            )
             if nginx is not None:
                 nginx_t = [t for r in routes[1].paced for t in r]
-                print(f"time to first token, engine at its recorded pace, one stream, through nginx: "
-                      f"p50 {pct(nginx_t, .5):.2f} ms, added {pct(nginx_t, .5) - pct(direct_t, .5):.2f} ms; "
-                      f"p99 direct {pct(direct_t, .99):.2f}, nginx {pct(nginx_t, .99):.2f}, "
-                      f"relayed {pct(relay_t, .99):.2f} ms")
+                print(
+                    f"time to first token, engine at its recorded pace, one stream, through nginx: "
+                    f"p50 {pct(nginx_t, 0.5):.2f} ms, added {pct(nginx_t, 0.5) - pct(direct_t, 0.5):.2f} ms; "
+                    f"p99 direct {pct(direct_t, 0.99):.2f}, nginx {pct(nginx_t, 0.99):.2f}, "
+                    f"relayed {pct(relay_t, 0.99):.2f} ms"
+                )
         if args.hangups:
             paced = body[:-1] + b',"replay_pace":"recorded"}'
             stats_url = f"http://{rhost}:{rport}/replay/stats"
             for label, server in (("", capy), (", capyctl@base", base)):
                 if server is None:
                     continue
-                delays = [asyncio.run(hang_up_delay("127.0.0.1", server.port, paced, server.api_key, stats_url))
-                          for _ in range(args.hangups)]
-                print(f"client hang-up -> engine connection closed{label}: p50 {pct(delays, .5):.2f} ms, "
-                      f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
+                delays = [
+                    asyncio.run(hang_up_delay("127.0.0.1", server.port, paced, server.api_key, stats_url))
+                    for _ in range(args.hangups)
+                ]
+                print(
+                    f"client hang-up -> engine connection closed{label}: p50 {pct(delays, 0.5):.2f} ms, "
+                    f"p99 {pct(delays, 0.99):.2f} ms over {len(delays)} streams (includes one stats poll)"
+                )
             if nginx is not None:
                 paced_plain = plain[:-1] + b',"replay_pace":"recorded"}'
-                delays = [asyncio.run(hang_up_delay("127.0.0.1", nginx.port, paced_plain, None, stats_url))
-                          for _ in range(args.hangups)]
-                print(f"client hang-up -> engine connection closed, through nginx: p50 {pct(delays, .5):.2f} ms, "
-                      f"p99 {pct(delays, .99):.2f} ms over {len(delays)} streams (includes one stats poll)")
+                delays = [
+                    asyncio.run(hang_up_delay("127.0.0.1", nginx.port, paced_plain, None, stats_url))
+                    for _ in range(args.hangups)
+                ]
+                print(
+                    f"client hang-up -> engine connection closed, through nginx: p50 {pct(delays, 0.5):.2f} ms, "
+                    f"p99 {pct(delays, 0.99):.2f} ms over {len(delays)} streams (includes one stats poll)"
+                )
         if args.handoff:
             gaps = handoff(tmp, f"http://{rhost}:{rport}", engine, version, body, expect, args.handoff)
-            print(f"slot freed -> next waiter sent to the engine (one slot, {args.handoff} waiting): "
-                  f"p50 {statistics.median(gaps):.2f} ms, p99 {pct_ms(gaps, .99):.2f} ms over {len(gaps)} hand-overs")
+            print(
+                f"slot freed -> next waiter sent to the engine (one slot, {args.handoff} waiting): "
+                f"p50 {statistics.median(gaps):.2f} ms, p99 {pct_ms(gaps, 0.99):.2f} ms over {len(gaps)} hand-overs"
+            )
         print()
         if args.paced:
-            source = (f"engine at its recorded pace, {args.paced} streams per path split over {args.rounds} rounds")
+            source = f"engine at its recorded pace, {args.paced} streams per path split over {args.rounds} rounds"
             summary(routes, ns, lambda route: route.paced, source)
         elif 1 in ns:
             summary(routes, ns, lambda route: [r["ttfts"] for r in route.rounds[1]], "the full-speed load at N=1")
@@ -677,8 +793,9 @@ def handoff(tmp: Path, engine_url: str, engine: str, version: str, body: bytes, 
     import httpx
 
     config = tmp / "one-slot.yaml"
-    config.write_text(f"queue:\n  max_in_flight_per_instance: 1\n  max_pending_per_deployment: {n}\n"
-                      f"  max_pending_total: {n}\n")
+    config.write_text(
+        f"queue:\n  max_in_flight_per_instance: 1\n  max_pending_per_deployment: {n}\n  max_pending_total: {n}\n"
+    )
     one = CapyServer(tmp / "one-slot-state", "--config", str(config))
     try:
         one.start()
@@ -694,7 +811,7 @@ def handoff(tmp: Path, engine_url: str, engine: str, version: str, body: bytes, 
 
         asyncio.run(all_waiting())
         gaps = httpx.get(engine_url + "/replay/stats", timeout=10).json()["idle_gaps_ms"]
-        return gaps[-(n - 1):]  # the engine served only these since: its last n-1 idle gaps are theirs
+        return gaps[-(n - 1) :]  # the engine served only these since: its last n-1 idle gaps are theirs
     finally:
         one.stop()
 

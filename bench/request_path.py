@@ -7,7 +7,8 @@ requests to warm it, then records which of CapyCTL's source files have a functio
 request is served: the server turns Python's profiler on at SIGUSR1 and writes what it saw at SIGUSR2
 (``bench/trace_site/sitecustomize.py``, loaded only by this script). Files whose code merely defines a
 type the path uses, without a function of theirs being called, are not counted. Prints each file with its
-line count (and with ``--functions`` the functions called in it), and the total; ``docs/development.md`` lists the same path room by room.
+line count (and with ``--functions`` the functions called in it), and the total; ``docs/development.md``
+lists the same path room by room.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def trace(stream: bool) -> dict[str, list[str]]:
         out = Path(tmp) / "files.json"
         os.environ["CAPYCTL_TRACE_FILES"] = str(out)
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT / "bench" / "trace_site"), *filter(None, [os.environ.get("PYTHONPATH")])])
+            [str(ROOT / "bench" / "trace_site"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
         with replay_behind_capyctl(Path(tmp), RECORDING, "--default-case", "chat_stream_eos_stop") as capy:
             for _ in range(3):
                 _ask(capy.base_url, capy.api_key, stream)
@@ -75,8 +77,12 @@ def trace(stream: bool) -> dict[str, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                        help="trace a streamed request (default) or a non-streamed one")
+    parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="trace a streamed request (default) or a non-streamed one",
+    )
     parser.add_argument("--json", action="store_true", help="print the files and their functions called as JSON")
     parser.add_argument("--functions", action="store_true", help="name the functions called in each file")
     args = parser.parse_args()

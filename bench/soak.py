@@ -85,6 +85,7 @@ _decode = msgspec.json.decode
 
 # -- processes ---------------------------------------------------------------------------------------------
 
+
 def raise_fd_limit() -> tuple[int, int]:
     """Soft RLIMIT_NOFILE up to the hard limit (children inherit it); returns (soft, hard)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -114,10 +115,23 @@ class Replay:
         log_path = self.log_dir / f"replay-{self.starts}.log"
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "capyctl.replay", "--dialect", self.recording.parent.name,
-                 "--version", self.recording.name, "--recordings", str(self.recording),
-                 "--host", HOST, "--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "capyctl.replay",
+                    "--dialect",
+                    self.recording.parent.name,
+                    "--version",
+                    self.recording.name,
+                    "--recordings",
+                    str(self.recording),
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         return log_path
 
@@ -164,8 +178,12 @@ class Stack:
     def open(self) -> Stack:
         self.replay.start()
         self.capy.start()
-        doc = {"name": self.name, "engine": self.replay.recording.parent.name, "endpoint": self.replay.url,
-               "engine_version": self.replay.recording.name}
+        doc = {
+            "name": self.name,
+            "engine": self.replay.recording.parent.name,
+            "endpoint": self.replay.url,
+            "engine_version": self.replay.recording.name,
+        }
         path = self.tmp / f"{self.name}.yaml"
         path.write_bytes(msgspec.yaml.encode(doc))
         self.capy.cli("deploy", "model", "--file", str(path))
@@ -195,6 +213,7 @@ class Stack:
 
 # -- /proc -----------------------------------------------------------------------------------------------
 
+
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -211,9 +230,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-_TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2",
-               "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN",
-               "0B": "CLOSING"}
+_TCP_STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "07": "CLOSE",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    "0A": "LISTEN",
+    "0B": "CLOSING",
+}
 
 
 def fd_breakdown(pid: int, listen_port: int, engine_port: int) -> dict[str, Any]:
@@ -226,17 +255,15 @@ def fd_breakdown(pid: int, listen_port: int, engine_port: int) -> dict[str, Any]
             continue
         for line in lines:
             f = line.split()
-            tcp[f[9]] = (int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16),
-                         _TCP_STATES.get(f[3], f[3]))
-    out: dict[str, Any] = {"total": 0, "clients": 0, "engine": 0, "engine_states": {}, "listening": 0,
-                           "other": 0}
+            tcp[f[9]] = (int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16), _TCP_STATES.get(f[3], f[3]))
+    out: dict[str, Any] = {"total": 0, "clients": 0, "engine": 0, "engine_states": {}, "listening": 0, "other": 0}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         out["total"] += 1
-        inode = target[len("socket:["):-1] if target.startswith("socket:[") else None
+        inode = target[len("socket:[") : -1] if target.startswith("socket:[") else None
         local, remote, state = tcp.get(inode, (0, 0, "")) if inode else (0, 0, "")
         if state == "LISTEN":
             out["listening"] += 1
@@ -252,8 +279,10 @@ def fd_breakdown(pid: int, listen_port: int, engine_port: int) -> dict[str, Any]
 
 def describe_fds(b: dict[str, Any]) -> str:
     states = ", ".join(f"{k} {v}" for k, v in sorted(b["engine_states"].items()))
-    return (f"{b['total']} fds: {b['clients']} client connections, {b['engine']} engine connections"
-            f"{f' ({states})' if states else ''}, {b['listening']} listening, {b['other']} other")
+    return (
+        f"{b['total']} fds: {b['clients']} client connections, {b['engine']} engine connections"
+        f"{f' ({states})' if states else ''}, {b['listening']} listening, {b['other']} other"
+    )
 
 
 class Sampler:
@@ -317,17 +346,25 @@ async def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, byt
 
 # -- the client ------------------------------------------------------------------------------------------
 
+
 def chat_request(port: int, key: str, body: bytes, request_id: str | None) -> bytes:
     rid = f"X-Request-Id: {request_id}\r\n" if request_id else ""
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\nAuthorization: Bearer {key}\r\n"
-            f"Content-Type: application/json\r\n{rid}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            ).encode() + body
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\n{rid}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
 
 
 def chat_body(model: str, case: str, stream: bool, interval_ms: float) -> bytes:
-    return msgspec.json.encode({"model": model, "stream": stream, "replay_case": case,
-                                "replay_interval_ms": interval_ms,
-                                "messages": [{"role": "user", "content": "hi"}]})
+    return msgspec.json.encode(
+        {
+            "model": model,
+            "stream": stream,
+            "replay_case": case,
+            "replay_interval_ms": interval_ms,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    )
 
 
 class _Conn(asyncio.Protocol):
@@ -382,7 +419,7 @@ def parse_answer(data: bytes) -> tuple[int, dict[bytes, list[bytes]], bytes, str
             if size == 0:
                 return status, headers, b"".join(parts), ""
             start = eol + 2
-            parts.append(rest[start:start + size])
+            parts.append(rest[start : start + size])
             if start + size + 2 > len(rest):
                 return status, headers, b"".join(parts), "cut in the chunked body"
             pos = start + size + 2
@@ -407,8 +444,21 @@ def error_code(body: bytes) -> str:
 class Record:
     """What happened to one request (times are seconds since the start of the run)."""
 
-    __slots__ = ("n", "stream", "kill_after", "start", "end", "outcome", "detail", "status", "code",
-                 "capy_ids", "echoed", "events", "dup")
+    __slots__ = (
+        "n",
+        "stream",
+        "kill_after",
+        "start",
+        "end",
+        "outcome",
+        "detail",
+        "status",
+        "code",
+        "capy_ids",
+        "echoed",
+        "events",
+        "dup",
+    )
 
     def __init__(self, n: int, stream: bool, kill_after: float | None) -> None:
         self.n, self.stream, self.kill_after = n, stream, kill_after
@@ -423,11 +473,21 @@ class Record:
         return f"soak-{self.n}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "x_request_id_sent": self.request_id, "stream": self.stream,
-                "outcome": self.outcome, "status": self.status, "code": self.code, "detail": self.detail,
-                "duplicated": self.dup, "x_capyctl_request_id": self.capy_ids, "x_request_id_back": self.echoed,
-                "start_s": round(self.start, 3), "end_s": round(self.end, 3),
-                "kill_after_ms": None if self.kill_after is None else round(self.kill_after * 1000, 1)}
+        return {
+            "n": self.n,
+            "x_request_id_sent": self.request_id,
+            "stream": self.stream,
+            "outcome": self.outcome,
+            "status": self.status,
+            "code": self.code,
+            "detail": self.detail,
+            "duplicated": self.dup,
+            "x_capyctl_request_id": self.capy_ids,
+            "x_request_id_back": self.echoed,
+            "start_s": round(self.start, 3),
+            "end_s": round(self.end, 3),
+            "kill_after_ms": None if self.kill_after is None else round(self.kill_after * 1000, 1),
+        }
 
 
 def note_headers(rec: Record, partial: bytes) -> None:
@@ -487,7 +547,7 @@ def classify(rec: Record, data: bytes, expect_events: int) -> None:
         rec.dup = rec.dup or f"{dones} data: [DONE] in one stream"
     last = data_events[-1] if data_events else b""
     if last.startswith(b'data: {"error"'):
-        rec.outcome, rec.code = "error", error_code(last[len(b"data: "):])
+        rec.outcome, rec.code = "error", error_code(last[len(b"data: ") :])
         rec.status = 0  # an error event in a 200 stream: reported as "sse <code>"
     elif last == b"data: [DONE]" and len(data_events) == expect_events:
         rec.outcome = "completed"
@@ -540,6 +600,7 @@ async def one_request(rec: Record, port: int, payload: bytes, timeout: float, t0
 
 # -- the run ---------------------------------------------------------------------------------------------
 
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -554,12 +615,14 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     # warm-up: fill CapyCTL's pool of engine connections and its caches, uncounted
     for _ in range(2):
         warm = [Record(-1, True, None) for _ in range(args.concurrency)]
-        await asyncio.gather(*(one_request(r, port, chat_request(port, key, bodies[True], None), 30, 0, expect)
-                               for r in warm))
+        await asyncio.gather(
+            *(one_request(r, port, chat_request(port, key, bodies[True], None), 30, 0, expect) for r in warm)
+        )
         bad = [r for r in warm if r.outcome != "completed"]
         if bad:
-            raise RuntimeError(f"warm-up failed: {bad[0].outcome} {bad[0].status} {bad[0].code} {bad[0].detail}\n"
-                               f"{capy.log()[-3000:]}")
+            raise RuntimeError(
+                f"warm-up failed: {bad[0].outcome} {bad[0].status} {bad[0].code} {bad[0].detail}\n{capy.log()[-3000:]}"
+            )
     await asyncio.sleep(0.5)
     start_fds, start_rss = fd_count(pid), rss_kb(pid)
     start_break = fd_breakdown(pid, port, replay.port)
@@ -599,8 +662,9 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         for rec in queue:
             if rec.n == kill_at_n:
                 third.set()
-            await one_request(rec, port, chat_request(port, key, bodies[rec.stream], rec.request_id),
-                              args.timeout, t0, expect)
+            await one_request(
+                rec, port, chat_request(port, key, bodies[rec.stream], rec.request_id), args.timeout, t0, expect
+            )
 
     with Sampler(pid) as sampler:
         sampler.take()
@@ -623,18 +687,43 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
         status, body = await http_get(replay.port, "/replay/stats")
         if status == 200:
             engine_stats = {k: v for k, v in _decode(body).items() if k != "last_request"}
-    return summarize(plan, args, stack, window, elapsed, alive, cpu, engine_stats, {
-        "start": {"fds": start_fds, "rss_mb": round(start_rss / 1024, 1), "breakdown": start_break},
-        "peak": {"fds": sampler.peak_fds, "rss_mb": round(sampler.peak_rss_kb / 1024, 1),
-                 "samples": sampler.samples},
-        "end": {"fds": end_fds, "rss_mb": None if end_rss is None else round(end_rss / 1024, 1),
-                "breakdown": end_break, "settle_s": round(settled, 1)},
-    })
+    return summarize(
+        plan,
+        args,
+        stack,
+        window,
+        elapsed,
+        alive,
+        cpu,
+        engine_stats,
+        {
+            "start": {"fds": start_fds, "rss_mb": round(start_rss / 1024, 1), "breakdown": start_break},
+            "peak": {
+                "fds": sampler.peak_fds,
+                "rss_mb": round(sampler.peak_rss_kb / 1024, 1),
+                "samples": sampler.samples,
+            },
+            "end": {
+                "fds": end_fds,
+                "rss_mb": None if end_rss is None else round(end_rss / 1024, 1),
+                "breakdown": end_break,
+                "settle_s": round(settled, 1),
+            },
+        },
+    )
 
 
-def summarize(plan: list[Record], args: argparse.Namespace, stack: Stack, window: dict[str, Any],
-              elapsed: float, alive: bool, cpu: float | None, engine_stats: dict | None,
-              proc: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    plan: list[Record],
+    args: argparse.Namespace,
+    stack: Stack,
+    window: dict[str, Any],
+    elapsed: float,
+    alive: bool,
+    cpu: float | None,
+    engine_stats: dict | None,
+    proc: dict[str, Any],
+) -> dict[str, Any]:
     kill_at, back_at = window["kill_at"], window["back_at"]
 
     def in_window(r: Record) -> bool:
@@ -670,25 +759,51 @@ def summarize(plan: list[Record], args: argparse.Namespace, stack: Stack, window
     hung = [r for r in plan if r.outcome == "hung"]
     missing_id = [r for r in plan if r.outcome not in ("killed", "hung") and r.status and not r.capy_ids]
     lat = {kind: [r.end - r.start for r in completed if r.stream is kind] for kind in (True, False)}
-    ok = (not lost and not duplicated and not hung and not server_out and not client_errors and alive
-          and (args.engine_kill_at <= 0 or back_at is not None))
-    problems = {"lost": lost, "duplicated": duplicated, "hung": hung, "server_error_outside_window": outside,
-                "client_error": [r for r in plan if r.outcome == "error" and 400 <= r.status < 500]}
+    ok = (
+        not lost
+        and not duplicated
+        and not hung
+        and not server_out
+        and not client_errors
+        and alive
+        and (args.engine_kill_at <= 0 or back_at is not None)
+    )
+    problems = {
+        "lost": lost,
+        "duplicated": duplicated,
+        "hung": hung,
+        "server_error_outside_window": outside,
+        "client_error": [r for r in plan if r.outcome == "error" and 400 <= r.status < 500],
+    }
     examples = {}
     for name, recs in problems.items():
         if recs:
-            examples[name] = [r.as_dict() for r in recs[:args.examples]]
+            examples[name] = [r.as_dict() for r in recs[: args.examples]]
     return {
-        "config": {"requests": args.requests, "concurrency": args.concurrency, "kill_share": args.kill_share,
-                   "seed": args.seed, "interval_ms": args.interval_ms, "case": args.case,
-                   "recording": str(stack.replay.recording.relative_to(ROOT)
-                                    if stack.replay.recording.is_relative_to(ROOT) else stack.replay.recording),
-                   "timeout_s": args.timeout, "cores": os.cpu_count()},
+        "config": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "kill_share": args.kill_share,
+            "seed": args.seed,
+            "interval_ms": args.interval_ms,
+            "case": args.case,
+            "recording": str(
+                stack.replay.recording.relative_to(ROOT)
+                if stack.replay.recording.is_relative_to(ROOT)
+                else stack.replay.recording
+            ),
+            "timeout_s": args.timeout,
+            "cores": os.cpu_count(),
+        },
         "elapsed_s": round(elapsed, 1),
         "requests_per_s": round(len(plan) / elapsed, 1),
-        "engine_down": {"killed_at_s": kill_at and round(kill_at, 2), "back_at_s": back_at and round(back_at, 2),
-                        "down_s": round(back_at - kill_at, 2) if kill_at is not None and back_at is not None else None,
-                        "error": window["error"], "in_flight_in_window": sum(map(in_window, plan))},
+        "engine_down": {
+            "killed_at_s": kill_at and round(kill_at, 2),
+            "back_at_s": back_at and round(back_at, 2),
+            "down_s": round(back_at - kill_at, 2) if kill_at is not None and back_at is not None else None,
+            "error": window["error"],
+            "in_flight_in_window": sum(map(in_window, plan)),
+        },
         "sent": len(plan),
         "completed": len(completed),
         "completed_streamed": sum(r.stream for r in completed),
@@ -703,9 +818,14 @@ def summarize(plan: list[Record], args: argparse.Namespace, stack: Stack, window
         "server_errors_in_down_window": dict(server_in.most_common()),
         "server_errors_outside_down_window": dict(server_out.most_common()),
         "client_errors": dict(client_errors.most_common()),
-        "latency_ms": {("streamed" if kind else "whole"): {
-            "p50": round(percentile(v, .5) * 1000, 1), "p99": round(percentile(v, .99) * 1000, 1),
-            "max": round(max(v) * 1000, 1) if v else 0.0} for kind, v in lat.items()},
+        "latency_ms": {
+            ("streamed" if kind else "whole"): {
+                "p50": round(percentile(v, 0.5) * 1000, 1),
+                "p99": round(percentile(v, 0.99) * 1000, 1),
+                "max": round(max(v) * 1000, 1) if v else 0.0,
+            }
+            for kind, v in lat.items()
+        },
         "capyctl": {"pid": stack.pid, "alive": alive, "cpu_s": cpu and round(cpu, 1), **proc},
         "engine_stats_after_restart": engine_stats,
         "examples": examples,
@@ -717,9 +837,12 @@ def add_log(summary: dict[str, Any], log: str) -> None:
     """CapyCTL's log, read once it has stopped (it writes its log buffered): tracebacks, and the lines
     naming each example request (by its x-capyctl-request-id or the caller's ID)."""
     lines = log.splitlines()
-    summary["log"] = {"lines": len(lines), "tracebacks": log.count("Traceback"),
-                      "error_lines": sum(1 for line in lines if " ERROR " in line or '"level":"error"' in line.lower()),
-                      "first_traceback": first_traceback(log)}
+    summary["log"] = {
+        "lines": len(lines),
+        "tracebacks": log.count("Traceback"),
+        "error_lines": sum(1 for line in lines if " ERROR " in line or '"level":"error"' in line.lower()),
+        "first_traceback": first_traceback(log),
+    }
     for recs in summary["examples"].values():
         for r in recs:
             caller = f"(caller {r['x_request_id_sent']})"
@@ -742,23 +865,33 @@ def first_traceback(log: str, lines: int = 40) -> str:
 
 def print_summary(s: dict[str, Any]) -> None:
     c = s["config"]
-    print(f"soak: {c['requests']} requests (half streamed), concurrency {c['concurrency']}, kill share "
-          f"{c['kill_share']}, seed {c['seed']}; {c['recording']} case {c['case']} at {c['interval_ms']} ms "
-          f"per event; {c['cores']} cores")
+    print(
+        f"soak: {c['requests']} requests (half streamed), concurrency {c['concurrency']}, kill share "
+        f"{c['kill_share']}, seed {c['seed']}; {c['recording']} case {c['case']} at {c['interval_ms']} ms "
+        f"per event; {c['cores']} cores"
+    )
     print(f"ran {s['elapsed_s']} s, {s['requests_per_s']} requests/s")
     d = s["engine_down"]
     if d["killed_at_s"] is not None:
-        back = f"back at {d['back_at_s']} s: down {d['down_s']} s" if d["back_at_s"] is not None else \
-            f"NOT BACK: {d['error']}"
-        print(f"engine SIGKILLed at {d['killed_at_s']} s, {back}; {d['in_flight_in_window']} requests in flight "
-              f"in that window")
-    rows = [("sent", s["sent"], ""),
-            ("completed", s["completed"], f"streamed {s['completed_streamed']}, whole {s['completed_whole']}"),
-            ("killed by client", s["killed_by_client"],
-             f"{s['killed_before_any_answer_byte']} before any answer byte"),
-            ("error answers", s["error_answers"], ""),
-            ("lost", s["lost"], ""), ("duplicated", s["duplicated"], ""), ("hung", s["hung"], ""),
-            ("no x-capyctl-request-id", s["missing_x_capyctl_request_id"], "")]
+        back = (
+            f"back at {d['back_at_s']} s: down {d['down_s']} s"
+            if d["back_at_s"] is not None
+            else f"NOT BACK: {d['error']}"
+        )
+        print(
+            f"engine SIGKILLed at {d['killed_at_s']} s, {back}; {d['in_flight_in_window']} requests in flight "
+            f"in that window"
+        )
+    rows = [
+        ("sent", s["sent"], ""),
+        ("completed", s["completed"], f"streamed {s['completed_streamed']}, whole {s['completed_whole']}"),
+        ("killed by client", s["killed_by_client"], f"{s['killed_before_any_answer_byte']} before any answer byte"),
+        ("error answers", s["error_answers"], ""),
+        ("lost", s["lost"], ""),
+        ("duplicated", s["duplicated"], ""),
+        ("hung", s["hung"], ""),
+        ("no x-capyctl-request-id", s["missing_x_capyctl_request_id"], ""),
+    ]
     for label, value, note in rows:
         print(f"  {label:<24}{value:>7}{'   ' + note if note else ''}")
     codes = sorted(set(s["server_errors_in_down_window"]) | set(s["server_errors_outside_down_window"]))
@@ -766,29 +899,41 @@ def print_summary(s: dict[str, Any]) -> None:
     if not codes:
         print(f"    {'(none)':<54}{0:>14}{0:>10}")
     for code in codes:
-        print(f"    {code:<54}{s['server_errors_in_down_window'].get(code, 0):>14}"
-              f"{s['server_errors_outside_down_window'].get(code, 0):>10}")
+        print(
+            f"    {code:<54}{s['server_errors_in_down_window'].get(code, 0):>14}"
+            f"{s['server_errors_outside_down_window'].get(code, 0):>10}"
+        )
     if s["client_errors"]:
         print(f"  4xx: {s['client_errors']}")
     lat = s["latency_ms"]
-    print(f"  completed latency ms: streamed p50 {lat['streamed']['p50']} p99 {lat['streamed']['p99']} max "
-          f"{lat['streamed']['max']}; whole p50 {lat['whole']['p50']} p99 {lat['whole']['p99']} max "
-          f"{lat['whole']['max']}")
+    print(
+        f"  completed latency ms: streamed p50 {lat['streamed']['p50']} p99 {lat['streamed']['p99']} max "
+        f"{lat['streamed']['max']}; whole p50 {lat['whole']['p50']} p99 {lat['whole']['p99']} max "
+        f"{lat['whole']['max']}"
+    )
     p = s["capyctl"]
-    print(f"CapyCTL pid {p['pid']} {'running' if p['alive'] else 'NOT RUNNING (crashed)'}, "
-          f"CPU {p['cpu_s']} s during the run")
+    print(
+        f"CapyCTL pid {p['pid']} {'running' if p['alive'] else 'NOT RUNNING (crashed)'}, "
+        f"CPU {p['cpu_s']} s during the run"
+    )
     print(f"  fds     start {p['start']['fds']:>6}   peak {p['peak']['fds']:>6}   end {p['end']['fds']}")
-    print(f"  RSS MB  start {p['start']['rss_mb']:>6}   peak {p['peak']['rss_mb']:>6}   end {p['end']['rss_mb']}"
-          f"   ({p['peak']['samples']} samples, settle {p['end']['settle_s']} s)")
+    print(
+        f"  RSS MB  start {p['start']['rss_mb']:>6}   peak {p['peak']['rss_mb']:>6}   end {p['end']['rss_mb']}"
+        f"   ({p['peak']['samples']} samples, settle {p['end']['settle_s']} s)"
+    )
     print(f"  start: {describe_fds(p['start']['breakdown'])}")
     if p["end"]["breakdown"]:
         a, b = p["start"]["breakdown"], p["end"]["breakdown"]
         print(f"  end:   {describe_fds(b)}")
-        print(f"  end - start: {b['total'] - a['total']:+d} fds ({b['clients'] - a['clients']:+d} client, "
-              f"{b['engine'] - a['engine']:+d} engine, {b['other'] - a['other']:+d} other)")
+        print(
+            f"  end - start: {b['total'] - a['total']:+d} fds ({b['clients'] - a['clients']:+d} client, "
+            f"{b['engine'] - a['engine']:+d} engine, {b['other'] - a['other']:+d} other)"
+        )
     if s["engine_stats_after_restart"]:
-        print(f"{'restarted ' if d['killed_at_s'] is not None else ''}engine's /replay/stats at the end: "
-              f"{s['engine_stats_after_restart']}")
+        print(
+            f"{'restarted ' if d['killed_at_s'] is not None else ''}engine's /replay/stats at the end: "
+            f"{s['engine_stats_after_restart']}"
+        )
     lg = s["log"]
     print(f"CapyCTL log: {lg['lines']} lines, {lg['tracebacks']} tracebacks, {lg['error_lines']} ERROR lines")
     if lg["first_traceback"]:
@@ -798,36 +943,56 @@ def print_summary(s: dict[str, Any]) -> None:
     for name, recs in s["examples"].items():
         print(f"examples, {name}:")
         for r in recs:
-            print(f"  #{r['n']} {'stream' if r['stream'] else 'whole'} sent {r['x_request_id_sent']} got "
-                  f"x-capyctl-request-id {r['x_capyctl_request_id']} x-request-id {r['x_request_id_back']}: "
-                  f"{r['outcome']} {r['status'] or ''} {r['code']} {r['detail']} {r['duplicated']} "
-                  f"[{r['start_s']} s .. {r['end_s']} s]")
+            print(
+                f"  #{r['n']} {'stream' if r['stream'] else 'whole'} sent {r['x_request_id_sent']} got "
+                f"x-capyctl-request-id {r['x_capyctl_request_id']} x-request-id {r['x_request_id_back']}: "
+                f"{r['outcome']} {r['status'] or ''} {r['code']} {r['detail']} {r['duplicated']} "
+                f"[{r['start_s']} s .. {r['end_s']} s]"
+            )
             for line in r["log"]:
                 print(f"    | {line}")
-    print("verdict: " + ("OK" if s["ok"] else "FAIL") + f" (lost {s['lost']}, duplicated {s['duplicated']}, "
-          f"hung {s['hung']}, server errors outside the down window "
-          f"{sum(s['server_errors_outside_down_window'].values())}, 4xx {sum(s['client_errors'].values())})")
+    print(
+        "verdict: " + ("OK" if s["ok"] else "FAIL") + f" (lost {s['lost']}, duplicated {s['duplicated']}, "
+        f"hung {s['hung']}, server errors outside the down window "
+        f"{sum(s['server_errors_outside_down_window'].values())}, 4xx {sum(s['client_errors'].values())})"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10000, help="requests to send (default 10000)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at most (default 64)")
-    parser.add_argument("--kill-share", type=float, default=0.1,
-                        help="share of clients that hang up after a random 0-200 ms (default 0.1)")
+    parser.add_argument(
+        "--kill-share",
+        type=float,
+        default=0.1,
+        help="share of clients that hang up after a random 0-200 ms (default 0.1)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed for which clients hang up, and when (default 1)")
-    parser.add_argument("--interval-ms", type=float, default=2.0,
-                        help="the engine's wait before the first event and between events (default 2: "
-                             "about 0.4 s a request)")
-    parser.add_argument("--engine-kill-at", type=float, default=1 / 3,
-                        help="SIGKILL the engine when this share of the requests has started (default 1/3; "
-                             "0: never)")
-    parser.add_argument("--down", type=float, default=1.5,
-                        help="seconds between the engine's kill and its restart (default 1.5)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds a request may take before it counts as hung (default 60)")
-    parser.add_argument("--settle", type=float, default=10.0,
-                        help="at most this many seconds to wait for CapyCTL's fds to stop falling (default 10)")
+    parser.add_argument(
+        "--interval-ms",
+        type=float,
+        default=2.0,
+        help="the engine's wait before the first event and between events (default 2: about 0.4 s a request)",
+    )
+    parser.add_argument(
+        "--engine-kill-at",
+        type=float,
+        default=1 / 3,
+        help="SIGKILL the engine when this share of the requests has started (default 1/3; 0: never)",
+    )
+    parser.add_argument(
+        "--down", type=float, default=1.5, help="seconds between the engine's kill and its restart (default 1.5)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds a request may take before it counts as hung (default 60)"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="at most this many seconds to wait for CapyCTL's fds to stop falling (default 10)",
+    )
     parser.add_argument("--recording", type=Path, default=RECORDING, help="recording folder (default vllm/0.32.0)")
     parser.add_argument("--case", default="chat_stream_usage", help="case every request asks for")
     parser.add_argument("--examples", type=int, default=3, help="example requests shown per problem (default 3)")
@@ -839,15 +1004,27 @@ def main() -> int:
     # Room in line for every client twice over: a client killed while it waits is dropped from the line
     # only once CapyCTL has read its hang-up, and the soak's client is already sending its next request.
     # The default slots (32 in flight) stay, so half the clients wait in line.
-    config = f"queue:\n  max_pending_per_deployment: {2 * args.concurrency}\n  max_pending_total: {2 * args.concurrency}\n"
-    return run_bench("soak", args, soak, print_summary, config=config,
-                     after=lambda summary, stack: add_log(summary, stack.capy.log()))
+    config = (
+        f"queue:\n  max_pending_per_deployment: {2 * args.concurrency}\n  max_pending_total: {2 * args.concurrency}\n"
+    )
+    return run_bench(
+        "soak",
+        args,
+        soak,
+        print_summary,
+        config=config,
+        after=lambda summary, stack: add_log(summary, stack.capy.log()),
+    )
 
 
-def run_bench(name: str, args: argparse.Namespace, body: Callable[[Stack, argparse.Namespace], Any],
-              show: Callable[[dict[str, Any]], None],
-              after: Callable[[dict[str, Any], Stack], None] = lambda summary, stack: None,
-              config: str | None = None) -> int:
+def run_bench(
+    name: str,
+    args: argparse.Namespace,
+    body: Callable[[Stack, argparse.Namespace], Any],
+    show: Callable[[dict[str, Any]], None],
+    after: Callable[[dict[str, Any], Stack], None] = lambda summary, stack: None,
+    config: str | None = None,
+) -> int:
     """Start the stack (CapyCTL with ``config`` as its configuration file), run ``body`` on it,
     always stop it, print the summary; 0 when it says ok."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C

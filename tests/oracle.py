@@ -19,7 +19,7 @@ from msgspec import UNSET
 from capyctl.domain.errors import CapyError, EdgeError
 from capyctl.domain.fields import DeltaVerifier, FieldRow
 from capyctl.domain.metrics import Meter
-from capyctl.domain.relay_check import DELTA_KEYS, OBJECT_NAMES, TEXT_KEYS, Refused
+from capyctl.domain.relay_check import DELTA_KEYS, OBJECT_NAMES, Refused
 from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, sse_of
 
 TEXT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
@@ -115,5 +115,4 @@ def facts_of(heads: list[Any], body: bytes) -> tuple[Any, ...]:
             objects += spans[i]
     models = {msgspec.json.encode(head.model) if head.model is not UNSET else None for head in heads}
     assert len(models) == 1  # the scan accepts only a model every chunk sends alike (or none sends)
-    return (len(heads), models.pop(), keys, top, sum(texts), texts.index(True) if True in texts else -1,
-            tuple(objects))
+    return (len(heads), models.pop(), keys, top, sum(texts), texts.index(True) if True in texts else -1, tuple(objects))

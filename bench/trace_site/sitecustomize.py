@@ -8,6 +8,7 @@ left out; calls in tasks started since (the request's) and in the event loop's c
 reads) are noted."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -32,10 +33,8 @@ if _out:
     def _start(signum, frame):  # type: ignore[no-untyped-def]
         _seen.clear()
         _before.clear()
-        try:
+        with contextlib.suppress(RuntimeError):
             _before.update(asyncio.all_tasks())
-        except RuntimeError:
-            pass
         sys.setprofile(_note)
         open(_out + ".on", "w").close()  # the tracer is on: the next request is traced
 

@@ -78,16 +78,31 @@ class JsonSnapshot(SingleFileSnapshotExtension):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--live-engine", action="append", default=[], metavar="FAMILY[@VERSION]=URL",
+        "--live-engine",
+        action="append",
+        default=[],
+        metavar="FAMILY[@VERSION]=URL",
         help="also run the live contract checks against this running engine (repeatable)",
     )
 
 
 def _start_replay(folder: Folder) -> None:
     folder.process = subprocess.Popen(
-        [sys.executable, "-m", "capyctl.replay", "--dialect", folder.engine, "--version", folder.version,
-         "--recordings", str(folder.path), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "capyctl.replay",
+            "--dialect",
+            folder.engine,
+            "--version",
+            folder.version,
+            "--recordings",
+            str(folder.path),
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     assert folder.process.stdout is not None
     line = folder.process.stdout.readline().decode()
@@ -107,8 +122,12 @@ def replayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CapySer
             _start_replay(folder)
         server.start()
         for folder in every:
-            doc = {"name": folder.deployment, "engine": folder.engine, "endpoint": folder.url,
-                   "engine_version": folder.version}
+            doc = {
+                "name": folder.deployment,
+                "engine": folder.engine,
+                "endpoint": folder.url,
+                "engine_version": folder.version,
+            }
             path = tmp / f"{folder.deployment}.yaml"
             path.write_bytes(msgspec.yaml.encode(doc))
             server.cli("deploy", "model", "--file", str(path))
@@ -137,5 +156,3 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         given = live_targets(metafunc.config)
         ids = [f"{family}={url}" for family, _, url in given]
         metafunc.parametrize("live_target", ["spawned-llama-server", *given], ids=["spawned-llama-server", *ids])
-
-

@@ -117,7 +117,7 @@ def data_of(event: str) -> Any:
     """An event's decoded data; its raw text when that is not JSON (a broken event relayed)."""
     assert event.startswith("data: "), f"not a data event: {event[:200]!r}"
     try:
-        return msgspec.json.decode(event[len("data: "):])
+        return msgspec.json.decode(event[len("data: ") :])
     except msgspec.DecodeError:
         return event
 
@@ -214,7 +214,8 @@ def test_an_answer_that_cannot_be_relayed_is_an_edge_error_and_closes_its_connec
         check_edge_error_answer(r)
     rss_after, peak_after = memory_kib(server)
     assert (rss_after - rss) * 1024 < 64 * MiB and (peak_after - peak) * 1024 < 64 * MiB, (
-        f"CapyCTL's memory grew: RSS {rss} -> {rss_after} KiB, peak {peak} -> {peak_after} KiB")
+        f"CapyCTL's memory grew: RSS {rss} -> {rss_after} KiB, peak {peak} -> {peak_after} KiB"
+    )
     clean.wait_settled(f"after the broken answer {case!r}")
 
 
@@ -237,8 +238,7 @@ def test_a_client_that_hangs_up_before_the_headers_closes_the_engine_connection(
         client.sendall(raw_chat(server, body))
         wait_for(clean, lambda s: s["held"] == 1, "the engine never got the held request")
     stats = clean.engine.wait_for(settled)
-    assert settled(stats), (
-        f"a request cut before the engine sent its headers kept its engine connection open: {stats}")
+    assert settled(stats), f"a request cut before the engine sent its headers kept its engine connection open: {stats}"
     assert stats["closed_by_peer"] == before + 1
 
 
@@ -271,11 +271,12 @@ def test_a_midstream_engine_error_is_relayed_and_ends_the_stream(bench: Bench) -
     assert r.status_code == 200, f"{r.status_code}: {r.text[:300]}"
     events = sse_events(r.text)
     assert not any(line.startswith(": x-capyctl-metrics") for line in r.text.splitlines()), (
-        f"metrics of a failed stream: {events[-3:]}")
+        f"metrics of a failed stream: {events[-3:]}"
+    )
     failed_at = [i for i, event in enumerate(events) if event.startswith('data: {"error"')]
     assert len(failed_at) == 1, f"expected the engine's one error event: {events}"
     assert data_of(events[failed_at[0]])["error"]["code"] == "engine_overloaded"
-    rest = events[failed_at[0] + 1:]  # the engine's own [DONE] may follow its error, nothing else
+    rest = events[failed_at[0] + 1 :]  # the engine's own [DONE] may follow its error, nothing else
     assert rest in ([], ["data: [DONE]"]), f"the stream went on after the engine's error: {rest}"
 
 

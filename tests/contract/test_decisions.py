@@ -58,8 +58,12 @@ def deployment_for(folder: Folder, model: str | None) -> str:
 
 
 def cases(expect: str | None = None) -> list[tuple[str, str]]:
-    return [(f.deployment, case) for f in decision_folders() for case, info in sorted(meta(f)["cases"].items())
-            if expect is None or info["expect"] == expect]
+    return [
+        (f.deployment, case)
+        for f in decision_folders()
+        for case, info in sorted(meta(f)["cases"].items())
+        if expect is None or info["expect"] == expect
+    ]
 
 
 def recorded(folder: Folder, case: str) -> tuple[int, bytes]:
@@ -78,8 +82,14 @@ def decisions(replayed: Replayed, tmp_path_factory: pytest.TempPathFactory) -> I
         names = {meta(folder)["model"]} | {m for c in meta(folder)["cases"] if (m := model_of(folder, c))}
         for model in sorted(names):
             name = deployment_for(folder, model)
-            doc = {"name": name, "engine": folder.engine, "endpoint": folder.url, "engine_version": folder.version,
-                   "model": model, "api": "decisions"}
+            doc = {
+                "name": name,
+                "engine": folder.engine,
+                "endpoint": folder.url,
+                "engine_version": folder.version,
+                "model": model,
+                "api": "decisions",
+            }
             path = tmp / f"{name}.yaml"
             path.write_bytes(msgspec.yaml.encode(doc))
             server.cli("deploy", "model", "--file", str(path))
@@ -96,8 +106,12 @@ def engine_log(folder: Folder) -> dict[str, Any]:
 
 
 def decide(server: CapyServer, body: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/systemone", content=body, timeout=30,
-                      headers={**server.headers(), "content-type": "application/json", **headers})
+    return httpx.post(
+        server.base_url + "/v1/systemone",
+        content=body,
+        timeout=30,
+        headers={**server.headers(), "content-type": "application/json", **headers},
+    )
 
 
 def body_for(folder: Folder, case: str, **extra: Any) -> bytes:
@@ -121,8 +135,9 @@ def client_saw(r: httpx.Response) -> str:
     body = r.json()
     if isinstance(body.get("capyctl"), dict):
         body["capyctl"]["metrics"] = neutral(body["capyctl"]["metrics"])
-    text = msgspec.json.format(msgspec.json.encode({"status": r.status_code, "headers": headers, "body": body}),
-                               indent=2).decode()
+    text = msgspec.json.format(
+        msgspec.json.encode({"status": r.status_code, "headers": headers, "body": body}), indent=2
+    ).decode()
     for rid in ids:
         text = text.replace(rid, "<request id>")
     return text + "\n"
@@ -182,7 +197,6 @@ def _engine_reason(body: bytes) -> str:
 def _reason_cases() -> list[Any]:
     out = []
     for deployment, case in cases("engine_rejected"):
-        folder = next(f for f in decision_folders() if f.deployment == deployment)
         out.append(pytest.param(deployment, case, id=f"{deployment}-{case}"))
     return out
 
@@ -227,8 +241,11 @@ def test_a_refused_field_never_reaches_the_engine(
 
 def test_images_and_files_reach_the_engines_that_read_them(decisions: Replayed) -> None:
     server, by_id = decisions
-    for deployment, case, field in [("sglang-0.5.22", "ok_images", "images"), ("sglang-0.5.23", "ok_images", "images"),
-                                    ("llamacpp-0.6.0", "files_unsupported", "files")]:
+    for deployment, case, field in [
+        ("sglang-0.5.22", "ok_images", "images"),
+        ("sglang-0.5.23", "ok_images", "images"),
+        ("llamacpp-0.6.0", "files_unsupported", "files"),
+    ]:
         folder = by_id[deployment]
         r = decide(server, body_for(folder, case))
         assert r.status_code == recorded(folder, case)[0], r.text
@@ -239,9 +256,16 @@ def test_images_and_files_reach_the_engines_that_read_them(decisions: Replayed) 
 def _mismatch(server: CapyServer, chat: str, decider: str, body: bytes) -> list[httpx.Response]:
     return [
         decide(server, msgspec.json.encode({**msgspec.json.decode(body), "model": chat})),
-        httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=30,
-                   json={"model": decider, "messages": [{"role": "user", "content": "hi"}],
-                         "replay_case": "chat_stream_usage"}),
+        httpx.post(
+            server.base_url + "/v1/chat/completions",
+            headers=server.headers(),
+            timeout=30,
+            json={
+                "model": decider,
+                "messages": [{"role": "user", "content": "hi"}],
+                "replay_case": "chat_stream_usage",
+            },
+        ),
     ]
 
 
@@ -269,8 +293,14 @@ def stopped_pair(decisions: Replayed, tmp_path: Path) -> Iterator[tuple[str, str
     folder = by_id["vllm-0.32.0"]
     names = ("stopped-chat", "stopped-decisions")
     for name, api, model in ((names[0], "chat", None), (names[1], "decisions", "tiny-decider")):
-        doc = {"name": name, "engine": "vllm", "endpoint": folder.url, "engine_version": "0.32.0", "api": api,
-               **({"model": model} if model else {})}
+        doc = {
+            "name": name,
+            "engine": "vllm",
+            "endpoint": folder.url,
+            "engine_version": "0.32.0",
+            "api": api,
+            **({"model": model} if model else {}),
+        }
         path = tmp_path / f"{name}.yaml"
         path.write_bytes(msgspec.yaml.encode(doc))
         server.cli("deploy", "model", "--file", str(path))
@@ -315,8 +345,13 @@ def test_api_decisions_is_refused_on_an_attached_engine_version_without_the_rout
 ) -> None:
     server, by_id = decisions
     folder = by_id[deployment]
-    doc = {"name": "no-route", "engine": folder.engine, "endpoint": folder.url, "engine_version": folder.version,
-           "api": "decisions"}
+    doc = {
+        "name": "no-route",
+        "engine": folder.engine,
+        "endpoint": folder.url,
+        "engine_version": folder.version,
+        "api": "decisions",
+    }
     path = tmp_path / "no-route.yaml"
     path.write_bytes(msgspec.yaml.encode(doc))
     done = server.cli("deploy", "model", "--file", str(path), check=False)

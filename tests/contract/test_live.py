@@ -20,8 +20,12 @@ import pytest
 from tests.integration.harness import CapyServer, free_port, llama_paths
 
 VOLATILE = ("id", "created", "system_fingerprint", "timings", "metrics", "model")
-REQUEST = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24,
-           "temperature": 0, "seed": 1}
+REQUEST = {
+    "messages": [{"role": "user", "content": "Name three colours."}],
+    "max_tokens": 24,
+    "temperature": 0,
+    "seed": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +48,22 @@ def engine(live_target: object, tmp_path: Path) -> Iterator[tuple[str, str | Non
     probe = subprocess.run([str(paths.server), "--version"], capture_output=True, text=True)
     assert "version: 0.6.0" in probe.stdout + probe.stderr, "the live contract run expects llama.cpp 0.6.0"
     process = subprocess.Popen(
-        [str(paths.server), "-m", str(paths.model), "--host", "127.0.0.1", "--port", str(port), "--metrics",
-         "-c", "2048", "--parallel", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(paths.server),
+            "-m",
+            str(paths.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics",
+            "-c",
+            "2048",
+            "--parallel",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -98,9 +115,15 @@ def test_live_engine_relayed_unchanged(live_capy: CapyServer, engine: tuple, tmp
         assert all(isinstance(e, str) or "error" not in e for e in relayed), relayed[-1]
         assert [_stable(e) for e in relayed] == [_stable(e) for e in direct]
         assert all(e["model"] == name for e in relayed if isinstance(e, dict))
-    plain = httpx.post(live_capy.base_url + "/v1/chat/completions", headers=live_capy.headers(), timeout=120,
-                       json={**REQUEST, **extra, "model": name}).json()
-    text = "".join((e["choices"][0]["delta"].get("content") or "") for e in direct if isinstance(e, dict) and e["choices"])
+    plain = httpx.post(
+        live_capy.base_url + "/v1/chat/completions",
+        headers=live_capy.headers(),
+        timeout=120,
+        json={**REQUEST, **extra, "model": name},
+    ).json()
+    text = "".join(
+        (e["choices"][0]["delta"].get("content") or "") for e in direct if isinstance(e, dict) and e["choices"]
+    )
     assert plain["choices"][0]["message"]["content"] == text
     assert plain["model"] == name and plain["usage"]["completion_tokens"] > 0
     assert served_as["fields"]["verified"], served_as["fields"]

@@ -18,11 +18,21 @@ def engine_saw(folder: Folder) -> dict:
 def test_engine_gets_the_body_unchanged_and_no_caller_id_or_key(replayed: Replayed) -> None:
     server, folders = replayed
     folder = folders["vllm-0.32.0"]
-    body = {"model": "vllm-0.32.0", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "cache_salt": "tenant-a", "temperature": 0.3, "chat_template_kwargs": {"enable_thinking": False},
-            "replay_case": "chat_stream_usage"}
-    r = httpx.post(server.base_url + "/v1/chat/completions", json=body,
-                   headers={**server.headers(), "X-Request-Id": "caller-secret-42"}, timeout=30)
+    body = {
+        "model": "vllm-0.32.0",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "cache_salt": "tenant-a",
+        "temperature": 0.3,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "replay_case": "chat_stream_usage",
+    }
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json=body,
+        headers={**server.headers(), "X-Request-Id": "caller-secret-42"},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "caller-secret-42"
     seen = engine_saw(folder)["last_request"]
     names = {name.lower() for name, _ in seen["headers"]}
@@ -48,8 +58,12 @@ def test_cache_salt_never_reaches_engines_that_ignore_it(replayed: Replayed) -> 
     for name in ("llamacpp-0.6.0", "tensorfold-0.6.3"):
         before = engine_saw(folders[name])["requests"]
         for stream in (False, True):
-            r = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=30,
-                           json={"model": name, "messages": [], "cache_salt": "tenant-a", "stream": stream})
+            r = httpx.post(
+                server.base_url + "/v1/chat/completions",
+                headers=server.headers(),
+                timeout=30,
+                json={"model": name, "messages": [], "cache_salt": "tenant-a", "stream": stream},
+            )
             if stream:
                 assert r.status_code == 200
                 assert msgspec.json.decode(r.text.strip()[6:])["error"]["code"] == "cache_salt_unsupported"

@@ -28,7 +28,7 @@ def stable_sse(text: str) -> str:
     out = []
     for line in text.split("\n"):
         if line.startswith(METRICS):
-            line = METRICS + msgspec.json.encode(neutral(msgspec.json.decode(line[len(METRICS):]))).decode()
+            line = METRICS + msgspec.json.encode(neutral(msgspec.json.decode(line[len(METRICS) :]))).decode()
         out.append(line)
     return "\n".join(out)
 
@@ -39,10 +39,16 @@ def stable_json(answer: dict) -> str:
     return msgspec.json.format(msgspec.json.encode(answer), indent=2).decode() + "\n"
 
 
-def ask(server: CapyServer, deployment: str, case: str, stream: bool, chunk: int | None,
-        **extra: object) -> httpx.Response:
-    body = {"model": deployment, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
-            "replay_case": case, **extra}
+def ask(
+    server: CapyServer, deployment: str, case: str, stream: bool, chunk: int | None, **extra: object
+) -> httpx.Response:
+    body = {
+        "model": deployment,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+        "replay_case": case,
+        **extra,
+    }
     if chunk is not None:
         body["replay_chunk_size"] = chunk
     return httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=server.headers(), timeout=30)
@@ -126,7 +132,7 @@ def test_unverified_keys_end_the_stream_and_close_the_engine_connection(
 
 def _unverified(allowed: set[str], event: str) -> bool:
     obj = msgspec.json.decode(event[6:])
-    return any(set((c.get("delta") or {})) - allowed for c in obj.get("choices") or [])
+    return any(set(c.get("delta") or {}) - allowed for c in obj.get("choices") or [])
 
 
 def _closed_by_capyctl(folder: Folder, before: int) -> bool:
@@ -174,8 +180,9 @@ def test_unverified_versions_are_reported(replayed: Replayed, tmp_path) -> None:
     server, folders = replayed
     folder = folders["vllm-0.32.0"]
     path = tmp_path / "future.yaml"
-    path.write_bytes(msgspec.yaml.encode(
-        {"name": "future", "engine": "vllm", "endpoint": folder.url, "engine_version": "0.40.1"}))
+    path.write_bytes(
+        msgspec.yaml.encode({"name": "future", "engine": "vllm", "endpoint": folder.url, "engine_version": "0.40.1"})
+    )
     server.cli("deploy", "model", "--file", str(path))
     fields = server.cli_json("status", "deployment", "future")["fields"]
     assert not fields["verified"] and fields["row"] == "vllm 0.33"

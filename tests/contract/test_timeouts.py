@@ -35,8 +35,11 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
         for role, server in servers.items():
             server.start()
             path = tmp / f"{role}.yaml"
-            path.write_bytes(msgspec.yaml.encode(
-                {"name": "slow", "engine": "vllm", "endpoint": folder.url, "engine_version": "0.32.0"}))
+            path.write_bytes(
+                msgspec.yaml.encode(
+                    {"name": "slow", "engine": "vllm", "endpoint": folder.url, "engine_version": "0.32.0"}
+                )
+            )
             server.cli("deploy", "model", "--file", str(path))
         yield servers, folder
     finally:
@@ -49,9 +52,18 @@ def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bench]:
 
 def ask(server: CapyServer, interval_ms: int, stream: bool) -> tuple[httpx.Response, float]:
     began = time.monotonic()
-    r = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=60, json={
-        "model": "slow", "messages": [], "stream": stream, "replay_case": "chat_stream_usage",
-        "replay_interval_ms": interval_ms})
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={
+            "model": "slow",
+            "messages": [],
+            "stream": stream,
+            "replay_case": "chat_stream_usage",
+            "replay_interval_ms": interval_ms,
+        },
+    )
     return r, time.monotonic() - began
 
 
@@ -83,7 +95,7 @@ def test_a_silent_stream_is_cut_with_an_error_event(strict: Bench) -> None:
     assert r.status_code == 200
     events = [e for e in r.text.split("\n\n") if e]
     assert len(events) >= 2  # what had come was relayed
-    error = msgspec.json.decode(events[-1][len("data: "):])["error"]
+    error = msgspec.json.decode(events[-1][len("data: ") :])["error"]
     assert error["code"] == "stream_idle_timeout"
     assert took < 8.0
     assert wait_disconnected(folder, before + 1) == before + 1

@@ -24,8 +24,7 @@ class ScriptedAnswer:
     def __init__(self, batches: AsyncIterable[list[StreamEvent]]) -> None:
         self._batches = batches
 
-    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
-                   ) -> bool:
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]) -> bool:
         async for batch in self._batches:
             said = deliver(batch)
             if said is Relayed.ENDED:
@@ -39,8 +38,9 @@ def _at_done(batch: list[StreamEvent]) -> bool:
     return batch[-1] is DONE
 
 
-async def pump_all(session: Any, url: str, body: bytes, ended: Callable[[list[StreamEvent]], bool] = _at_done
-                   ) -> tuple[list[list[StreamEvent]], bool]:
+async def pump_all(
+    session: Any, url: str, body: bytes, ended: Callable[[list[StreamEvent]], bool] = _at_done
+) -> tuple[list[list[StreamEvent]], bool]:
     """A streamed call through ``session`` (an ``EngineSession``), pumped whole: (each batch the answer came
     in, what pump returned). Delivery says ENDED when ``ended`` (default: at ``[DONE]``), never FULL."""
     batches: list[list[StreamEvent]] = []

@@ -44,7 +44,8 @@ import httpx
 import msgspec
 
 from tests.fakes import http1
-from tests.fakes.http1 import READ as _READ, PeerGone
+from tests.fakes.http1 import READ as _READ
+from tests.fakes.http1 import PeerGone
 
 _encode = msgspec.json.encode
 _MAX_BODY = 16 * 1024 * 1024
@@ -64,8 +65,15 @@ class Stats:
         self.by_case: Counter[str] = Counter()
 
     def as_json(self) -> bytes:
-        return _encode({"requests": self.requests, "open": self.open, "held": self.held,
-                        "closed_by_peer": self.closed_by_peer, "by_case": dict(self.by_case)})
+        return _encode(
+            {
+                "requests": self.requests,
+                "open": self.open,
+                "held": self.held,
+                "closed_by_peer": self.closed_by_peer,
+                "by_case": dict(self.by_case),
+            }
+        )
 
 
 class Request(msgspec.Struct):
@@ -214,10 +222,14 @@ async def case_empty_200(engine: Engine, conn: Conn, body: dict[str, Any]) -> bo
 
 async def case_json_200(engine: Engine, conn: Conn, body: dict[str, Any]) -> bool:
     """An engine that ignores ``stream: true`` and answers one whole completion."""
-    answer = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "broken",
-              "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there!"},
-                           "finish_reason": "stop"}],
-              "usage": {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}}
+    answer = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "broken",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there!"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3},
+    }
     await conn.write(whole(200, _JSON, _encode(answer)))
     return True
 
@@ -243,8 +255,12 @@ async def case_huge_event(engine: Engine, conn: Conn, body: dict[str, Any]) -> b
 
 
 async def case_error_with_code(engine: Engine, conn: Conn, body: dict[str, Any]) -> bool:
-    error = error_envelope("This model's maximum context length is 4096 tokens", "invalid_request_error",
-                           "context_length_exceeded", param="messages")
+    error = error_envelope(
+        "This model's maximum context length is 4096 tokens",
+        "invalid_request_error",
+        "context_length_exceeded",
+        param="messages",
+    )
     await conn.write(whole(400, _JSON, error))
     return True
 
@@ -286,8 +302,10 @@ CASES: dict[str, Case] = {
 
 
 # -- side routes: what CapyCTL's health checks and version probe read ----------------------------------
-_METRICS = (b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
-            b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n")
+_METRICS = (
+    b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+    b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+)
 SIDE_ROUTES: dict[str, tuple[str, bytes]] = {
     "/health": (_JSON, b'{"status":"ok"}'),
     "/version": (_JSON, b'{"version":"0.32.0"}'),
@@ -356,15 +374,23 @@ class Engine:
             body = None
         if not isinstance(body, dict):
             self.stats.by_case["invalid"] += 1
-            await conn.write(whole(400, _JSON, error_envelope("the body must be a JSON object",
-                                                              "invalid_request_error", "invalid_json")))
+            await conn.write(
+                whole(
+                    400,
+                    _JSON,
+                    error_envelope("the body must be a JSON object", "invalid_request_error", "invalid_json"),
+                )
+            )
             return True
         name = body.get("broken_case", "ok")
         case = CASES.get(name) if isinstance(name, str) else None
         if case is None:
             self.stats.by_case["unknown"] += 1
-            await conn.write(whole(400, _JSON, error_envelope(f"unknown broken_case {name!r}",
-                                                              "invalid_request_error", "unknown_case")))
+            await conn.write(
+                whole(
+                    400, _JSON, error_envelope(f"unknown broken_case {name!r}", "invalid_request_error", "unknown_case")
+                )
+            )
             return True
         self.stats.by_case[name] += 1
         return await self.watched(case(self, conn, body), conn)

@@ -59,8 +59,9 @@ class FakeEngineEffects:
             raise error
         self.codes[number], self.asleep[number] = None, False
         self._did("launch", number)
-        return Launched(number=number, url=f"http://engine-{number}", pid=100 + number, port=None,
-                        log_path=f"/logs/{number}.log")
+        return Launched(
+            number=number, url=f"http://engine-{number}", pid=100 + number, port=None, log_path=f"/logs/{number}.log"
+        )
 
     def exited(self, engine: Launched) -> int | None:
         return self.codes[engine.number]

@@ -9,6 +9,7 @@ of the stream) is kept for the next read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 MAX_HEAD = 64 * 1024
 READ = 64 * 1024
@@ -82,7 +83,5 @@ class Conn:
 
     async def close(self) -> None:
         self.writer.close()
-        try:
+        with contextlib.suppress(ConnectionError, OSError):
             await self.writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass

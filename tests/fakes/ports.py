@@ -10,10 +10,10 @@ import anyio
 import trio
 import trio.testing
 
-from capyctl.domain.hosts import HostRecord
-from capyctl.domain.joining import Invite
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.hosts import HostRecord
+from capyctl.domain.joining import Invite
 from capyctl.domain.keys import ApiKey
 
 
@@ -110,7 +110,9 @@ class FakeStore:
         self.deployments.pop(name, None)
 
     def add_event(self, at: float, deployment: str | None, kind: str, detail: dict[str, Any]) -> None:
-        self.events.append({"id": len(self.events) + 1, "at": at, "deployment": deployment, "kind": kind, "detail": detail})
+        self.events.append(
+            {"id": len(self.events) + 1, "at": at, "deployment": deployment, "kind": kind, "detail": detail}
+        )
 
     def list_events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
         rows = [e for e in self.events if e["id"] > after_id and deployment in (None, e["deployment"])]

@@ -61,8 +61,17 @@ class ScriptedEngine:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
 
-    def add(self, target: str | None = None, status: int = 200, body: bytes = b"", *, json: Any = None,
-            content_type: str = "application/json", how: How = "whole", reusable: bool = False) -> None:
+    def add(
+        self,
+        target: str | None = None,
+        status: int = 200,
+        body: bytes = b"",
+        *,
+        json: Any = None,
+        content_type: str = "application/json",
+        how: How = "whole",
+        reusable: bool = False,
+    ) -> None:
         """Queue an answer for ``target`` (None: any target)."""
         if json is not None:
             body = msgspec.json.encode(json)
@@ -76,8 +85,9 @@ class ScriptedEngine:
         self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                        trace: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         assert self._server is not None
         self._server.close()
         for task in list(self._tasks):
@@ -134,7 +144,7 @@ class ScriptedEngine:
             return False
         head = f"HTTP/1.1 {answer.status} X\r\nContent-Type: {answer.content_type}\r\n"
         if answer.how == "chunked":
-            chunks = [answer.body[i:i + 7] for i in range(0, len(answer.body), 7)]
+            chunks = [answer.body[i : i + 7] for i in range(0, len(answer.body), 7)]
             framed = b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
             await conn.write(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode() + framed)
             return True

@@ -233,13 +233,70 @@ DEFAULT_MAX_TOKENS = 16
 CRASH_STATUS = 3
 
 VOCABULARY = (
-    "capybara", "river", "meadow", "quiet", "lantern", "orbit", "pebble", "signal", "harbor", "maple",
-    "cobalt", "ember", "glacier", "willow", "summit", "canyon", "thistle", "ripple", "falcon", "amber",
-    "breeze", "cedar", "dune", "fjord", "grove", "heron", "island", "juniper", "kestrel", "lagoon",
-    "marble", "nectar", "oasis", "prairie", "quartz", "reef", "sierra", "tundra", "umber", "valley",
-    "wharf", "yarrow", "zephyr", "acorn", "bramble", "cinder", "delta", "estuary", "fern", "garnet",
-    "hollow", "iris", "jasper", "kelp", "lichen", "moss", "nimbus", "opal", "plume", "quill",
-    "rowan", "sable", "tide", "vesper",
+    "capybara",
+    "river",
+    "meadow",
+    "quiet",
+    "lantern",
+    "orbit",
+    "pebble",
+    "signal",
+    "harbor",
+    "maple",
+    "cobalt",
+    "ember",
+    "glacier",
+    "willow",
+    "summit",
+    "canyon",
+    "thistle",
+    "ripple",
+    "falcon",
+    "amber",
+    "breeze",
+    "cedar",
+    "dune",
+    "fjord",
+    "grove",
+    "heron",
+    "island",
+    "juniper",
+    "kestrel",
+    "lagoon",
+    "marble",
+    "nectar",
+    "oasis",
+    "prairie",
+    "quartz",
+    "reef",
+    "sierra",
+    "tundra",
+    "umber",
+    "valley",
+    "wharf",
+    "yarrow",
+    "zephyr",
+    "acorn",
+    "bramble",
+    "cinder",
+    "delta",
+    "estuary",
+    "fern",
+    "garnet",
+    "hollow",
+    "iris",
+    "jasper",
+    "kelp",
+    "lichen",
+    "moss",
+    "nimbus",
+    "opal",
+    "plume",
+    "quill",
+    "rowan",
+    "sable",
+    "tide",
+    "vesper",
 )
 # Disjoint from VOCABULARY (every piece holds "@" or "#"), so a garbage answer never equals a right one.
 GARBAGE = ("@@", "#x", "q#", "@z", "##", "@#k", "v@", "#0", "@@r", "#_#", "@1", "t#@", "#", "@", "#w", "x@@")
@@ -269,8 +326,9 @@ def _pieces(seed: bytes, count: int, vocabulary: tuple[str, ...], spaced: bool) 
     return out
 
 
-def answer_tokens(messages: Any, max_tokens: int = DEFAULT_MAX_TOKENS, temperature: Any = None,
-                  kind: str = "right") -> list[str]:
+def answer_tokens(
+    messages: Any, max_tokens: int = DEFAULT_MAX_TOKENS, temperature: Any = None, kind: str = "right"
+) -> list[str]:
     """The tokens of an answer: ``right`` (deterministic), ``garbage`` (lost weights) or ``wrong`` (bad wake)."""
     if kind == "right":
         return _pieces(_seed(messages, max_tokens, temperature), max_tokens, VOCABULARY, True)
@@ -278,8 +336,9 @@ def answer_tokens(messages: Any, max_tokens: int = DEFAULT_MAX_TOKENS, temperatu
     return _pieces(salt + _seed(messages, max_tokens, temperature), max_tokens, GARBAGE, False)
 
 
-def answer_text(messages: Any, max_tokens: int = DEFAULT_MAX_TOKENS, temperature: Any = None,
-                kind: str = "right") -> str:
+def answer_text(
+    messages: Any, max_tokens: int = DEFAULT_MAX_TOKENS, temperature: Any = None, kind: str = "right"
+) -> str:
     return "".join(answer_tokens(messages, max_tokens, temperature, kind))
 
 
@@ -305,8 +364,20 @@ SGLANG_TAGS = ("noul", "choice", "score")  # the discriminator's order in SGLang
 VLLM_MAX_OPTIONS, VLLM_MAX_LEVELS, VLLM_MIN_LABELS = 26, 10, 2  # one-token labels A..Z and 0..9
 SGLANG_MAX_OPTIONS, SGLANG_MAX_LEVELS = 255, 10
 # vLLM's body model: TypeSafe's fields plus its extensions (ENGINES.md 5.5); 0.33 forbids any other.
-VLLM_DECISION_FIELDS = ("model", "state", "questions", "assets", "instructions", "images", "audio", "videos",
-                        "chat_template_kwargs", "cache_salt", "priority", "request_id")
+VLLM_DECISION_FIELDS = (
+    "model",
+    "state",
+    "questions",
+    "assets",
+    "instructions",
+    "images",
+    "audio",
+    "videos",
+    "chat_template_kwargs",
+    "cache_salt",
+    "priority",
+    "request_id",
+)
 SGLANG_REFUSED_FIELDS = ("temperature", "prompt_format_version", "return_prompt_token_ids")  # /v1/decisions'
 SGLANG_QUESTION_KEYS = ("type", "instructions", "criteria")
 
@@ -331,7 +402,7 @@ def _decision_seed(state: Any, question: Any, kind: str) -> bytes:
 def _unit(seed: bytes, index: int) -> float:
     """A number in [0, 1) drawn from ``seed`` and ``index``."""
     digest = hashlib.sha256(seed + index.to_bytes(4, "big")).digest()
-    return int.from_bytes(digest[:8], "big") / 2 ** 64
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def decision_probabilities(state: Any, question: dict[str, Any], kind: str = "right") -> list[float]:
@@ -380,15 +451,16 @@ def _score_confidence(probabilities: list[float]) -> float:
     return min(1.0, max(0.0, 1.0 - spread / uniform))
 
 
-def decision_answer(family: str, state: Any, question: dict[str, Any],
-                    kind: str = "right") -> tuple[dict[str, Any], dict[str, Any]]:
+def decision_answer(
+    family: str, state: Any, question: dict[str, Any], kind: str = "right"
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(answer, diagnostics)`` of one valid question, in the family's shape and key order (vLLM 0.32 as captured)."""
     labels = decision_labels(question)
     probabilities = decision_probabilities(state, question, kind)
     mass = decision_label_mass(state, question, kind)
     top = max(probabilities)
     best = probabilities.index(top)
-    by_label = dict(zip(labels, probabilities))
+    by_label = dict(zip(labels, probabilities, strict=False))
     qtype = question["type"]
     answer: dict[str, Any] = {"type": qtype}
     if family == "vllm":  # confidence = top probability x label mass
@@ -397,8 +469,11 @@ def decision_answer(family: str, state: Any, question: dict[str, Any],
         elif qtype == "choice":
             answer.update(choice=labels[best], probabilities=by_label)
         else:
-            answer.update(score=math.fsum(level * p for level, p in enumerate(probabilities)),
-                          legend=dict(zip(labels, question["criteria"])), probabilities=by_label)
+            answer.update(
+                score=math.fsum(level * p for level, p in enumerate(probabilities)),
+                legend=dict(zip(labels, question["criteria"], strict=False)),
+                probabilities=by_label,
+            )
         answer["confidence"] = top * mass
         return answer, {"label_mass": mass, "argmax_is_label": True}
     if qtype == "noul":
@@ -406,15 +481,19 @@ def decision_answer(family: str, state: Any, question: dict[str, Any],
     elif qtype == "choice":
         answer.update(choice=labels[best], confidence=_choice_confidence(probabilities), probabilities=by_label)
     else:
-        answer.update(score=math.fsum(level * p for level, p in enumerate(probabilities)),
-                      confidence=_score_confidence(probabilities), legend=dict(zip(labels, question["criteria"])),
-                      probabilities=by_label)
+        answer.update(
+            score=math.fsum(level * p for level, p in enumerate(probabilities)),
+            confidence=_score_confidence(probabilities),
+            legend=dict(zip(labels, question["criteria"], strict=False)),
+            probabilities=by_label,
+        )
     answer["x_label_mass"] = mass
     return answer, {"label_mass": mass, "argmax_is_label": True}
 
 
-def _pydantic(kind: str, loc: tuple[Any, ...], msg: str, value: Any,
-              ctx: dict[str, Any] | None = None) -> dict[str, Any]:
+def _pydantic(
+    kind: str, loc: tuple[Any, ...], msg: str, value: Any, ctx: dict[str, Any] | None = None
+) -> dict[str, Any]:
     error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": value}
     if ctx is not None:
         error["ctx"] = ctx
@@ -434,8 +513,12 @@ def vllm_validation_message(errors: list[dict[str, Any]]) -> str:
     """vLLM's text for pydantic errors (the captured ``bad_json`` message is one of these)."""
     shown = []
     for error in errors:
-        item = {"type": error["type"], "loc": ".".join(str(part) for part in error["loc"]), "msg": error["msg"],
-                "input": _brief(error["input"])}
+        item = {
+            "type": error["type"],
+            "loc": ".".join(str(part) for part in error["loc"]),
+            "msg": error["msg"],
+            "input": _brief(error["input"]),
+        }
         if "ctx" in error:
             item["ctx"] = error["ctx"]
         shown.append(str(item))
@@ -447,8 +530,14 @@ def _schema_errors(body: Any, family: str, strict_top: bool) -> list[dict[str, A
     """The body's pydantic errors: vLLM's loose model (questions are checked by hand later), or SGLang's
     TypeSafe model (a tagged union of questions with no unknown keys; at least one question, one level)."""
     if not isinstance(body, dict):
-        return [_pydantic("model_attributes_type", ("body",),
-                          "Input should be a valid dictionary or object to extract fields from", body)]
+        return [
+            _pydantic(
+                "model_attributes_type",
+                ("body",),
+                "Input should be a valid dictionary or object to extract fields from",
+                body,
+            )
+        ]
     errors = []
     required = ("model", "state", "questions") if family == "sglang" else ("state", "questions")
     for key in required:
@@ -458,49 +547,86 @@ def _schema_errors(body: Any, family: str, strict_top: bool) -> list[dict[str, A
         errors.append(_pydantic("string_type", ("body", "model"), "Input should be a valid string", body["model"]))
     if "state" in body and not isinstance(body["state"], (str, dict, list)):
         state = body["state"]
-        errors += [_pydantic("string_type", ("body", "state", "str"), "Input should be a valid string", state),
-                   _pydantic("dict_type", ("body", "state", "dict[str,any]"), "Input should be a valid dictionary",
-                             state),
-                   _pydantic("list_type", ("body", "state", "list[any]"), "Input should be a valid list", state)]
+        errors += [
+            _pydantic("string_type", ("body", "state", "str"), "Input should be a valid string", state),
+            _pydantic("dict_type", ("body", "state", "dict[str,any]"), "Input should be a valid dictionary", state),
+            _pydantic("list_type", ("body", "state", "list[any]"), "Input should be a valid list", state),
+        ]
     questions = body.get("questions")
     if "questions" in body and not isinstance(questions, dict):
         errors.append(_pydantic("dict_type", ("body", "questions"), "Input should be a valid dictionary", questions))
     if strict_top:
-        errors += [_pydantic("extra_forbidden", ("body", key), "Extra inputs are not permitted", value)
-                   for key, value in body.items() if key not in VLLM_DECISION_FIELDS + ("joint",)]
+        errors += [
+            _pydantic("extra_forbidden", ("body", key), "Extra inputs are not permitted", value)
+            for key, value in body.items()
+            if key not in VLLM_DECISION_FIELDS + ("joint",)
+        ]
     if family == "vllm" or not isinstance(questions, dict):
         return errors
     if not questions:
-        errors.append(_pydantic("too_short", ("body", "questions"),
-                                "Dictionary should have at least 1 item after validation, not 0", questions,
-                                {"field_type": "Dictionary", "min_length": 1, "actual_length": 0}))
+        errors.append(
+            _pydantic(
+                "too_short",
+                ("body", "questions"),
+                "Dictionary should have at least 1 item after validation, not 0",
+                questions,
+                {"field_type": "Dictionary", "min_length": 1, "actual_length": 0},
+            )
+        )
     tags = ", ".join(f"'{tag}'" for tag in SGLANG_TAGS)
     for qid, question in questions.items():
         where: tuple[Any, ...] = ("body", "questions", qid)
         if not isinstance(question, dict):
-            errors.append(_pydantic("model_attributes_type", where,
-                                    "Input should be a valid dictionary or object to extract fields from", question))
+            errors.append(
+                _pydantic(
+                    "model_attributes_type",
+                    where,
+                    "Input should be a valid dictionary or object to extract fields from",
+                    question,
+                )
+            )
             continue
         tag = question.get("type")
         if "type" not in question:
-            errors.append(_pydantic("union_tag_not_found", where, "Unable to extract tag using discriminator 'type'",
-                                    question, {"discriminator": "'type'"}))
+            errors.append(
+                _pydantic(
+                    "union_tag_not_found",
+                    where,
+                    "Unable to extract tag using discriminator 'type'",
+                    question,
+                    {"discriminator": "'type'"},
+                )
+            )
             continue
         if tag not in SGLANG_TAGS:
-            errors.append(_pydantic("union_tag_invalid", where,
-                                    f"Input tag '{tag}' found using 'type' does not match any of the expected "
-                                    f"tags: {tags}", question,
-                                    {"discriminator": "'type'", "tag": str(tag), "expected_tags": tags}))
+            errors.append(
+                _pydantic(
+                    "union_tag_invalid",
+                    where,
+                    f"Input tag '{tag}' found using 'type' does not match any of the expected tags: {tags}",
+                    question,
+                    {"discriminator": "'type'", "tag": str(tag), "expected_tags": tags},
+                )
+            )
             continue
         where += (tag,)
-        errors += [_pydantic("extra_forbidden", where + (key,), "Extra inputs are not permitted", value)
-                   for key, value in question.items() if key not in SGLANG_QUESTION_KEYS]
+        errors += [
+            _pydantic("extra_forbidden", where + (key,), "Extra inputs are not permitted", value)
+            for key, value in question.items()
+            if key not in SGLANG_QUESTION_KEYS
+        ]
         criteria = question.get("criteria")
         if tag == "noul":
             if criteria is not None and not isinstance(criteria, dict):
-                errors.append(_pydantic("model_type", where + ("criteria",),
-                                        "Input should be a valid dictionary or instance of NoulCriteria", criteria,
-                                        {"class_name": "NoulCriteria"}))
+                errors.append(
+                    _pydantic(
+                        "model_type",
+                        where + ("criteria",),
+                        "Input should be a valid dictionary or instance of NoulCriteria",
+                        criteria,
+                        {"class_name": "NoulCriteria"},
+                    )
+                )
         elif "criteria" not in question:
             errors.append(_pydantic("missing", where + ("criteria",), "Field required", question))
         elif tag == "choice" and not isinstance(criteria, dict):
@@ -508,9 +634,15 @@ def _schema_errors(body: Any, family: str, strict_top: bool) -> list[dict[str, A
         elif tag == "score" and not isinstance(criteria, list):
             errors.append(_pydantic("list_type", where + ("criteria",), "Input should be a valid list", criteria))
         elif tag == "score" and not criteria:
-            errors.append(_pydantic("too_short", where + ("criteria",),
-                                    "List should have at least 1 item after validation, not 0", criteria,
-                                    {"field_type": "List", "min_length": 1, "actual_length": 0}))
+            errors.append(
+                _pydantic(
+                    "too_short",
+                    where + ("criteria",),
+                    "List should have at least 1 item after validation, not 0",
+                    criteria,
+                    {"field_type": "List", "min_length": 1, "actual_length": 0},
+                )
+            )
     return errors
 
 
@@ -539,8 +671,11 @@ def _vllm_question_error(qid: str, question: Any) -> str | None:
 
 
 def _blank(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and not value.strip()) or (
-        isinstance(value, (dict, list)) and not value)
+    return (
+        value is None
+        or (isinstance(value, str) and not value.strip())
+        or (isinstance(value, (dict, list)) and not value)
+    )
 
 
 def _sglang_question_error(qid: str, question: dict[str, Any]) -> str | None:
@@ -624,7 +759,7 @@ def overlaps(spans: Iterable[Interval], state: str = "awake") -> list[tuple[Inte
     chosen = [span for span in spans if span[2] == state]
     out = []
     for i, first in enumerate(chosen):
-        for second in chosen[i + 1:]:
+        for second in chosen[i + 1 :]:
             if (first[0], first[1]) == (second[0], second[1]):
                 continue
             end1 = float("inf") if first[4] is None else first[4]
@@ -636,8 +771,11 @@ def overlaps(spans: Iterable[Interval], state: str = "awake") -> list[tuple[Inte
 
 def calls(lines: Iterable[dict[str, Any]], name: str | None = None) -> list[tuple[str, str]]:
     """``(path, query)`` of every side-route call in the timeline, in order (optionally of one model)."""
-    return [(line["path"], line["query"]) for line in lines
-            if line.get("event") == "call" and (name is None or line.get("name") == name)]
+    return [
+        (line["path"], line["query"])
+        for line in lines
+        if line.get("event") == "call" and (name is None or line.get("name") == name)
+    ]
 
 
 class Timeline:
@@ -648,14 +786,30 @@ class Timeline:
     def write(self, state: str, level: int | None, event: str, **extra: Any) -> None:
         if self.fd is None:
             return
-        line = {"at": time.time(), "pid": os.getpid(), "name": self.name, "state": state, "level": level,
-                "event": event, **extra}
+        line = {
+            "at": time.time(),
+            "pid": os.getpid(),
+            "name": self.name,
+            "state": state,
+            "level": level,
+            "event": event,
+            **extra,
+        }
         os.write(self.fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
 
 
 # -- command line and environment ---------------------------------------------------------------------
-_VALUED = {"--model", "--model-path", "--served-model-name", "--host", "--port", "--max-model-len",
-           "--context-length", "--family", "--version"}
+_VALUED = {
+    "--model",
+    "--model-path",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--max-model-len",
+    "--context-length",
+    "--family",
+    "--version",
+}
 
 
 class Options:
@@ -751,9 +905,17 @@ def _version_key(version: str) -> tuple[int, ...]:
 # -- HTTP/1.1 ------------------------------------------------------------------------------------------
 _MAX_BODY = 32 * 1024 * 1024
 JSON = "application/json"
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-            413: "Payload Too Large", 422: "Unprocessable Entity", 500: "Internal Server Error",
-            503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    411: "Length Required",
+    413: "Payload Too Large",
+    422: "Unprocessable Entity",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 def dumps(obj: Any) -> bytes:
@@ -806,8 +968,9 @@ def response(status: int, body: bytes, content_type: str | None = JSON, close: b
 
 
 def stream_head(content_type: str) -> bytes:
-    return (f"HTTP/1.1 200 OK\r\nserver: standin\r\ncontent-type: {content_type}\r\n"
-            "transfer-encoding: chunked\r\n\r\n").encode()
+    return (
+        f"HTTP/1.1 200 OK\r\nserver: standin\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n"
+    ).encode()
 
 
 def http_chunk(data: bytes) -> bytes:
@@ -905,11 +1068,15 @@ class Engine:
     # -- errors ---------------------------------------------------------------------------------------
     def error(self, status: int, message: str, kind: str | None = None, param: str | None = None) -> Answer:
         kind = kind or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            status, "InternalServerError")
+            status, "InternalServerError"
+        )
         if self.vllm:
             return status, dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}), JSON
-        return status, dumps({"object": "error", "message": message, "type": kind, "param": param,
-                              "code": status}), JSON
+        return (
+            status,
+            dumps({"object": "error", "message": message, "type": kind, "param": param, "code": status}),
+            JSON,
+        )
 
     # -- connections ----------------------------------------------------------------------------------
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -970,8 +1137,12 @@ class Engine:
         stream = body.get("stream") is True
         options = body.get("stream_options")
         usage = (stream and isinstance(options, dict) and options.get("include_usage") is True) or (
-            stream and ("--enable-force-include-usage" in self.opts.flags
-                        or "--stream-response-default-include-usage" in self.opts.flags))
+            stream
+            and (
+                "--enable-force-include-usage" in self.opts.flags
+                or "--stream-response-default-include-usage" in self.opts.flags
+            )
+        )
         chat = Chat(self.request_id(request, body), body)
         self.waiting[chat.key] = chat
         try:
@@ -1019,27 +1190,37 @@ class Engine:
         if not isinstance(body, dict):
             return self.error(400, "Input should be a valid dictionary", "Bad Request", "body"), None
         if not isinstance(body.get("messages"), list):
-            return self.error(400, "1 validation error:\n  {'type': 'list_type', 'loc': 'body.messages', "
-                                   "'msg': 'Input should be a valid list'}", "Bad Request", "body.messages"), None
+            return self.error(
+                400,
+                "1 validation error:\n  {'type': 'list_type', 'loc': 'body.messages', "
+                "'msg': 'Input should be a valid list'}",
+                "Bad Request",
+                "body.messages",
+            ), None
         if self.vllm:
             model = body.get("model")
             names = self.opts.names or [self.opts.model]
             if model is not None and model not in names:
                 aliases = f" Valid aliases: {', '.join(names)}." if self.new_sleep_api else ""
-                return self.error(404, f"The model `{model}` does not exist.{aliases}", "NotFoundError",
-                                  "model"), None
+                return self.error(404, f"The model `{model}` does not exist.{aliases}", "NotFoundError", "model"), None
             if body.get("stream_options") is not None and body.get("stream") is not True:
-                return self.error(400, "Stream options can only be defined when `stream=True`.", "Bad Request",
-                                  "body"), None
+                return self.error(
+                    400, "Stream options can only be defined when `stream=True`.", "Bad Request", "body"
+                ), None
             limit = self.opts.max_len
             if limit is not None and max_tokens_of(body) > limit:
                 n = max_tokens_of(body)
-                return self.error(400, f"max_tokens={n} cannot be greater than max_model_len={limit}. Please "
-                                       f"request fewer output tokens. (parameter=max_tokens, value={n})",
-                                  "BadRequestError", "max_tokens"), None
+                return self.error(
+                    400,
+                    f"max_tokens={n} cannot be greater than max_model_len={limit}. Please "
+                    f"request fewer output tokens. (parameter=max_tokens, value={n})",
+                    "BadRequestError",
+                    "max_tokens",
+                ), None
         elif (limit := self.opts.max_len) is not None and max_tokens_of(body) + prompt_tokens(body["messages"]) > limit:
-            return self.error(400, "Requested token count exceeds the model's maximum context length of "
-                                   f"{limit} tokens."), None
+            return self.error(
+                400, f"Requested token count exceeds the model's maximum context length of {limit} tokens."
+            ), None
         return None, body
 
     async def generate(self, chat: Chat) -> Any:
@@ -1061,8 +1242,11 @@ class Engine:
 
     def usage(self, chat: Chat, completion: int) -> dict[str, Any]:
         prompt = prompt_tokens(chat.body.get("messages"))
-        out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                               "completion_tokens": completion}
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
         if not self.vllm:
             details = None
             if "--enable-cache-report" in self.opts.flags and self.key >= (0, 5, 22):
@@ -1092,37 +1276,86 @@ class Engine:
         return model if isinstance(model, str) else "default"
 
     async def stream(self, conn: Conn, chat: Chat, include_usage: bool) -> None:
-        top = {"id": chat.rid, "object": "chat.completion.chunk", "created": int(time.time()),
-               "model": self.model_of(chat)}
+        top = {
+            "id": chat.rid,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.model_of(chat),
+        }
         await conn.write(stream_head("text/event-stream; charset=utf-8"))
         if self.vllm:
-            first = {**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}],
-                     "prompt_token_ids": None, "prompt_text": None}
+            first = {
+                **top,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+                "prompt_token_ids": None,
+                "prompt_text": None,
+            }
         else:
-            first = {**top, "choices": [{"index": 0, "delta": {"reasoning_content": None, "role": "assistant",
-                                                               "content": ""},
-                                         "logprobs": None, "finish_reason": None, "matched_stop": None}]}
+            first = {
+                **top,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "matched_stop": None,
+                    }
+                ],
+            }
         await conn.write(http_chunk(sse(first)))
         count = 0
         finished = False
         async for _, token, last in self.generate(chat):
             count += 1
             if self.vllm:
-                await conn.write(http_chunk(sse(self.vllm_chunk(top, token, "length" if last else None,
-                                                                include_usage))))
+                await conn.write(
+                    http_chunk(sse(self.vllm_chunk(top, token, "length" if last else None, include_usage)))
+                )
                 finished = last
             else:
-                await conn.write(http_chunk(sse({**top, "choices": [{
-                    "index": 0, "delta": {"reasoning_content": None, "content": token}, "logprobs": None,
-                    "finish_reason": None, "matched_stop": None}]})))
+                await conn.write(
+                    http_chunk(
+                        sse(
+                            {
+                                **top,
+                                "choices": [
+                                    {
+                                        "index": 0,
+                                        "delta": {"reasoning_content": None, "content": token},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                        "matched_stop": None,
+                                    }
+                                ],
+                            }
+                        )
+                    )
+                )
         reason = "abort" if chat.aborted is not None else "length"
         if self.vllm and not finished:
             await conn.write(http_chunk(sse(self.vllm_chunk(top, "", reason, include_usage))))
         if not self.vllm:
-            await conn.write(http_chunk(sse({**top, "choices": [{
-                "index": 0, "delta": {"reasoning_content": None}, "logprobs": None, "finish_reason": reason,
-                "matched_stop": None}]})))
+            await conn.write(
+                http_chunk(
+                    sse(
+                        {
+                            **top,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"reasoning_content": None},
+                                    "logprobs": None,
+                                    "finish_reason": reason,
+                                    "matched_stop": None,
+                                }
+                            ],
+                        }
+                    )
+                )
+            )
         if include_usage:
             tail: dict[str, Any] = {**top, "choices": [], "usage": self.usage(chat, count)}
             if self.vllm:
@@ -1155,24 +1388,61 @@ class Engine:
             per_request = "--enable-per-request-metrics" in self.opts.flags
             metrics = {**self.metrics(chat, len(tokens)), "speculative_decoding": None} if per_request else None
             answer: dict[str, Any] = {
-                "id": chat.rid, "object": "chat.completion", "created": created, "model": self.model_of(chat),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                                     "annotations": None, "audio": None, "function_call": None,
-                                                     "reasoning": None},
-                             "logprobs": None, "finish_reason": reason, "stop_reason": None, "token_ids": None,
-                             "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": self.fingerprint,
-                "usage": {**self.usage(chat, len(tokens)), "prompt_tokens_details": None,
-                          "completion_tokens_details": None},
-                "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": metrics}
+                "id": chat.rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_of(chat),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "stop_reason": None,
+                        "token_ids": None,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": self.fingerprint,
+                "usage": {
+                    **self.usage(chat, len(tokens)),
+                    "prompt_tokens_details": None,
+                    "completion_tokens_details": None,
+                },
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": metrics,
+            }
         else:
             answer = {
-                "id": chat.rid, "object": "chat.completion", "created": created, "model": self.model_of(chat),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
-                                                     "reasoning_content": None},
-                             "logprobs": None, "finish_reason": reason, "matched_stop": None}],
-                "usage": self.usage(chat, len(tokens)), "metadata": {"weight_version": "default"}}
+                "id": chat.rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_of(chat),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "matched_stop": None,
+                    }
+                ],
+                "usage": self.usage(chat, len(tokens)),
+                "metadata": {"weight_version": "default"},
+            }
         await conn.write(response(200, dumps(answer)))
 
     # -- System One decisions -------------------------------------------------------------------------
@@ -1187,14 +1457,19 @@ class Engine:
         except UnicodeDecodeError:
             body, bad_json = None, json.JSONDecodeError("Invalid UTF-8", "", 0)
         questions = body.get("questions") if isinstance(body, dict) else None
-        self.mark("decision", request_id=rid, keys=sorted(body) if isinstance(body, dict) else None,
-                  questions=len(questions) if isinstance(questions, dict) else 0,
-                  model=body.get("model") if isinstance(body, dict) else None)
+        self.mark(
+            "decision",
+            request_id=rid,
+            keys=sorted(body) if isinstance(body, dict) else None,
+            questions=len(questions) if isinstance(questions, dict) else 0,
+            model=body.get("model") if isinstance(body, dict) else None,
+        )
         refusal = self.check_decision(body, bad_json)
         if refusal is not None:
             status, data, ctype = refusal
-            self.mark("refused", path=request.path, request_id=rid, status=status,
-                      answer=data.decode("utf-8", "replace"))
+            self.mark(
+                "refused", path=request.path, request_id=rid, status=status, answer=data.decode("utf-8", "replace")
+            )
             await conn.write(response(status, data, ctype))
             return True
         work = Chat(rid, body)
@@ -1218,8 +1493,13 @@ class Engine:
             await conn.write(response(status, data, ctype))
             return True
         data = dumps(self.decision_body(work))
-        self.mark("decision_done", request_id=rid, status=200, client_gone=conn.eof,
-                  took_ms=round((time.monotonic() - work.arrived) * 1000, 3))
+        self.mark(
+            "decision_done",
+            request_id=rid,
+            status=200,
+            client_gone=conn.eof,
+            took_ms=round((time.monotonic() - work.arrived) * 1000, 3),
+        )
         await conn.write(response(200, data))
         return True
 
@@ -1259,8 +1539,9 @@ class Engine:
             return self.error(503, "The server is still starting.")
         family = self.opts.family
         if bad_json is not None:
-            errors = [_pydantic("json_invalid", ("body", bad_json.pos), "JSON decode error", {},
-                                {"error": bad_json.msg})]
+            errors = [
+                _pydantic("json_invalid", ("body", bad_json.pos), "JSON decode error", {}, {"error": bad_json.msg})
+            ]
         else:
             errors = _schema_errors(body, family, strict_top=self.vllm and self.key >= (0, 33))
         if errors:
@@ -1275,8 +1556,12 @@ class Engine:
             model = body.get("model")
             names = self.opts.names or [self.opts.model]
             if model is not None and model not in names:
-                return self.error(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
-                                  "NotFoundError", "model")
+                return self.error(
+                    404,
+                    f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
+                    "NotFoundError",
+                    "model",
+                )
             if not body["questions"]:
                 return self.error(400, "questions: needs at least one question")
             for qid, question in body["questions"].items():
@@ -1301,12 +1586,20 @@ class Engine:
             answers[qid], diagnostics[qid] = decision_answer(self.opts.family, state, question, self.kind())
         input_tokens = sum(decision_input_tokens(state, question) for question in questions.values())
         if not self.vllm:
-            return {"model": self.opts.name, "answers": answers,
-                    "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
-        return {"id": work.rid, "object": "structured_decision", "created": int(time.time()),
-                "model": self.opts.name, "answers": answers,
-                "usage": {"input_tokens": input_tokens, "output_tokens": len(questions)},
-                "diagnostics": diagnostics}
+            return {
+                "model": self.opts.name,
+                "answers": answers,
+                "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+            }
+        return {
+            "id": work.rid,
+            "object": "structured_decision",
+            "created": int(time.time()),
+            "model": self.opts.name,
+            "answers": answers,
+            "usage": {"input_tokens": input_tokens, "output_tokens": len(questions)},
+            "diagnostics": diagnostics,
+        }
 
     # -- side routes ----------------------------------------------------------------------------------
     async def route(self, request: Request) -> Answer | None:
@@ -1321,8 +1614,18 @@ class Engine:
     def models(self) -> bytes:
         names = self.opts.names or [self.opts.model]
         owner = "vllm" if self.vllm else "sglang"
-        data = [{"id": name, "object": "model", "created": self.created, "owned_by": owner, "root": self.opts.model,
-                 "parent": None, "max_model_len": self.opts.max_len or 2048} for name in names]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": owner,
+                "root": self.opts.model,
+                "parent": None,
+                "max_model_len": self.opts.max_len or 2048,
+            }
+            for name in names
+        ]
         return dumps({"object": "list", "data": data})
 
     def metrics_text(self) -> Answer | None:
@@ -1331,9 +1634,11 @@ class Engine:
         if self.vllm:
             labels = f'engine="0",model_name="{name}"'
             asleep = self.state == "asleep"
-            sleep_state = {"awake": 0.0 if asleep else 1.0,
-                           "weights_offloaded": 1.0 if asleep and self.level == 1 else 0.0,
-                           "discard_all": 1.0 if asleep and self.level == 2 else 0.0}
+            sleep_state = {
+                "awake": 0.0 if asleep else 1.0,
+                "weights_offloaded": 1.0 if asleep and self.level == 1 else 0.0,
+                "discard_all": 1.0 if asleep and self.level == 2 else 0.0,
+            }
             text = (
                 "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -1344,8 +1649,11 @@ class Engine:
                 "# HELP vllm:engine_sleep_state Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "
                 "means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
                 "level 2.\n# TYPE vllm:engine_sleep_state gauge\n"
-                + "".join(f'vllm:engine_sleep_state{{{labels},sleep_state="{key}"}} {value}\n'
-                          for key, value in sleep_state.items()))
+                + "".join(
+                    f'vllm:engine_sleep_state{{{labels},sleep_state="{key}"}} {value}\n'
+                    for key, value in sleep_state.items()
+                )
+            )
             return 200, text.encode(), "text/plain; version=1.0.0; charset=utf-8"
         if "--enable-metrics" not in self.opts.flags:
             return None
@@ -1355,7 +1663,8 @@ class Engine:
             f"sglang:num_running_reqs{{{labels}}} {run}\n"
             "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
             "# TYPE sglang:num_queue_reqs gauge\n"
-            f"sglang:num_queue_reqs{{{labels}}} {wait}\n")
+            f"sglang:num_queue_reqs{{{labels}}} {wait}\n"
+        )
         return 200, text.encode(), "text/plain; version=0.0.4; charset=utf-8"
 
     def call(self, request: Request) -> None:
@@ -1383,8 +1692,13 @@ class Engine:
             return 200, dumps({"version": self.opts.version}), JSON
         if path == "/load" and method == "GET":
             return 200, dumps({"server_load": len(self.running) + len(self.waiting)}), JSON
-        dev = {"/sleep": "POST", "/wake_up": "POST", "/is_sleeping": "GET", "/collective_rpc": "POST",
-               "/reset_prefix_cache": "POST"}
+        dev = {
+            "/sleep": "POST",
+            "/wake_up": "POST",
+            "/is_sleeping": "GET",
+            "/collective_rpc": "POST",
+            "/reset_prefix_cache": "POST",
+        }
         if path not in dev or not self.cfg.dev_mode:
             return None
         if method != dev[path]:
@@ -1468,8 +1782,11 @@ class Engine:
         else:
             self.sleeping_tags -= tags
         if self.sleeping_tags:
-            resident = sorted({"weights", "kv_cache"} - self.sleeping_tags) if self.vllm else sorted(
-                {"weights", "kv_cache", "cuda_graph"} - self.sleeping_tags)
+            resident = (
+                sorted({"weights", "kv_cache"} - self.sleeping_tags)
+                if self.vllm
+                else sorted({"weights", "kv_cache", "cuda_graph"} - self.sleeping_tags)
+            )
             self.mark("partly_woken", resident=resident)
             return
         self.state, self.level = "awake", None
@@ -1491,8 +1808,10 @@ class Engine:
             return self.refuse(request, self.error(500, f"Method {method!r} is not supported by the stand-in worker"))
         async with self.op_lock:
             if "weights" in self.sleeping_tags:
-                return self.refuse(request, self.error(
-                    500, "cannot reload weights: the weights memory is asleep (wake_up?tags=weights first)"))
+                return self.refuse(
+                    request,
+                    self.error(500, "cannot reload weights: the weights memory is asleep (wake_up?tags=weights first)"),
+                )
             await asyncio.sleep(self.cfg.wake_s)
             self.weights_ok = True
             self.mark("weights_reloaded")
@@ -1509,9 +1828,18 @@ class Engine:
         if path == "/ping" and method == "GET":
             return 200, b"", None
         if path in ("/get_server_info", "/server_info") and method == "GET":
-            return 200, dumps({"version": self.opts.version, "model_path": self.opts.model,
-                               "served_model_name": self.opts.name,
-                               "enable_memory_saver": "--enable-memory-saver" in self.opts.flags}), JSON
+            return (
+                200,
+                dumps(
+                    {
+                        "version": self.opts.version,
+                        "model_path": self.opts.model,
+                        "served_model_name": self.opts.name,
+                        "enable_memory_saver": "--enable-memory-saver" in self.opts.flags,
+                    }
+                ),
+                JSON,
+            )
         handlers = {
             "/release_memory_occupation": (("GET", "POST"), self.sglang_release),
             "/resume_memory_occupation": (("GET", "POST"), self.sglang_resume),
@@ -1548,8 +1876,20 @@ class Engine:
         assert tags is not None
         async with self.op_lock:
             if self.running or self.waiting:
-                return self.refuse(request, (400, dumps({"error": {
-                    "message": "release_memory_occupation should be called only when server is idle."}}), JSON))
+                return self.refuse(
+                    request,
+                    (
+                        400,
+                        dumps(
+                            {
+                                "error": {
+                                    "message": "release_memory_occupation should be called only when server is idle."
+                                }
+                            }
+                        ),
+                        JSON,
+                    ),
+                )
             fresh = tags - self.sleeping_tags
             if not fresh:
                 self.noop(request)
@@ -1580,18 +1920,35 @@ class Engine:
     async def sglang_update_weights(self, request: Request) -> Answer:
         async with self.op_lock:
             if "weights" in self.sleeping_tags:
-                return self.refuse(request, (400, dumps({
-                    "success": False, "message": "Failed to update weights: the weights memory is released "
-                                                 "(resume_memory_occupation first).", "num_paused_requests": 0}), JSON))
+                return self.refuse(
+                    request,
+                    (
+                        400,
+                        dumps(
+                            {
+                                "success": False,
+                                "message": "Failed to update weights: the weights memory is released "
+                                "(resume_memory_occupation first).",
+                                "num_paused_requests": 0,
+                            }
+                        ),
+                        JSON,
+                    ),
+                )
             await asyncio.sleep(self.cfg.wake_s)
             self.weights_ok = True
             self.mark("weights_reloaded")
-        return 200, dumps({"success": True, "message": "Succeeded to update model weights.",
-                           "num_paused_requests": 0}), JSON
+        return (
+            200,
+            dumps({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}),
+            JSON,
+        )
 
     async def sglang_flush(self, request: Request) -> Answer:
-        text = (b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-                b"requests, the operation will not be performed.)\n")
+        text = (
+            b"Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+            b"requests, the operation will not be performed.)\n"
+        )
         if self.running or self.waiting:
             return self.refuse(request, (400, text, "text/plain; charset=utf-8"))
         self.mark("cache_reset")
@@ -1642,8 +1999,9 @@ async def serve(opts: Options, settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine.timeline.write("loading", None, "start", family=opts.family, version=opts.version, argv=opts.argv,
-                          port=opts.port)
+    engine.timeline.write(
+        "loading", None, "start", family=opts.family, version=opts.version, argv=opts.argv, port=opts.port
+    )
     reason = "exit"
     server: asyncio.base_events.Server | None = None
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -39,10 +40,24 @@ from tests.unit.test_relay_check import NAME, ROWS, read_unlike_the_oracle, told
 from tests.unit.test_run_scan import body_of, check_against_decode, checked
 
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
-OTHER_OBJECTS = [(), ("usage",), ("usage", "x" * 40), tuple(f"o{i}" for i in range(16)), ("usage", 1), ("\u00e9",),
-                 tuple(f"o{i}" for i in range(17)), ["usage"]]
-OTHER_DELTA_KEYS = [(), ("role",), ("content", "tool_calls"), tuple(f"d{i}" for i in range(16)), ("role", 1),
-                    tuple(f"d{i}" for i in range(17))]
+OTHER_OBJECTS = [
+    (),
+    ("usage",),
+    ("usage", "x" * 40),
+    tuple(f"o{i}" for i in range(16)),
+    ("usage", 1),
+    ("\u00e9",),
+    tuple(f"o{i}" for i in range(17)),
+    ["usage"],
+]
+OTHER_DELTA_KEYS = [
+    (),
+    ("role",),
+    ("content", "tool_calls"),
+    tuple(f"d{i}" for i in range(16)),
+    ("role", 1),
+    tuple(f"d{i}" for i in range(17)),
+]
 
 
 def _recorded_chunks() -> list[bytes]:
@@ -61,11 +76,24 @@ def _random_json(rng: random.Random, depth: int = 0) -> object:
     if kind == 1:
         return rng.choice([0, -1, 7, 255, 256, 10**18 - 1, 10**18, 2**63, 2**64, 10**25, 0.5, -0.0, 1e300])
     if kind in (2, 3, 4):
-        return "".join(rng.choice("ab\u00e9\u20ac\U0001f600\"\\\n m") for _ in range(rng.randrange(6)))
+        return "".join(rng.choice('ab\u00e9\u20ac\U0001f600"\\\n m') for _ in range(rng.randrange(6)))
     if kind == 5:
         return [_random_json(rng, depth + 1) for _ in range(rng.randrange(3))]
-    keys = ["model", "choices", "index", "delta", "content", "role", "reasoning", "reasoning_content", "tool_calls",
-            "error", *OBJECT_NAMES, "id", "x"]
+    keys = [
+        "model",
+        "choices",
+        "index",
+        "delta",
+        "content",
+        "role",
+        "reasoning",
+        "reasoning_content",
+        "tool_calls",
+        "error",
+        *OBJECT_NAMES,
+        "id",
+        "x",
+    ]
     return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
 
 
@@ -81,8 +109,24 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
         elif choice == 1:
             del data[at]
         elif choice == 2:
-            data[at:at] = rng.choice([b'"', b"\\", b"{", b"}", b"[", b",", b":", b"9" * 20, b"\\u", b"\xff",
-                                      b'"model":', b'"model":"tiny-llama",', b"e999", b"\n\ndata: {"])
+            data[at:at] = rng.choice(
+                [
+                    b'"',
+                    b"\\",
+                    b"{",
+                    b"}",
+                    b"[",
+                    b",",
+                    b":",
+                    b"9" * 20,
+                    b"\\u",
+                    b"\xff",
+                    b'"model":',
+                    b'"model":"tiny-llama",',
+                    b"e999",
+                    b"\n\ndata: {",
+                ]
+            )
         else:
             data[at:] = data[at:][: rng.randrange(len(data) - at + 1)]
     return bytes(data)
@@ -98,7 +142,7 @@ def _check_respell(rng: random.Random, body: bytes, facts: Any) -> None:
     else:
         at = array.array("I", sorted(rng.randrange(len(body) + 4) for _ in range(rng.randrange(4))))
         # (a token is never empty: an empty one past the end is refused in C and taken in Python, see test_run_scan)
-        old = (body[at[0]:at[0] + rng.randrange(1, 4)] if at and rng.randrange(2) else b"") or b'"m"'
+        old = (body[at[0] : at[0] + rng.randrange(1, 4)] if at and rng.randrange(2) else b"") or b'"m"'
     new = rng.choice([b'"my-model"', b"", b'"x"', old])
     answers = []
     for way in (scan.respell, respell):
@@ -122,8 +166,12 @@ def _check_relay(rng: random.Random, body: bytes, facts: Any) -> None:
             sent: Any = oracle.check(payloads_of(body), meter, 0.0)
         except Refused as refused:
             sent = (refused.sent, told(refused.error))
-        assert (sent, oracle.failure, meter.text_chunks, meter.seen) == (decoded[0], decoded[1], decoded[4],
-                                                                         decoded[5]), ("oracle", row, limit, name)
+        assert (sent, oracle.failure, meter.text_chunks, meter.seen) == (
+            decoded[0],
+            decoded[1],
+            decoded[4],
+            decoded[5],
+        ), ("oracle", row, limit, name)
 
 
 def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
@@ -142,10 +190,8 @@ def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
             body = _mutate(rng, body)
         try:
             if rng.randrange(8) == 0:  # other names first, some refused: the next read must not see them
-                try:
+                with contextlib.suppress(TypeError):
                     scan.scan_run(body, rng.choice(OTHER_OBJECTS), rng.choice(OTHER_DELTA_KEYS))
-                except TypeError:
-                    pass
             facts = check_against_decode(body)
             if facts is not None:
                 taken += 1
@@ -166,8 +212,10 @@ def main() -> None:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
     print(f"fuzzing the C module against its references, {args.seconds:g} s, seed {seed}")
     count, taken = fuzz_scan(args.seconds, seed)
-    print(f"  scan.c: {count} reads ({taken} taken by the scan, their facts checked against the decode and the "
-          f"check over them against the decode's and the oracle's), respell against Python's; no disagreement")
+    print(
+        f"  scan.c: {count} reads ({taken} taken by the scan, their facts checked against the decode and the "
+        f"check over them against the decode's and the oracle's), respell against Python's; no disagreement"
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from tests.fakes.broken_engine import BrokenEngine
 from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, llama_paths
 
 
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Everything under tests/integration runs real processes: `-m "not integration"` skips it."""
     here = Path(__file__).parent
@@ -53,7 +52,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Itera
     server = CapyServer(tmp / "state").start()
     try:
         server.cli("engine", "add", str(llama.server), "--name", "llama-server")
-        server.cli("deploy", "model", "--file", str(deployment_file(tmp, "smollm2", "llama-server", llama.model)), "--wait")
+        server.cli(
+            "deploy", "model", "--file", str(deployment_file(tmp, "smollm2", "llama-server", llama.model)), "--wait"
+        )
         yield server
     finally:
         server.stop()

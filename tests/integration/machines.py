@@ -30,18 +30,26 @@ class Machine:
         self.log = state.parent / f"{node.name}.log"
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        done = self.node.run([sys.executable, "-m", "capyctl", *args], timeout=timeout,
-                             env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)})
+        done = self.node.run(
+            [sys.executable, "-m", "capyctl", *args],
+            timeout=timeout,
+            env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)},
+        )
         if check and done.returncode != 0:
-            raise AssertionError(f"capyctl {' '.join(args)} on {self.node.name} exited {done.returncode}:\n"
-                                 f"{done.stdout}\n{done.stderr}\n--- log:\n{self.read_log()}")
+            raise AssertionError(
+                f"capyctl {' '.join(args)} on {self.node.name} exited {done.returncode}:\n"
+                f"{done.stdout}\n{done.stderr}\n--- log:\n{self.read_log()}"
+            )
         return done
 
     def start(self, *args: str) -> subprocess.Popen[bytes]:
         with open(self.log, "ab") as log:
-            self.process = self.node.popen([sys.executable, "-m", "capyctl", "start", *args],
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)})
+            self.process = self.node.popen(
+                [sys.executable, "-m", "capyctl", "start", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)},
+            )
         return self.process
 
     def read_log(self) -> str:
@@ -66,8 +74,16 @@ def hosts(server: Machine) -> dict[str, dict[str, Any]]:
 
 def invite(server: Machine, lan: Lan, name: str, *extra: str) -> Path:
     path = server.state.parent / f"{name}.join"
-    server.cli("invite", "host", name, "--server", f"{lan.server_address_for.get(name, lan.server.address)}:"
-               f"{CONTROL_PORT}", "--output", str(path), *extra)
+    server.cli(
+        "invite",
+        "host",
+        name,
+        "--server",
+        f"{lan.server_address_for.get(name, lan.server.address)}:{CONTROL_PORT}",
+        "--output",
+        str(path),
+        *extra,
+    )
     return path
 
 

@@ -117,8 +117,20 @@ class Lan:
         for i, (name, host) in enumerate(self.hosts.items(), start=1):
             self._namespace(host.namespace)
             server_end = f"{self._tag}x{i}"
-            _ip("link", "add", server_end, "netns", server.namespace, "type", "veth",
-                "peer", "name", host.link, "netns", host.namespace)
+            _ip(
+                "link",
+                "add",
+                server_end,
+                "netns",
+                server.namespace,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host.link,
+                "netns",
+                host.namespace,
+            )
             _ip("addr", "add", f"{self.server_address_for[name]}/24", "dev", server_end, namespace=server.namespace)
             _ip("link", "set", server_end, "up", namespace=server.namespace)
             _ip("addr", "add", f"{host.address}/24", "dev", host.link, namespace=host.namespace)
@@ -147,4 +159,3 @@ def _kill_all(node: Node, grace: float = 5.0) -> None:
     for pid in node.pids():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-

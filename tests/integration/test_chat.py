@@ -16,7 +16,9 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 
 def chat(served: CapyServer, body: dict, **headers: str) -> httpx.Response:
-    return httpx.post(served.base_url + "/v1/chat/completions", json=body, headers=served.headers(**headers), timeout=60)
+    return httpx.post(
+        served.base_url + "/v1/chat/completions", json=body, headers=served.headers(**headers), timeout=60
+    )
 
 
 def sse_events(text: str) -> list[str]:
@@ -42,15 +44,23 @@ def test_non_streamed_chat_is_assembled_from_the_engine_stream(served: CapyServe
     metrics = answer["capyctl"]["metrics"]
     timings = answer["timings"]
     assert metrics["prefill_ms"] == {"value": round(timings["prompt_ms"], 2), "source": "engine"}
-    assert metrics["decode_tokens_per_second"] == {"value": round(timings["predicted_per_second"], 2), "source": "engine"}
+    assert metrics["decode_tokens_per_second"] == {
+        "value": round(timings["predicted_per_second"], 2),
+        "source": "engine",
+    }
     assert metrics["ttft_ms"]["source"] == "router" and 0 < metrics["ttft_ms"]["value"] < 60_000
-    assert metrics["cached_tokens"] == {"value": answer["usage"]["prompt_tokens_details"]["cached_tokens"], "source": "engine"}
+    assert metrics["cached_tokens"] == {
+        "value": answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+        "source": "engine",
+    }
     assert "queue_ms" not in metrics  # llama.cpp does not measure it: absent, never 0
 
 
 def test_streamed_chat_relays_engine_chunks_with_model_rewritten(served: CapyServer) -> None:
     body = {"model": "smollm2", "messages": HELLO, "max_tokens": 12, "stream": True}
-    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, headers=served.headers(), timeout=60) as r:
+    with httpx.stream(
+        "POST", served.base_url + "/v1/chat/completions", json=body, headers=served.headers(), timeout=60
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert ULID.match(r.headers["x-capyctl-request-id"])
@@ -58,10 +68,10 @@ def test_streamed_chat_relays_engine_chunks_with_model_rewritten(served: CapySer
     events = sse_events(text)
     assert events[-1] == "data: [DONE]"
     assert events[-2].startswith(": x-capyctl-metrics ")  # one comment line just before [DONE]
-    metrics = msgspec.json.decode(events[-2][len(": x-capyctl-metrics "):])
+    metrics = msgspec.json.decode(events[-2][len(": x-capyctl-metrics ") :])
     assert metrics["ttft_ms"]["source"] == "router" and metrics["ttft_ms"]["value"] > 0
     assert metrics["prefill_ms"]["source"] == "engine"  # llama.cpp's timings.prompt_ms
-    chunks = [msgspec.json.decode(e[len("data: "):]) for e in events[:-2]]
+    chunks = [msgspec.json.decode(e[len("data: ") :]) for e in events[:-2]]
     assert all(c["model"] == "smollm2" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
@@ -71,10 +81,18 @@ def test_streamed_chat_relays_engine_chunks_with_model_rewritten(served: CapySer
 
 
 def test_streamed_usage_only_when_the_client_asks(served: CapyServer) -> None:
-    body = {"model": "smollm2", "messages": HELLO, "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, headers=served.headers(), timeout=60) as r:
+    body = {
+        "model": "smollm2",
+        "messages": HELLO,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", served.base_url + "/v1/chat/completions", json=body, headers=served.headers(), timeout=60
+    ) as r:
         events = sse_events(r.read().decode())
-    usage = msgspec.json.decode(events[-3][len("data: "):])
+    usage = msgspec.json.decode(events[-3][len("data: ") :])
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
 
 
@@ -107,8 +125,11 @@ def test_missing_and_wrong_key_are_401_with_request_ids(served: CapyServer) -> N
 
 
 def test_invalid_json_names_the_reason(served: CapyServer) -> None:
-    r = httpx.post(served.base_url + "/v1/chat/completions", content=b'{"model": "smollm2", nope}',
-                   headers=served.headers(**{"content-type": "application/json"}))
+    r = httpx.post(
+        served.base_url + "/v1/chat/completions",
+        content=b'{"model": "smollm2", nope}',
+        headers=served.headers(**{"content-type": "application/json"}),
+    )
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
@@ -175,10 +196,15 @@ def _wait_metric(port: int, name: str, want: float, within: float) -> float | No
 def test_client_hang_up_stops_the_engine(served: CapyServer, stream: bool) -> None:
     """llama.cpp alone runs a non-streamed request on after its client left; through CapyCTL it stops."""
     port = _engine_port(served)
-    body = msgspec.json.encode({
-        "model": "smollm2", "stream": stream, "max_tokens": 1500, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
-    })
+    body = msgspec.json.encode(
+        {
+            "model": "smollm2",
+            "stream": stream,
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count from 1 to 1000."}],
+        }
+    )
     request = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {served.api_key}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"

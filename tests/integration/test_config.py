@@ -24,8 +24,12 @@ def attach(server: CapyServer, tmp: Path, engine: BrokenEngine, name: str) -> No
 
 
 def chat(server: CapyServer, **body: object) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=30,
-                      json={"messages": [{"role": "user", "content": "hi"}], **body})
+    return httpx.post(
+        server.base_url + "/v1/chat/completions",
+        headers=server.headers(),
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}], **body},
+    )
 
 
 def test_default_model_from_the_state_dirs_config_serves_requests_without_model(
@@ -84,8 +88,18 @@ def capyctl(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_bad_file_stops_the_server_before_it_starts_with_the_line(tmp_path: Path) -> None:
     config = tmp_path / "server.yaml"
     config.write_text("queue:\n  request_deadline: 90s\n  max_pending: 3\n")
-    done = capyctl("start", "standalone", "--config", str(config), "--state-dir", str(tmp_path / "s"),
-                   "--listen", "127.0.0.1:0", "--management", "127.0.0.1:0")
+    done = capyctl(
+        "start",
+        "standalone",
+        "--config",
+        str(config),
+        "--state-dir",
+        str(tmp_path / "s"),
+        "--listen",
+        "127.0.0.1:0",
+        "--management",
+        "127.0.0.1:0",
+    )
     assert done.returncode == 6
     assert f"error [invalid_config]: {config}: line 3: Object contains unknown field `max_pending`" in done.stderr
 
@@ -99,11 +113,29 @@ def test_devices_auto_without_a_gpu_stops_the_server_and_says_what_to_do(tmp_pat
     (tmp_path / "nvml").mkdir()
     (tmp_path / "nvml" / "pynvml.py").write_text(
         "class NVMLError(Exception):\n    pass\n\n\n"
-        "def nvmlInit():\n    raise NVMLError('NVML Shared Library Not Found')\n")
-    done = subprocess.run([sys.executable, "-m", "capyctl", "start", "standalone", "--config", str(config),
-                           "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--management",
-                           "127.0.0.1:0"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(tmp_path / "nvml")})
+        "def nvmlInit():\n    raise NVMLError('NVML Shared Library Not Found')\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "capyctl",
+            "start",
+            "standalone",
+            "--config",
+            str(config),
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--listen",
+            "127.0.0.1:0",
+            "--management",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(empty), "PYTHONPATH": str(tmp_path / "nvml")},
+    )
     assert "NVML did not load (NVML Shared Library Not Found)" in done.stderr
     assert done.returncode == 6
     assert "error [invalid_config]: memory.devices: auto found no GPU" in done.stderr
@@ -121,30 +153,44 @@ def test_config_check_and_schema(tmp_path: Path) -> None:
     bad.write_text("limits:\n  max_body: 1MiB\n  max_body: 2MiB\n")
     done = capyctl("config", "check", str(bad), "--json")
     assert done.returncode == 6
-    assert msgspec.json.decode(done.stdout) == {"error": {"code": "invalid_config", "message":
-                                                          f"{bad}: duplicate key 'max_body' on line 3"}}
+    assert msgspec.json.decode(done.stdout) == {
+        "error": {"code": "invalid_config", "message": f"{bad}: duplicate key 'max_body' on line 3"}
+    }
     done = capyctl("config", "schema")
-    assert done.returncode == 0 and "request_deadline" in msgspec.json.decode(done.stdout)["$defs"]["QueueConfig"]["properties"]
+    assert (
+        done.returncode == 0
+        and "request_deadline" in msgspec.json.decode(done.stdout)["$defs"]["QueueConfig"]["properties"]
+    )
 
 
 def test_config_check_takes_a_zero_reserve_and_says_what_a_refused_size_or_duration_may_be(tmp_path: Path) -> None:
     zero = tmp_path / "zero.yaml"
-    zero.write_text("memory:\n  devices:\n    - name: gpu0\n      capacity: 8GiB\n      reserve: 0GiB\n"
-                    "switching:\n  admission_window: 0s\n")
+    zero.write_text(
+        "memory:\n  devices:\n    - name: gpu0\n      capacity: 8GiB\n      reserve: 0GiB\n"
+        "switching:\n  admission_window: 0s\n"
+    )
     done = capyctl("config", "check", str(zero), "--json")
     assert done.returncode == 0, done.stderr
     assert msgspec.json.decode(done.stdout)["memory"]["devices"] == [
-        {"name": "gpu0", "capacity_bytes": 8 << 30, "reserve_bytes": 0}]
+        {"name": "gpu0", "capacity_bytes": 8 << 30, "reserve_bytes": 0}
+    ]
     done = capyctl("config", "check", str(zero))
     assert done.returncode == 0 and "memory.devices.gpu0  capacity_bytes 8589934592  reserve_bytes 0" in done.stdout
     for text, says in (
-        ("memory:\n  devices:\n    - {name: gpu0, capacity: 0GiB}\n",
-         "line 3: Expected a size more than zero such as 64KiB, 4MiB or 6GiB, "
-         "with a unit of B, KiB, MiB, GiB, TiB, KB, MB, GB or TB (none: bytes)"),
-        ("memory:\n  devices:\n    - {name: gpu0, capacity: 8GiB, reserve: lots}\n",
-         "line 3: Expected a size of zero or more such as 0GiB, 512MiB or 2GiB, with a unit of B, KiB"),
-        ("queue:\n  request_deadline: 0s\n",
-         "line 2: Expected a duration more than zero such as 90s, 10m or 1h, with a unit of ms, s, m or h (none: seconds)"),
+        (
+            "memory:\n  devices:\n    - {name: gpu0, capacity: 0GiB}\n",
+            "line 3: Expected a size more than zero such as 64KiB, 4MiB or 6GiB, "
+            "with a unit of B, KiB, MiB, GiB, TiB, KB, MB, GB or TB (none: bytes)",
+        ),
+        (
+            "memory:\n  devices:\n    - {name: gpu0, capacity: 8GiB, reserve: lots}\n",
+            "line 3: Expected a size of zero or more such as 0GiB, 512MiB or 2GiB, with a unit of B, KiB",
+        ),
+        (
+            "queue:\n  request_deadline: 0s\n",
+            "line 2: Expected a duration more than zero such as 90s, 10m or 1h, "
+            "with a unit of ms, s, m or h (none: seconds)",
+        ),
         ("limits:\n  max_body: 0\n", "limits.max_body: 0 is not a size more than zero such as 64KiB"),
     ):
         bad = tmp_path / "bad.yaml"

@@ -26,8 +26,14 @@ from tests.integration.harness import CapyServer
 
 pytestmark = pytest.mark.integration
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 PAGES = ["/ui/", "/ui/memory", "/ui/hosts", "/ui/requests", "/ui/charts", "/ui/keys", "/ui/events"]
 
@@ -39,8 +45,10 @@ class World:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         config = tmp / "server.yaml"
-        config.write_text("memory:\n  devices:\n    - name: gpu0\n      capacity: 7GiB\n      reserve: 512MiB\n"
-                          "switching:\n  admission_window: 300ms\n")
+        config.write_text(
+            "memory:\n  devices:\n    - name: gpu0\n      capacity: 7GiB\n      reserve: 512MiB\n"
+            "switching:\n  admission_window: 300ms\n"
+        )
         self.server = CapyServer(tmp / "state", "--config", str(config))
 
     @property
@@ -49,11 +57,18 @@ class World:
 
     def deploy(self, name: str) -> None:
         path = self.tmp / f"{name}.yaml"
-        path.write_bytes(msgspec.yaml.encode({
-            "name": name, "engine": "vllm", "model": str(self.tmp / "model"), "residency": "host_backed",
-            "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
-            "engine_config": {"env": {"STANDIN_LOAD_S": "0.2"}},
-        }))
+        path.write_bytes(
+            msgspec.yaml.encode(
+                {
+                    "name": name,
+                    "engine": "vllm",
+                    "model": str(self.tmp / "model"),
+                    "residency": "host_backed",
+                    "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
+                    "engine_config": {"env": {"STANDIN_LOAD_S": "0.2"}},
+                }
+            )
+        )
         self.server.cli("deploy", "model", "--file", str(path))
 
     def sign_in_url(self) -> str:
@@ -68,8 +83,9 @@ class World:
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         out = self.server.cli("events", "--json").stdout
-        return [e for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip())
-                if e["kind"] == kind]
+        return [
+            e for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip()) if e["kind"] == kind
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +128,20 @@ class Watched:
         self.missing: list[str] = []
         self.csp: list[str] = []
         self.context.on("request", lambda request: self.requests.append(request.url))
-        self.context.on("response", lambda response: self.missing.append(response.url)
-                        if response.status == 404 else None)
-        self.context.on("console", lambda message: self.csp.append(message.text)
-                        if "Content Security Policy" in message.text else None)
+        self.context.on(
+            "response", lambda response: self.missing.append(response.url) if response.status == 404 else None
+        )
+        self.context.on(
+            "console",
+            lambda message: self.csp.append(message.text) if "Content Security Policy" in message.text else None,
+        )
 
     def page(self) -> Page:
         page = self.context.new_page()
-        page.on("console", lambda message: self.csp.append(message.text)
-                if "Content Security Policy" in message.text else None)
+        page.on(
+            "console",
+            lambda message: self.csp.append(message.text) if "Content Security Policy" in message.text else None,
+        )
         return page
 
     def check(self, origin: str) -> None:
@@ -156,7 +177,8 @@ def card_state(page: Page, name: str) -> Any:
 
 
 def test_the_fleet_shows_both_deployments_and_a_cli_stop_turns_a_card_stopped_live(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     _, page = signed_in
     world.server.cli("start", "deployment", "beta", "--wait")
     expect(card_state(page, "beta")).to_have_attribute("data-state", "ready", timeout=3000)
@@ -173,7 +195,8 @@ def test_the_fleet_shows_both_deployments_and_a_cli_stop_turns_a_card_stopped_li
 
 
 def test_the_park_button_confirmed_parks_the_engine_and_the_memory_bar_shows_it_parked(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     watched, page = signed_in
     world.server.cli("start", "deployment", "alpha", "--wait")
     expect(card_state(page, "alpha")).to_have_attribute("data-state", "ready", timeout=3000)
@@ -192,7 +215,7 @@ def test_the_park_button_confirmed_parks_the_engine_and_the_memory_bar_shows_it_
     expect(parked).to_have_attribute("data-kind", "parked")
     expect(page.locator('svg.bar rect.seg[data-deployment="beta"]')).to_have_attribute("data-kind", "awake")
     expect(page.locator('table.legend tr[data-deployment="alpha"]')).to_contain_text("1.00 GiB")
-    expect(page.locator('table.legend tr.free-row')).to_contain_text("1.50 GiB")
+    expect(page.locator("table.legend tr.free-row")).to_contain_text("1.50 GiB")
     shoot(page, "memory")
     actions = [e for e in world.events("dashboard_action") if e["detail"].get("action") == "park"]
     assert actions and re.fullmatch(r"[0-9a-f]{8}", actions[-1]["detail"]["session"]), actions
@@ -222,7 +245,8 @@ def test_stop_and_start_through_the_dashboard(world: World, signed_in: tuple[Wat
 
 
 def test_a_deployment_added_or_deleted_appears_or_goes_without_a_reload(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     _, page = signed_in
     page.evaluate("window.capyctlMarker = 'no reload'")
     world.deploy("gamma")
@@ -235,8 +259,10 @@ def test_a_deployment_added_or_deleted_appears_or_goes_without_a_reload(
 
 
 def test_every_dashboard_answer_carries_the_security_headers(world: World) -> None:
-    answers = [httpx.get(world.origin + path) for path in ("/ui/sign-in", "/ui/", "/ui/nowhere",
-                                                            "/ui/static/app.css", "/ui/stream")]
+    answers = [
+        httpx.get(world.origin + path)
+        for path in ("/ui/sign-in", "/ui/", "/ui/nowhere", "/ui/static/app.css", "/ui/stream")
+    ]
     answers.append(httpx.get(world.origin + "/ui/", headers={"host": "elsewhere.example"}))
     for answer in answers:
         csp = answer.headers.get("content-security-policy", "")
@@ -246,13 +272,18 @@ def test_every_dashboard_answer_carries_the_security_headers(world: World) -> No
 
 def cut_connections(port: int) -> None:
     """Drop every TCP connection to ``port`` at once, both ends (as a network failure would), with iproute2."""
-    done = subprocess.run(["ss", "-K", "-t", "state", "established", f"( sport = :{port} or dport = :{port} )"],
-                          capture_output=True, text=True, timeout=10)
+    done = subprocess.run(
+        ["ss", "-K", "-t", "state", "established", f"( sport = :{port} or dport = :{port} )"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_a_dropped_stream_is_reported_and_the_page_catches_up_when_it_returns(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     _, page = signed_in
     world.server.cli("stop", "deployment", "beta")
     expect(card_state(page, "beta")).to_have_attribute("data-state", "stopped", timeout=3000)
@@ -275,17 +306,27 @@ def test_keys_and_events_pages(world: World, signed_in: tuple[Watched, Page]) ->
     row = page.locator('tr[data-key="team-a"]')
     expect(row.locator("td").nth(1)).to_have_text("0")
     question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-    codes = [httpx.post(world.server.base_url + "/v1/chat/completions", json=question, timeout=30,
-                        headers={"authorization": f"Bearer {secret}"}).status_code for _ in range(4)]
+    codes = [
+        httpx.post(
+            world.server.base_url + "/v1/chat/completions",
+            json=question,
+            timeout=30,
+            headers={"authorization": f"Bearer {secret}"},
+        ).status_code
+        for _ in range(4)
+    ]
     assert codes == [200, 200, 429, 429]
-    expect(row.locator("td")).to_have_text(["team-a", "2", "2", "0", "2", re.compile(r"\d{4}-\d\d-\d\d .+ UTC"),
-                                            "all"], timeout=3000)  # live: calls, limit, under way, refused
+    expect(row.locator("td")).to_have_text(
+        ["team-a", "2", "2", "0", "2", re.compile(r"\d{4}-\d\d-\d\d .+ UTC"), "all"], timeout=3000
+    )  # live: calls, limit, under way, refused
     assert len(secret) > 20 and secret not in page.content() and secret[-30:] not in page.content()
     shoot(page, "keys")
     page.goto(world.origin + "/ui/events")
     expect(page.locator('section.timeline[data-deployment=""] li[data-kind="daily_limit_reached"]')).to_have_count(1)
     page.goto(world.origin + "/ui/events?deployment=alpha")
-    expect(page.locator('section.timeline[data-deployment="alpha"] li[data-kind="state_changed"]').first).to_be_visible()
+    expect(
+        page.locator('section.timeline[data-deployment="alpha"] li[data-kind="state_changed"]').first
+    ).to_be_visible()
     world.server.cli("stop", "deployment", "alpha")
     expect(page.locator('li[data-kind="operator_stop"]').first).to_be_visible(timeout=3000)
     log_link = page.locator('li[data-kind="state_changed"] a', has_text="log").first
@@ -303,18 +344,24 @@ def cell(value: Any, digits: int = 1) -> str:
 
 
 def test_a_chat_request_appears_live_in_the_requests_table_and_filters_narrow_it(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     watched, page = signed_in
     world.server.cli("start", "deployment", "alpha", "--wait")
     page.goto(world.origin + "/ui/requests")
     expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
     page.evaluate("window.capyctlMarker = 'no reload'")
     question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-    answer = httpx.post(world.server.base_url + "/v1/chat/completions", json=question, timeout=30,
-                        headers=world.server.headers())
+    answer = httpx.post(
+        world.server.base_url + "/v1/chat/completions", json=question, timeout=30, headers=world.server.headers()
+    )
     assert answer.status_code == 200, answer.text
-    unknown = httpx.post(world.server.base_url + "/v1/chat/completions", json={**question, "model": "nope"},
-                         timeout=30, headers=world.server.headers())
+    unknown = httpx.post(
+        world.server.base_url + "/v1/chat/completions",
+        json={**question, "model": "nope"},
+        timeout=30,
+        headers=world.server.headers(),
+    )
     assert unknown.status_code == 404
     request_id, refused_id = answer.headers["x-capyctl-request-id"], unknown.headers["x-capyctl-request-id"]
     row, refused = page.locator(f'tr[data-id="{request_id}"]'), page.locator(f'tr[data-id="{refused_id}"]')
@@ -324,10 +371,24 @@ def test_a_chat_request_appears_live_in_the_requests_table_and_filters_narrow_it
     ttft = answer.json()["capyctl"]["metrics"]["ttft_ms"]["value"]
     assert ttft > 0
     record = next(r for r in world.server.cli_json("list", "requests") if r["id"] == request_id)
-    expect(row.locator("td")).to_have_text([
-        re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d$"), "default", "alpha", "200", "ok", cell(record["queue_wait_ms"]),
-        cell(record["queue_ms"]), cell(ttft), cell(record["decode_tokens_per_second"]),
-        cell(record["prompt_tokens"]), cell(record["cached_tokens"]), cell(record["completion_tokens"]), "–", "–"])
+    expect(row.locator("td")).to_have_text(
+        [
+            re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d$"),
+            "default",
+            "alpha",
+            "200",
+            "ok",
+            cell(record["queue_wait_ms"]),
+            cell(record["queue_ms"]),
+            cell(ttft),
+            cell(record["decode_tokens_per_second"]),
+            cell(record["prompt_tokens"]),
+            cell(record["cached_tokens"]),
+            cell(record["completion_tokens"]),
+            "–",
+            "–",
+        ]
+    )
     expect(refused.locator("td.ttft")).to_have_text("–")  # never measured: not 0
     expect(refused.locator("td.code")).to_have_text("model_not_found")
     shoot(page, "requests")
@@ -363,15 +424,21 @@ def test_a_chat_request_appears_live_in_the_requests_table_and_filters_narrow_it
     page.goto(world.origin + "/ui/")  # the card sums up the last 5 minutes from the same records
     rows = world.server.cli_json("list", "requests", "--deployment", "alpha", "--since", "5m")
     ttfts = sorted(r["ttft_ms"] for r in rows if r["ttft_ms"] is not None)
-    recent = page.locator('#card-alpha .recent')
+    recent = page.locator("#card-alpha .recent")
     expect(recent).to_contain_text(f"{len(rows)} request")  # the world's other tests chatted with alpha too
     expect(recent.locator(".ttft")).to_have_text(f"{ttfts[(len(ttfts) + 1) // 2 - 1]:.1f}")  # nearest-rank p50
 
 
 def test_a_bad_requests_filter_is_refused_naming_the_parameter(world: World, signed_in: tuple[Watched, Page]) -> None:
     watched, page = signed_in
-    for query, name in (("status=abc", "status"), ("since=soon", "since"), ("limit=0", "limit"),
-                        ("colour=red", "colour"), ("key=a&key=b", "key"), ("id=", "id")):
+    for query, name in (
+        ("status=abc", "status"),
+        ("since=soon", "since"),
+        ("limit=0", "limit"),
+        ("colour=red", "colour"),
+        ("key=a&key=b", "key"),
+        ("id=", "id"),
+    ):
         response = page.goto(f"{world.origin}/ui/requests?{query}")
         assert response is not None and response.status == 400, query
         expect(page.locator("h1")).to_have_text("Not understood")
@@ -381,14 +448,16 @@ def test_a_bad_requests_filter_is_refused_naming_the_parameter(world: World, sig
 
 
 def test_the_charts_page_draws_a_deployments_requests_with_its_park_and_wake_marked(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     watched, page = signed_in
     world.server.cli("start", "deployment", "alpha", "--wait")
     assert world.server.cli_json("park", "deployment", "alpha")["state"] == "parked"
     world.server.cli("start", "deployment", "alpha", "--wait")  # its wake
     question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-    answer = httpx.post(world.server.base_url + "/v1/chat/completions", json=question, timeout=30,
-                        headers=world.server.headers())
+    answer = httpx.post(
+        world.server.base_url + "/v1/chat/completions", json=question, timeout=30, headers=world.server.headers()
+    )
     assert answer.status_code == 200, answer.text
     source = world.origin + "/ui/charts/data?window=15m&deployment=alpha"
     deadline, data = time.monotonic() + 5, {}
@@ -403,8 +472,12 @@ def test_the_charts_page_draws_a_deployments_requests_with_its_park_and_wake_mar
     assert alpha["name"] == "alpha" and alpha["requests"] >= 1 and data["window"] == "15m"
     assert max(alpha["series"]["requests_per_second"]) > 0 and max(v or 0 for v in alpha["series"]["ttft_p50_ms"]) > 0
     assert len(data["times"]) == len(alpha["series"]["requests_per_second"]) == 30
-    expected = {(kind, round(e["at"], 3)) for kind in ("parked", "woken", "switch_completed")
-                for e in world.events(kind) if e["deployment"] == "alpha" and data["start"] <= e["at"] < data["end"]}
+    expected = {
+        (kind, round(e["at"], 3))
+        for kind in ("parked", "woken", "switch_completed")
+        for e in world.events(kind)
+        if e["deployment"] == "alpha" and data["start"] <= e["at"] < data["end"]
+    }
     assert {(m["event"], round(m["at"], 3)) for m in alpha["marks"]} == expected
     assert {"park", "wake"} <= {m["kind"] for m in alpha["marks"]}
 
@@ -414,7 +487,8 @@ def test_the_charts_page_draws_a_deployments_requests_with_its_park_and_wake_mar
     section = page.locator('section.chart[data-deployment="alpha"]')
     expect(section).to_have_attribute("data-drawn", "4")
     expect(section.locator(".uplot .u-title")).to_have_text(
-        ["TTFT (ms)", "Decode (tokens/s)", "Requests per second", "CapyCTL's wait in line (ms)"])
+        ["TTFT (ms)", "Decode (tokens/s)", "Requests per second", "CapyCTL's wait in line (ms)"]
+    )
     expect(section.locator("canvas")).to_have_count(4)
     expect(section.locator('ul.marks li[data-kind="park"]').first).to_contain_text("parked")
     expect(section.locator('ul.marks li[data-kind="wake"]').first).to_contain_text("woken")
@@ -437,8 +511,14 @@ def test_without_a_session_every_page_and_the_stream_are_refused(world: World, b
     watched = Watched(browser)
     try:
         page = watched.page()
-        for path in [*PAGES, "/ui/deployments/alpha/park", "/ui/events?deployment=alpha",
-                     "/ui/requests?deployment=alpha", "/ui/requests/01M933CJQKSSDYEE55TA4Z8SRH", "/ui/requests?id=x"]:
+        for path in [
+            *PAGES,
+            "/ui/deployments/alpha/park",
+            "/ui/events?deployment=alpha",
+            "/ui/requests?deployment=alpha",
+            "/ui/requests/01M933CJQKSSDYEE55TA4Z8SRH",
+            "/ui/requests?id=x",
+        ]:
             response = page.goto(world.origin + path)
             assert response is not None and response.status == 401, path
             expect(page.locator("form.signin")).to_be_visible()
@@ -532,8 +612,10 @@ def test_a_stalled_browser_never_delays_inference(world: World) -> None:
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
     try:
         stalled.connect(("127.0.0.1", world.server.management_port))
-        stalled.sendall(f"GET /ui/stream?page=keys HTTP/1.1\r\nHost: 127.0.0.1:{world.server.management_port}\r\n"
-                        f"Cookie: capyctl_session={cookies['capyctl_session']}\r\n\r\n".encode())
+        stalled.sendall(
+            f"GET /ui/stream?page=keys HTTP/1.1\r\nHost: 127.0.0.1:{world.server.management_port}\r\n"
+            f"Cookie: capyctl_session={cookies['capyctl_session']}\r\n\r\n".encode()
+        )
         local_port = stalled.getsockname()[1]
         question = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         waited = []
@@ -541,14 +623,22 @@ def test_a_stalled_browser_never_delays_inference(world: World) -> None:
         while not backlog(world.server.management_port, local_port):  # each answer counts on the keys page
             assert time.monotonic() < deadline, "the stalled stream never filled its socket"
             began = time.monotonic()
-            answer = httpx.post(world.server.base_url + "/v1/chat/completions", headers=world.server.headers(),
-                                json=question, timeout=30)
+            answer = httpx.post(
+                world.server.base_url + "/v1/chat/completions",
+                headers=world.server.headers(),
+                json=question,
+                timeout=30,
+            )
             waited.append(time.monotonic() - began)
             assert answer.status_code == 200, answer.text
         for _ in range(20):  # and with the socket full, the same
             began = time.monotonic()
-            answer = httpx.post(world.server.base_url + "/v1/chat/completions", headers=world.server.headers(),
-                                json=question, timeout=30)
+            answer = httpx.post(
+                world.server.base_url + "/v1/chat/completions",
+                headers=world.server.headers(),
+                json=question,
+                timeout=30,
+            )
             waited.append(time.monotonic() - began)
             assert answer.status_code == 200, answer.text
         assert backlog(world.server.management_port, local_port), "the stream is not stalled any more"
@@ -560,8 +650,12 @@ def test_a_stalled_browser_never_delays_inference(world: World) -> None:
 
 def backlog(server_port: int, client_port: int) -> bool:
     """Whether the server's end of that connection holds bytes the client has not taken (ss's Send-Q)."""
-    done = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{server_port} and dport = :{client_port} )"],
-                          capture_output=True, text=True, timeout=10)
+    done = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"( sport = :{server_port} and dport = :{client_port} )"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     return any(int(line.split()[1]) > 0 for line in done.stdout.splitlines() if line.split())
 
 
@@ -576,7 +670,8 @@ def test_capyctl_dashboard_json_and_without_a_server(world: World, tmp_path: Pat
 
 
 def test_the_charts_page_is_live_and_a_park_is_marked_and_drawn_without_a_reload(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     watched, page = signed_in
     world.server.cli("start", "deployment", "alpha", "--wait")
     page.goto(world.origin + "/ui/charts?window=15m&deployment=alpha")
@@ -597,7 +692,8 @@ def test_the_charts_page_is_live_and_a_park_is_marked_and_drawn_without_a_reload
 
 
 def test_a_standalone_capyctl_has_a_hosts_page_that_says_hosts_need_a_server(
-        world: World, signed_in: tuple[Watched, Page]) -> None:
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     watched, page = signed_in
     response = page.goto(world.origin + "/ui/hosts")
     assert response is not None and response.status == 200
@@ -611,12 +707,15 @@ def test_a_standalone_capyctl_has_a_hosts_page_that_says_hosts_need_a_server(
 
 def test_a_wrong_method_gets_405_naming_the_methods_the_path_takes(world: World) -> None:
     token = (world.server.state_dir / "identity" / "admin-token").read_text().strip()
-    asked = [("POST", world.origin + "/ui/memory", {}), ("DELETE", world.origin + "/ui/deployments/alpha/park", {}),
-             ("PUT", world.origin + "/ui/static/app.css", {}),
-             ("POST", world.origin + "/devices", {"authorization": f"Bearer {token}"}),  # the management API
-             ("POST", world.server.base_url + "/v1/models", world.server.headers()),  # the inference API's own
-             ("DELETE", world.server.base_url + "/health", {}),
-             ("GET", world.server.base_url + "/v1/chat/completions", world.server.headers())]  # the front door's
+    asked = [
+        ("POST", world.origin + "/ui/memory", {}),
+        ("DELETE", world.origin + "/ui/deployments/alpha/park", {}),
+        ("PUT", world.origin + "/ui/static/app.css", {}),
+        ("POST", world.origin + "/devices", {"authorization": f"Bearer {token}"}),  # the management API
+        ("POST", world.server.base_url + "/v1/models", world.server.headers()),  # the inference API's own
+        ("DELETE", world.server.base_url + "/health", {}),
+        ("GET", world.server.base_url + "/v1/chat/completions", world.server.headers()),
+    ]  # the front door's
     for method, url, headers in asked:
         answer = httpx.request(method, url, headers=headers)
         assert answer.status_code == 405, (method, url, answer.text)
@@ -630,13 +729,17 @@ def test_a_wrong_method_gets_405_naming_the_methods_the_path_takes(world: World)
     assert "content-security-policy" in page.headers
 
 
-def test_the_dashboards_refusals_carry_the_type_their_status_gives(world: World,
-                                                                    signed_in: tuple[Watched, Page]) -> None:
+def test_the_dashboards_refusals_carry_the_type_their_status_gives(
+    world: World, signed_in: tuple[Watched, Page]
+) -> None:
     watched, _ = signed_in
     signed_out = httpx.get(world.origin + "/ui/")
     assert signed_out.status_code == 401
-    assert signed_out.json()["error"] | {"message": ""} == {"code": "sign_in_needed", "type": "invalid_request_error",
-                                                             "message": ""}
+    assert signed_out.json()["error"] | {"message": ""} == {
+        "code": "sign_in_needed",
+        "type": "invalid_request_error",
+        "message": "",
+    }
     refused = httpx.post(world.origin + "/ui/sign-in", data={"token": "nope"})
     assert (refused.status_code, refused.json()["error"]["type"]) == (401, "invalid_request_error")
     forged = watched.context.request.post(world.origin + "/ui/deployments/beta/stop", form={"csrf": "x"})

@@ -29,8 +29,17 @@ def both(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Iterato
         server.cli("engine", "add", str(llama.server), "--name", "llama-server")
         for name, api in (("chatty", "chat"), ("decider", "decisions")):
             path = tmp / f"{name}.yaml"
-            path.write_bytes(msgspec.yaml.encode({"name": name, "engine": "llama-server", "model": str(llama.model),
-                                                  "api": api, "engine_config": {"context_length": 2048}}))
+            path.write_bytes(
+                msgspec.yaml.encode(
+                    {
+                        "name": name,
+                        "engine": "llama-server",
+                        "model": str(llama.model),
+                        "api": api,
+                        "engine_config": {"context_length": 2048},
+                    }
+                )
+            )
             server.cli("deploy", "model", "--file", str(path))
         yield server
     finally:
@@ -38,8 +47,9 @@ def both(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Iterato
 
 
 def decide(server: CapyServer, body: dict, **headers: str) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/systemone", json=body, timeout=120,
-                      headers={**server.headers(), **headers})
+    return httpx.post(
+        server.base_url + "/v1/systemone", json=body, timeout=120, headers={**server.headers(), **headers}
+    )
 
 
 def state(server: CapyServer, name: str) -> str:
@@ -50,8 +60,12 @@ def test_api_mismatch_both_ways_starts_nothing(both: CapyServer) -> None:
     r = decide(both, {"model": "chatty", "state": "hi", "questions": QUESTIONS})
     assert r.status_code == 400 and r.json()["error"]["code"] == "api_mismatch"
     assert "send its requests to POST /v1/chat/completions" in r.json()["error"]["message"]
-    r = httpx.post(both.base_url + "/v1/chat/completions", headers=both.headers(), timeout=60,
-                   json={"model": "decider", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        both.base_url + "/v1/chat/completions",
+        headers=both.headers(),
+        timeout=60,
+        json={"model": "decider", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "api_mismatch"
     assert "send its requests to POST /v1/systemone" in r.json()["error"]["message"]
     assert (state(both, "chatty"), state(both, "decider")) == ("stopped", "stopped")
@@ -68,8 +82,11 @@ def test_a_field_outside_the_api_is_refused_before_anything_starts(both: CapySer
 
 
 def test_the_engines_refusal_comes_back_as_engine_rejected_with_its_status(both: CapyServer) -> None:
-    r = decide(both, {"model": "decider", "state": "I was charged twice.", "questions": QUESTIONS},
-               **{"X-Request-Id": "caller-42"})
+    r = decide(
+        both,
+        {"model": "decider", "state": "I was charged twice.", "questions": QUESTIONS},
+        **{"X-Request-Id": "caller-42"},
+    )
     assert r.status_code == 501, r.text  # llama.cpp: not a decision model
     assert r.json()["error"]["code"] == "engine_rejected" and r.json()["error"]["status"] == 501
     assert r.headers["x-request-id"] == "caller-42" and len(r.headers["x-capyctl-request-id"]) == 26
@@ -78,8 +95,9 @@ def test_the_engines_refusal_comes_back_as_engine_rejected_with_its_status(both:
 
 def test_the_front_door_checks_the_key_and_the_method(both: CapyServer) -> None:
     body = {"model": "decider", "state": "hi", "questions": QUESTIONS}
-    assert httpx.post(both.base_url + "/v1/systemone", json=body, timeout=10).json()["error"]["code"] == \
-        "missing_api_key"
+    assert (
+        httpx.post(both.base_url + "/v1/systemone", json=body, timeout=10).json()["error"]["code"] == "missing_api_key"
+    )
     r = httpx.get(both.base_url + "/v1/systemone", headers=both.headers(), timeout=10)
     assert r.status_code == 405 and "use POST" in r.json()["error"]["message"]
     anonymous = httpx.get(both.base_url + "/v1/embeddings", timeout=10)

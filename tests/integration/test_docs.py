@@ -58,9 +58,22 @@ ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 SRC = ROOT / "src" / "capyctl"
 RECORDINGS = ROOT / "tests" / "contract" / "recordings"
-PAGES = ["quickstart.md", "requests.md", "decisions.md", "engines.md", "configuration.md", "cli.md", "keys.md",
-         "errors.md", "parking.md",
-         "observability.md", "replay.md", "development.md", "dashboard.md", "several-machines.md"]
+PAGES = [
+    "quickstart.md",
+    "requests.md",
+    "decisions.md",
+    "engines.md",
+    "configuration.md",
+    "cli.md",
+    "keys.md",
+    "errors.md",
+    "parking.md",
+    "observability.md",
+    "replay.md",
+    "development.md",
+    "dashboard.md",
+    "several-machines.md",
+]
 DOC_URL = "http://127.0.0.1:8443"
 DOC_STATE = "~/.local/state/capyctl"
 DOC_MODEL = "/path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,8 +81,9 @@ DOC_REPLAY = "http://127.0.0.1:8100"  # where replay.md's demo runs its replay e
 DOC_MANAGEMENT = "http://127.0.0.1:7443"
 SED_KEY = "KEY=$(sed -n 's/^api_key: //p' ~/.local/state/capyctl/identity/credentials)"
 # a fence may be indented (a code block inside a list item): its closing ``` is then indented too
-FENCE = re.compile(r"(?:<!-- (refused|error|needs|replay|other|config|host): (.+?) -->\n)?```(\w+)\n(.*?)^ *```",
-                   re.S | re.M)
+FENCE = re.compile(
+    r"(?:<!-- (refused|error|needs|replay|other|config|host): (.+?) -->\n)?```(\w+)\n(.*?)^ *```", re.S | re.M
+)
 ADAPTERS = {str(a.family): a for a in (LlamaCppEngine, VllmEngine, SglangEngine, TensorfoldEngine)}
 
 
@@ -83,8 +97,10 @@ class Block(NamedTuple):
 
 def page_blocks(page: str) -> list[Block]:
     """Every code block of a page, in order."""
-    return [Block(page, lang, textwrap.dedent(text), mark or None, expect or None)
-            for mark, expect, lang, text in FENCE.findall((DOCS / page).read_text())]
+    return [
+        Block(page, lang, textwrap.dedent(text), mark or None, expect or None)
+        for mark, expect, lang, text in FENCE.findall((DOCS / page).read_text())
+    ]
 
 
 def blocks(lang: str, *pages: str) -> list[Block]:
@@ -113,8 +129,13 @@ def section(page: str, heading: str) -> str:
 
 
 def bash(script: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
 
 
 def test_every_page_exists_and_is_linked_from_the_readme() -> None:
@@ -209,15 +230,20 @@ def test_curl_examples_answer_as_documented(served: CapyServer) -> None:
 KEY_FORM = re.compile(r"capy_([a-z2-7]{10})_[A-Za-z0-9_-]{43}")
 
 
-def run_keys_block(block: Block, server: CapyServer, kept: dict[str, str],
-                   tmp: Path) -> subprocess.CompletedProcess[str]:
+def run_keys_block(
+    block: Block, server: CapyServer, kept: dict[str, str], tmp: Path
+) -> subprocess.CompletedProcess[str]:
     """Run one shell example of keys.md for real: `capyctl` is this checkout's, talking to `server`, and a
     variable a block sets (`APP_KEY=$(capyctl create key ...)`) is set for the blocks after it."""
     names = re.findall(r"^(\w+)=\$\(", block.text, re.M)
     script = on_server(block.text, server).replace(DOC_MANAGEMENT, f"http://127.0.0.1:{server.management_port}")
     script += "".join(f'\nprintf %s "${name}" > {shlex.quote(str(tmp / name))}' for name in names)
-    done = bash(script, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                CAPYCTL_STATE_DIR=str(server.state_dir), **kept)
+    done = bash(
+        script,
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        CAPYCTL_STATE_DIR=str(server.state_dir),
+        **kept,
+    )
     where = f"{block.page}:\n{block.text}\n--- output:\n{done.stdout}{done.stderr}"
     assert done.returncode == 0, where
     kept.update({name: (tmp / name).read_text() for name in names})
@@ -268,11 +294,14 @@ def test_keys_examples_run_as_documented(capy: CapyServer, llama: LlamaPaths, tm
     (used,) = [done for block, done in runs if "Bearer $APP_KEY" in block.text and block.mark is None]
     assert msgspec.json.decode(used.stdout)["object"] == "chat.completion"
     # --json: the documented record, its secret a key
-    record, documented = (msgspec.json.decode(ran("create key batch --json").stdout),
-                          msgspec.json.decode(shown('"name": "batch"')))
+    record, documented = (
+        msgspec.json.decode(ran("create key batch --json").stdout),
+        msgspec.json.decode(shown('"name": "batch"')),
+    )
     assert record.keys() == documented.keys() and key_id(record["secret"]) == record["id"]
     assert {k: v for k, v in record.items() if k not in ("id", "created", "secret")} == {
-        k: v for k, v in documented.items() if k not in ("id", "created", "secret")}
+        k: v for k, v in documented.items() if k not in ("id", "created", "secret")
+    }
     # the list: the same header, and the same rows but for the times
     listed, table_shown = ran("capyctl list keys").stdout.splitlines(), shown("NAME     CREATED").splitlines()
     assert listed[0] == table_shown[0]
@@ -287,8 +316,12 @@ def test_keys_examples_run_as_documented(capy: CapyServer, llama: LlamaPaths, tm
     (refused,) = [done for block, done in runs if block.expect == "invalid_api_key"]
     assert msgspec.json.decode(refused.stdout) == msgspec.json.decode(shown('"code":"invalid_api_key"'))
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Hello"}]}
-    answer = httpx.post(capy.base_url + "/v1/chat/completions", json=chat,
-                        headers={"authorization": f"Bearer {kept['APP_KEY']}"}, timeout=30)
+    answer = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        json=chat,
+        headers={"authorization": f"Bearer {kept['APP_KEY']}"},
+        timeout=30,
+    )
     assert answer.status_code == 401
     # a daily limit of 2: two answers, then 429 daily_limit with Retry-After to 00:00 UTC
     assert ran("for i in 1 2").stdout == shown("200\n200")
@@ -301,7 +334,8 @@ def test_keys_examples_run_as_documented(capy: CapyServer, llama: LlamaPaths, tm
     limited, doc_limited = msgspec.json.decode(body), msgspec.json.decode(doc_body)
     assert limited["error"].keys() == doc_limited["error"].keys()
     assert {k: v for k, v in limited["error"].items() if k != "message"} == {
-        k: v for k, v in doc_limited["error"].items() if k != "message"}
+        k: v for k, v in doc_limited["error"].items() if k != "message"
+    }
     assert f"it may call again in {headers['retry-after']} s" in limited["error"]["message"]
     # a key scoped to smollm2: gpt-4o (deployed here) is not found, and /metrics is forbidden
     assert [m["id"] for m in msgspec.json.decode(ran("/v1/models").stdout)["data"]] == ["smollm2"]
@@ -309,14 +343,21 @@ def test_keys_examples_run_as_documented(capy: CapyServer, llama: LlamaPaths, tm
     for code in ("model_not_found", "forbidden", "cache_salt_unsupported", "invalid_request"):
         (done,) = [done for block, done in runs if block.expect == code]
         assert msgspec.json.decode(done.stdout) == msgspec.json.decode(shown(f'"code":"{code}"')), code
-    assert httpx.get(capy.base_url + "/metrics", headers={"authorization": f"Bearer {kept['BOT_KEY']}"},
-                     timeout=10).status_code == 403
+    assert (
+        httpx.get(
+            capy.base_url + "/metrics", headers={"authorization": f"Bearer {kept['BOT_KEY']}"}, timeout=10
+        ).status_code
+        == 403
+    )
     # the management API: created with its secret, then revoked
-    made, doc_made = msgspec.json.decode(ran("-d '{\"name\": \"ci-runner\"").stdout), msgspec.json.decode(
-        shown('"name":"ci-runner"'))
+    made, doc_made = (
+        msgspec.json.decode(ran('-d \'{"name": "ci-runner"').stdout),
+        msgspec.json.decode(shown('"name":"ci-runner"')),
+    )
     assert made.keys() == doc_made.keys() and key_id(made["secret"]) == made["id"]
     assert {k: v for k, v in made.items() if k not in ("id", "created", "secret")} == {
-        k: v for k, v in doc_made.items() if k not in ("id", "created", "secret")}
+        k: v for k, v in doc_made.items() if k not in ("id", "created", "secret")
+    }
     assert msgspec.json.decode(ran("-X DELETE").stdout) == {"revoked": "ci-runner", "id": made["id"]}
     # the key's name in the log line (never its secret), its events, the metrics' key label
     line = r"\d\d:\d\d:\d\d request [0-9A-Z]{26} smollm2 -> \S+ instance 0 key app1"
@@ -332,7 +373,8 @@ def test_keys_examples_run_as_documented(capy: CapyServer, llama: LlamaPaths, tm
         assert event["deployment"] is None and event["detail"]["key_id"] == app_id
         assert {**event["detail"], "key_id": None} == {**doc_event["detail"], "key_id": None}
     assert set(ran("grep '^capyctl_requests_total'").stdout.splitlines()) == set(
-        shown('capyctl_requests_total{code="ok",deployment="smollm2",key="app1"}').splitlines())
+        shown('capyctl_requests_total{code="ok",deployment="smollm2",key="app1"}').splitlines()
+    )
 
 
 def test_decision_examples_run_as_documented(capy: CapyServer, tmp_path: Path) -> None:
@@ -353,8 +395,9 @@ def test_decision_examples_run_as_documented(capy: CapyServer, tmp_path: Path) -
     assert set(answer["answers"]) == {"route", "angry", "urgency"} and answer["model"] == "my-decider"
     assert set(answer["capyctl"]["metrics"]) >= {"total_ms", "time_to_response_ms", "input_tokens"}
     (python,) = blocks("python", "decisions.md")
-    code = on_server(python.text, capy).replace('Path.home() / ".local/state/capyctl/identity/credentials"',
-                                                 f'Path("{capy.state_dir}/identity/credentials")')
+    code = on_server(python.text, capy).replace(
+        'Path.home() / ".local/state/capyctl/identity/credentials"', f'Path("{capy.state_dir}/identity/credentials")'
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     choice, noul, score = done.stdout.splitlines()[0].split()
@@ -366,11 +409,14 @@ def test_replay_demo_runs_as_documented(capy: CapyServer, tmp_path: Path) -> Non
     """replay.md's demo: a replay engine attached as `demo`, and the page's curl examples against it."""
     (demo,) = [b for b in blocks("yaml", "replay.md") if b.mark == "replay"]
     assert f"endpoint: {DOC_REPLAY}\n" in demo.text
-    assert f"capyctl-replay --recordings tests/contract/recordings/{demo.expect} --port 8100" in (
-        DOCS / "replay.md").read_text()
+    assert (
+        f"capyctl-replay --recordings tests/contract/recordings/{demo.expect} --port 8100"
+        in (DOCS / "replay.md").read_text()
+    )
     replay = subprocess.Popen(
         [sys.executable, "-m", "capyctl.replay", "--recordings", str(RECORDINGS / str(demo.expect)), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         assert replay.stdout is not None
@@ -381,7 +427,10 @@ def test_replay_demo_runs_as_documented(capy: CapyServer, tmp_path: Path) -> Non
         path.write_text(demo.text.replace(DOC_REPLAY, found.group(1)))
         deployed = capy.cli_json("deploy", "model", "--file", str(path), "--wait")["deployment"]
         assert (deployed["state"], deployed["engine_version"], deployed["fields"]["verified"]) == (
-            "ready", demo.expect.split("/")[1], True)
+            "ready",
+            demo.expect.split("/")[1],
+            True,
+        )
         examples = [b for b in blocks("sh", "replay.md") if "curl " in b.text]
         assert len(examples) >= 4 and any(b.mark == "error" for b in examples)
         outputs = [run_curl_block(block, capy, found.group(1)) for block in examples]
@@ -400,8 +449,9 @@ def test_server_configuration_examples_check_as_marked(tmp_path: Path) -> None:
     for i, block in enumerate(examples):
         path = tmp_path / f"config-{i}.yaml"
         path.write_text(block.text)
-        done = subprocess.run([sys.executable, "-m", "capyctl", "config", "check", str(path)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "capyctl", "config", "check", str(path)], capture_output=True, text=True, timeout=60
+        )
         where = f"{block.page}:\n{block.text}\n{done.stdout}{done.stderr}"
         if block.expect == "valid":
             assert done.returncode == 0 and done.stdout.startswith(f"{path}: valid"), where
@@ -447,10 +497,14 @@ def test_documented_environment_matches_the_adapters() -> None:
 
 def test_documented_prometheus_metrics_match_a_scrape(served: CapyServer) -> None:
     scrape = httpx.get(served.base_url + "/metrics", headers=served.headers(), timeout=10).text
-    exposed = {f.name + ("_total" if f.type == "counter" else ""): f
-               for f in text_string_to_metric_families(scrape) if not f.name.endswith("_created")}
-    rows = re.findall(r"^\| `(capyctl_\w+)` \| (\w+) \| (.*?) \|", section("observability.md", "Prometheus metrics"),
-                      re.M)
+    exposed = {
+        f.name + ("_total" if f.type == "counter" else ""): f
+        for f in text_string_to_metric_families(scrape)
+        if not f.name.endswith("_created")
+    }
+    rows = re.findall(
+        r"^\| `(capyctl_\w+)` \| (\w+) \| (.*?) \|", section("observability.md", "Prometheus metrics"), re.M
+    )
     assert {name for name, _, _ in rows} == set(exposed)
     for name, kind, labels in rows:
         assert exposed[name].type == kind, name
@@ -474,8 +528,9 @@ def test_python_example_runs(served: CapyServer) -> None:
     examples = blocks("python", "requests.md")
     assert examples
     for block in examples:
-        done = subprocess.run([sys.executable, "-c", on_server(block.text, served)],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", on_server(block.text, served)], capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         assert len([line for line in done.stdout.splitlines() if line.strip()]) >= 2, done.stdout  # reply, stream
 
@@ -486,7 +541,7 @@ def command_path(tokens: list[str]) -> tuple[list[str], list[str]]:
     while len(path) < len(tokens) and tokens[len(path)] in getattr(command, "commands", {}):
         command = command.commands[tokens[len(path)]]
         path.append(tokens[len(path)])
-    rest = tokens[len(path):]
+    rest = tokens[len(path) :]
     is_group = hasattr(command, "commands")
     assert not is_group or rest[:1] and rest[0].startswith("-"), f"not a command: capyctl {' '.join(tokens)}"
     return path, [m.split("=")[0] for m in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", " ".join(rest))]
@@ -503,8 +558,13 @@ def test_every_capyctl_command_line_exists_with_its_options() -> None:
     assert len(commands) >= 15 and any(page == "cli.md" for page, _ in commands)
     for page, line in commands:
         path, options = command_path(shlex.split(line)[1:])
-        done = subprocess.run([sys.executable, "-m", "capyctl", *path, "--help"], capture_output=True,
-                              text=True, env={**os.environ, "COLUMNS": "200"}, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "capyctl", *path, "--help"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "200"},
+            timeout=60,
+        )
         assert done.returncode == 0, f"{page}: {line}\n{done.stderr}"
         assert f"capyctl {' '.join(path)}".strip() in done.stdout, f"{page}: {line}"
         for option in options:
@@ -531,11 +591,17 @@ def test_other_command_lines_exist_with_their_options() -> None:
         for prefix, argv in TOOLS.items():
             if not (line == prefix or line.startswith(prefix + " ")):
                 continue
-            rest = shlex.split(line[len(prefix):])
+            rest = shlex.split(line[len(prefix) :])
             # pytest's options depend on the conftest files of the paths it is given
             paths = [w for w in rest if "pytest" in prefix and not w.startswith("-") and (ROOT / w).exists()]
-            done = subprocess.run([*argv, *paths, "--help"], capture_output=True, text=True, cwd=ROOT,
-                                  env={**os.environ, "COLUMNS": "200"}, timeout=120)
+            done = subprocess.run(
+                [*argv, *paths, "--help"],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env={**os.environ, "COLUMNS": "200"},
+                timeout=120,
+            )
             assert done.returncode == 0, f"{page}: {line}\n{done.stderr}"
             for option in re.findall(r"(?<![\w-])--?[a-z][a-z-]*", " ".join(rest)):
                 found = re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", done.stdout)
@@ -558,7 +624,7 @@ def test_documented_statuses_match_the_http_table() -> None:
     codes_section = text.split("\n## Codes\n")[1].split("\n## ")[0]
     rows = [line for line in codes_section.splitlines() if line.startswith("| `")]
     found = [re.match(r"^\| `([\w-]+)` \| (\d{3}) \| .+ \|$", row) for row in rows]
-    assert all(found), [row for row, match in zip(rows, found) if not match]
+    assert all(found), [row for row, match in zip(rows, found, strict=False) if not match]
     assert {m.group(1): int(m.group(2)) for m in found if m} == STATUS
     extra_section = text.split("\n## Extra fields\n")[1].split("\n## ")[0]
     assert set(re.findall(r"^\| `([\w-]+)` \|", extra_section, re.M)) <= set(STATUS)
@@ -568,12 +634,19 @@ def test_the_streamed_request_path_names_every_file_a_request_runs_code_in() -> 
     """development.md's path of a streamed request names each file of src/ that has code run while one is
     served (bench/request_path.py traces a real one through a real server), and names no file that is gone."""
     page = (DOCS / "development.md").read_text()
-    section = page[page.index("## The path of a streamed request"):page.index("### Why CapyCTL serves HTTP itself")]
+    section = page[page.index("## The path of a streamed request") : page.index("### Why CapyCTL serves HTTP itself")]
     named = set(re.findall(r"`((?:adapters|services|domain)/[\w/]+\.py)`", section))
     assert named and all((ROOT / "src" / "capyctl" / name).is_file() for name in named), named
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "request_path.py"), "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "request_path.py"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     traced = set(msgspec.json.decode(done.stdout.strip().splitlines()[-1]))
     assert {"adapters/http/server.py", "adapters/engines/_wire.py", "domain/relay_check.py"} <= traced
-    assert traced - named == set(), f"files a streamed request runs code in that the page does not name: {traced - named}"
+    assert traced - named == set(), (
+        f"files a streamed request runs code in that the page does not name: {traced - named}"
+    )

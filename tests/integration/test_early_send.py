@@ -50,23 +50,41 @@ def engine_connections(engine_port: int) -> set[int]:
 
 def stream(server: CapyServer, **extra: Any) -> httpx.Response:
     body = {"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}], **extra}
-    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30,
-                      headers={"authorization": f"Bearer {server.api_key}"})
+    return httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"authorization": f"Bearer {server.api_key}"},
+    )
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CapyServer, str, int]]:
     tmp = tmp_path_factory.mktemp("early-send")
-    replay = subprocess.Popen([sys.executable, "-m", "capyctl.replay", "--recordings", str(RECORDING), "--port", "0",
-                               "--default-case", "chat_stream_usage"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    replay = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "capyctl.replay",
+            "--recordings",
+            str(RECORDING),
+            "--port",
+            "0",
+            "--default-case",
+            "chat_stream_usage",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     server: CapyServer | None = None
     try:
         url = re.search(r"listening on (http://\S+)", replay.stdout.readline().decode()).group(1)  # type: ignore[union-attr]
         server = CapyServer(tmp / "state")
         server.start()
         path = tmp / "chat.yaml"
-        path.write_bytes(msgspec.yaml.encode({"name": "chat", "engine": "vllm", "endpoint": url,
-                                              "engine_version": "0.32.0"}))
+        path.write_bytes(
+            msgspec.yaml.encode({"name": "chat", "engine": "vllm", "endpoint": url, "engine_version": "0.32.0"})
+        )
         server.cli("deploy", "model", "--file", str(path), "--wait")
         yield server, url, int(url.rsplit(":", 1)[1])
     finally:
@@ -77,7 +95,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CapyServer
 
 
 def test_after_a_hang_up_the_next_request_goes_out_on_the_connection_opened_in_its_place(
-        world: tuple[CapyServer, str, int]) -> None:
+    world: tuple[CapyServer, str, int],
+) -> None:
     server, url, engine_port = world
     first = stream(server)
     assert first.status_code == 200 and first.text.endswith("data: [DONE]\n\n")
@@ -86,14 +105,20 @@ def test_after_a_hang_up_the_next_request_goes_out_on_the_connection_opened_in_i
     before = httpx.get(url + "/replay/stats").json()["disconnected"]
     data = msgspec.json.encode({"model": "chat", "stream": True, "messages": [], "replay_interval_ms": 50})
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     seen = b""
     while b"data: " not in seen:
         seen += sock.recv(65536)
     sock.close()  # hung up after the first chunk: the engine connection is closed to stop the engine
-    until(lambda: httpx.get(url + "/replay/stats").json()["disconnected"] == before + 1, 10,
-          "the engine connection stayed open after the client left")
+    until(
+        lambda: httpx.get(url + "/replay/stats").json()["disconnected"] == before + 1,
+        10,
+        "the engine connection stayed open after the client left",
+    )
     spare = until(lambda: engine_connections(engine_port) - kept, 10, "no connection was opened in the cut one's place")
     assert len(spare) == 1
     present = engine_connections(engine_port)
@@ -114,14 +139,26 @@ def test_requests_that_cannot_begin_early_are_answered_as_before(world: tuple[Ca
     server, _, _ = world
     assert stream(server).status_code == 200  # a connection idle: the early start could write at once
     body = {"model": "chat", "stream": True, "messages": []}
-    named = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30,
-                       headers={"authorization": f"Bearer {server.api_key}", "x-request-id": "mine-1"})
+    named = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"authorization": f"Bearer {server.api_key}", "x-request-id": "mine-1"},
+    )
     assert named.status_code == 200 and named.headers["x-request-id"] == "mine-1"
     assert named.text.endswith("data: [DONE]\n\n")
-    wrong = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30,
-                       headers={"authorization": "Bearer capy_nope_nope"})
+    wrong = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json=body,
+        timeout=30,
+        headers={"authorization": "Bearer capy_nope_nope"},
+    )
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-    unknown = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "model": "nope"}, timeout=30,
-                         headers={"authorization": f"Bearer {server.api_key}"})
+    unknown = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={**body, "model": "nope"},
+        timeout=30,
+        headers={"authorization": f"Bearer {server.api_key}"},
+    )
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert "early start failed" not in server.log()

@@ -28,8 +28,12 @@ def test_an_engine_that_cannot_start_ends_failed_and_answers_llm_unavailable(
     broken.write_bytes(b"GGUF" + b"\0" * 64)  # a model file llama-server cannot load: it exits at each start
     capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
     capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "broken", "llama-server", broken)))
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
-                   json={"model": "broken", "messages": MESSAGES, "max_tokens": 4})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=120,
+        json={"model": "broken", "messages": MESSAGES, "max_tokens": 4},
+    )
     assert r.status_code == 502, r.text
     error = r.json()["error"]
     assert error["code"] == "llm-unavailable" and "while starting" in error["reason"]
@@ -37,8 +41,12 @@ def test_an_engine_that_cannot_start_ends_failed_and_answers_llm_unavailable(
     assert capy.cli_json("status", "deployment", "broken")["state"] == "failed"
     launches = started_launches(capy, "broken")
     assert launches == 5
-    again = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=30,
-                       json={"model": "broken", "messages": MESSAGES, "max_tokens": 4, "stream": True})
+    again = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=30,
+        json={"model": "broken", "messages": MESSAGES, "max_tokens": 4, "stream": True},
+    )
     assert again.status_code == 502 and again.json()["error"]["code"] == "llm-unavailable"
     assert started_launches(capy, "broken") == launches  # a request does not start a failed deployment
 
@@ -51,8 +59,12 @@ def test_an_engine_that_cannot_be_launched_fails_alone_and_says_why(
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("not a folder")
     capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "blocked", "llama-server", llama.model)))
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
-                   json={"model": "blocked", "messages": MESSAGES, "max_tokens": 4})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=120,
+        json={"model": "blocked", "messages": MESSAGES, "max_tokens": 4},
+    )
     assert r.status_code == 502, r.text
     error = r.json()["error"]
     assert error["code"] == "llm-unavailable", r.text
@@ -64,20 +76,27 @@ def test_an_engine_that_cannot_be_launched_fails_alone_and_says_why(
     assert kinds.count("engine_start_failed") == 5 and "engine_started" not in kinds  # each try counted, none ran
     # CapyCTL itself goes on: another deployment starts and answers beside the failed one
     capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "smollm2", "llama-server", llama.model)))
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
-                   json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 4})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=120,
+        json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 4},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
 
 
-def test_an_operators_stop_cuts_requests_with_deployment_stopped_and_holds(
-    served: CapyServer
-) -> None:
+def test_an_operators_stop_cuts_requests_with_deployment_stopped_and_holds(served: CapyServer) -> None:
     got: dict[str, str] = {}
 
     def long_stream() -> None:
-        with httpx.stream("POST", served.base_url + "/v1/chat/completions", headers=served.headers(), timeout=120,
-                          json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 2000, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            served.base_url + "/v1/chat/completions",
+            headers=served.headers(),
+            timeout=120,
+            json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 2000, "stream": True},
+        ) as r:
             got["status"] = str(r.status_code)
             got["body"] = "".join(r.iter_text())
 
@@ -92,9 +111,13 @@ def test_an_operators_stop_cuts_requests_with_deployment_stopped_and_holds(
     finally:
         reader.join(60)
     last = [e for e in got["body"].split("\n\n") if e][-1]
-    assert last.startswith("data: {\"error\"") and '"code":"deployment_stopped"' in last
-    refused = httpx.post(served.base_url + "/v1/chat/completions", headers=served.headers(), timeout=30,
-                         json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 4})
+    assert last.startswith('data: {"error"') and '"code":"deployment_stopped"' in last
+    refused = httpx.post(
+        served.base_url + "/v1/chat/completions",
+        headers=served.headers(),
+        timeout=30,
+        json={"model": "smollm2", "messages": MESSAGES, "max_tokens": 4},
+    )
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "deployment_stopped"
     assert served.cli_json("status", "deployment", "smollm2")["state"] == "stopped"
     served.cli("start", "deployment", "smollm2", "--wait")

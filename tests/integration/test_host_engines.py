@@ -54,9 +54,13 @@ async def chat(ca: bytes, port: int, gate: str, caller: tuple[bytes, bytes] | No
     with anyio.fail_after(30):
         stream = await anyio.connect_tcp("127.0.0.1", port, ssl_context=tls, tls_hostname="gpu-a")
         try:
-            await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n"
-                              b"X-CapyCTL-Gate: " + gate.encode() + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
-                              + body)
+            await stream.send(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n"
+                b"X-CapyCTL-Gate: "
+                + gate.encode()
+                + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                + body
+            )
             answer = b""
             try:
                 while True:
@@ -76,15 +80,28 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
     control = socket.create_server(("127.0.0.1", 0))
     secret = bytes(range(32))
     invite = registry.invite("gpu-a", secret, ttl=600)
-    join_file = JoinFile(host="gpu-a", server="127.0.0.1:%d" % control.getsockname()[1],
-                         ca_pem=authority.cert_pem.decode(), secret=secret_text(secret), expires_at=invite.expires_at)
+    join_file = JoinFile(
+        host="gpu-a",
+        server=f"127.0.0.1:{control.getsockname()[1]}",
+        ca_pem=authority.cert_pem.decode(),
+        secret=secret_text(secret),
+        expires_at=invite.expires_at,
+    )
     stopping = anyio.Event()
     async with anyio.create_task_group() as tasks:
-        tasks.start_soon(ControlListener(registry, authority, server_ssl_context(
-            cert, key, authority.cert_pem, require_client=False), CALLER[0]).serve, control, stopping)
+        tasks.start_soon(
+            ControlListener(
+                registry, authority, server_ssl_context(cert, key, authority.cert_pem, require_client=False), CALLER[0]
+            ).serve,
+            control,
+            stopping,
+        )
         state = tmp_path / "host"
         await join(join_file, state)
-        host_cert, host_key = (state / "identity" / "host-cert.pem").read_bytes(), (state / "identity" / "host-key.pem").read_bytes()
+        host_cert, host_key = (
+            (state / "identity" / "host-cert.pem").read_bytes(),
+            (state / "identity" / "host-key.pem").read_bytes(),
+        )
         ingress = Ingress(host_cert, host_key)
         ingress_sock = socket.create_server(("127.0.0.1", 0))
         engines = host_engines(ingress, state / "logs")
@@ -93,9 +110,15 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
         async def leaving() -> None:
             await engines.stop_all(agent.tell)
 
-        agent = HostAgent(state, lambda: Inventory(), host_commands(ingress, engines), running=engines.running,
-                          ingress_port=ingress_sock.getsockname()[1], callers=ingress.trust_callers,
-                          leaving=leaving)
+        agent = HostAgent(
+            state,
+            lambda: Inventory(),
+            host_commands(ingress, engines),
+            running=engines.running,
+            ingress_port=ingress_sock.getsockname()[1],
+            callers=ingress.trust_callers,
+            leaving=leaving,
+        )
         tasks.start_soon(ingress.serve, ingress_sock, stopping)
         tasks.start_soon(agent.run, agent_stopping)
         tasks.start_soon(engines.watch, agent.tell)
@@ -145,7 +168,11 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
 
         (exit_,) = await until(told, "the engine's exit told to the server")
         assert (exit_["instance"], exit_["pid"], exit_["returncode"], exit_["cause"]) == (
-            "chat", again.detail["pid"], -9, "exited")
+            "chat",
+            again.detail["pid"],
+            -9,
+            "exited",
+        )
         assert engines.running() == []  # an engine that exited is no longer reported as running
 
         third = await registry.command("gpu-a", "launch", {**args, "gate": "i" * 32}, instance="chat", generation=3)

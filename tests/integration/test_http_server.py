@@ -24,11 +24,23 @@ from capyctl.domain.limits import Limits
 
 async def _echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     message = await receive()
-    answer = json.dumps({"path": scope["path"], "body": message["body"].decode(), "server": list(scope["server"]),
-                         "client": list(scope["client"]), "scheme": scope["scheme"],
-                         "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]]}).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+    answer = json.dumps(
+        {
+            "path": scope["path"],
+            "body": message["body"].decode(),
+            "server": list(scope["server"]),
+            "client": list(scope["client"]),
+            "scheme": scope["scheme"],
+            "headers": [[k.decode(), v.decode()] for k, v in scope["headers"]],
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": answer})
 
 
@@ -124,11 +136,14 @@ async def test_a_body_that_grows_past_the_limit_is_refused_as_it_does() -> None:
 
 async def test_each_connection_answers_its_own_requests_and_an_asgi_request_sees_the_addresses() -> None:
     async with Running() as running:
+
         async def one(n: int) -> dict[str, Any]:
             reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
             body = f"body {n}".encode()
-            writer.write(b"POST /c%d?q=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%b"
-                         % (n, len(body), body))
+            writer.write(
+                b"POST /c%d?q=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%b"
+                % (n, len(body), body)
+            )
             answer = await asyncio.wait_for(reader.read(), 10)
             seen = json.loads(_parts(answer)[2])
             seen["local"] = list(writer.get_extra_info("sockname"))
@@ -185,8 +200,9 @@ class _Wire:
 
 
 async def test_the_body_timer_runs_only_while_a_body_is_still_to_come() -> None:
-    server = HttpServer({"/v1/chat/completions": _ok}, _echo_app, Limits(header_timeout=10.0, body_timeout=60.0),
-                        lambda kind: None)
+    server = HttpServer(
+        {"/v1/chat/completions": _ok}, _echo_app, Limits(header_timeout=10.0, body_timeout=60.0), lambda kind: None
+    )
     loop = asyncio.get_running_loop()
     body = b'{"model": "m"}'
     head = CHAT + b"Content-Length: %d\r\n\r\n" % len(body)

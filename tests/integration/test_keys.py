@@ -27,14 +27,20 @@ ROOT = Path(__file__).parents[2]
 RECORDINGS = ROOT / "tests" / "contract" / "recordings"
 OLD_STATE = ROOT / "tests" / "fixtures" / "state-before-named-keys"
 _LISTENING = re.compile(r"listening on (http://\S+)")
-DECISION = {"model": "vdec", "state": "The sky is green.", "questions": {"q": {"type": "noul", "instructions": "Is it true?"}}}
+DECISION = {
+    "model": "vdec",
+    "state": "The sky is green.",
+    "questions": {"q": {"type": "noul", "instructions": "Is it true?"}},
+}
 
 
 class Replay:
     def __init__(self, folder: str, *args: str) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "capyctl.replay", "--recordings", str(RECORDINGS / folder), "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         assert self.process.stdout is not None
         line = self.process.stdout.readline().decode()
         match = _LISTENING.search(line)
@@ -68,12 +74,24 @@ def server(tmp_path_factory: pytest.TempPathFactory, engines: dict[str, Replay])
     tmp = tmp_path_factory.mktemp("keys")
     capy = CapyServer(tmp / "state").start()
     try:
-        for name, family, version, api in [("vchat", "vllm", "0.32.0", "chat"), ("lchat", "llamacpp", "0.6.0", "chat"),
-                                           ("vdec", "vllm", "0.32.0", "decisions"),
-                                           ("sdec", "sglang", "0.5.22", "decisions")]:
+        for name, family, version, api in [
+            ("vchat", "vllm", "0.32.0", "chat"),
+            ("lchat", "llamacpp", "0.6.0", "chat"),
+            ("vdec", "vllm", "0.32.0", "decisions"),
+            ("sdec", "sglang", "0.5.22", "decisions"),
+        ]:
             path = tmp / f"{name}.yaml"
-            path.write_bytes(msgspec.yaml.encode({"name": name, "engine": family, "endpoint": engines[family].url,
-                                                  "engine_version": version, "api": api}))
+            path.write_bytes(
+                msgspec.yaml.encode(
+                    {
+                        "name": name,
+                        "engine": family,
+                        "endpoint": engines[family].url,
+                        "engine_version": version,
+                        "api": api,
+                    }
+                )
+            )
             capy.cli("deploy", "model", "--file", str(path), "--wait")
         yield capy
     finally:
@@ -81,8 +99,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, engines: dict[str, Replay])
 
 
 def chat(server: CapyServer, key: str, model: str = "vchat", **extra: Any) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}, timeout=30)
+    return httpx.post(
+        server.base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra},
+        timeout=30,
+    )
 
 
 def models(server: CapyServer, key: str) -> httpx.Response:
@@ -140,8 +162,11 @@ def test_create_list_and_revoke_through_the_cli_and_the_next_request_is_refused(
 
 
 def test_bad_input_is_refused_clearly_and_creates_nothing(server: CapyServer) -> None:
-    for options, param in [(["bad name"], "name"), (["n1", "--cache-salt", "a/b"], "cache_salt"),
-                           (["n1", "--models", ","], "models")]:
+    for options, param in [
+        (["bad name"], "name"),
+        (["n1", "--cache-salt", "a/b"], "cache_salt"),
+        (["n1", "--models", ","], "models"),
+    ]:
         done = server.cli("create", "key", *options, "--json", check=False)
         error = msgspec.json.decode(done.stdout)["error"]
         assert done.returncode == 6 and error["code"] == "invalid_request" and error["param"] == param
@@ -154,8 +179,12 @@ def test_the_secret_is_nowhere_in_the_state_directory_the_database_or_the_logs(s
     secret = create(server, "hidden")
     assert chat(server, secret).status_code == 200
     assert chat(server, secret, stream=True).status_code == 200
-    assert httpx.post(server.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}x"},
-                      json={}).status_code == 401
+    assert (
+        httpx.post(
+            server.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}x"}, json={}
+        ).status_code
+        == 401
+    )
     server.cli("events", "--json")  # the stored events are flushed
     part = secret_part(secret).encode()
     files = [p for p in server.state_dir.rglob("*") if p.is_file()] + [server.log_path]
@@ -164,28 +193,41 @@ def test_the_secret_is_nowhere_in_the_state_directory_the_database_or_the_logs(s
         data = path.read_bytes()
         assert part not in data and secret.encode() not in data, path
     default = secret_part(server.api_key).encode()
-    holding = [p.relative_to(server.state_dir) for p in server.state_dir.rglob("*") if p.is_file()
-               and default in p.read_bytes()]
+    holding = [
+        p.relative_to(server.state_dir)
+        for p in server.state_dir.rglob("*")
+        if p.is_file() and default in p.read_bytes()
+    ]
     assert holding == [Path("identity/credentials")]  # the default key: only in its 0600 file
     for path in (server.state_dir / "identity" / "credentials", server.state_dir / "capyctl.db"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert "key hidden" in server.log()  # the request line names the key, never its secret
 
 
-def test_a_daily_limit_refuses_with_retry_after_to_midnight_and_survives_a_restart(tmp_path: Path,
-                                                                                  engines: dict[str, Replay]) -> None:
+def test_a_daily_limit_refuses_with_retry_after_to_midnight_and_survives_a_restart(
+    tmp_path: Path, engines: dict[str, Replay]
+) -> None:
     capy = CapyServer(tmp_path / "state").start()
     try:
         path = tmp_path / "vchat.yaml"
-        path.write_bytes(msgspec.yaml.encode({"name": "vchat", "engine": "vllm", "endpoint": engines["vllm"].url,
-                                              "engine_version": "0.32.0"}))
+        path.write_bytes(
+            msgspec.yaml.encode(
+                {"name": "vchat", "engine": "vllm", "endpoint": engines["vllm"].url, "engine_version": "0.32.0"}
+            )
+        )
         capy.cli("deploy", "model", "--file", str(path), "--wait")
         secret = create(capy, "capped", "--daily-limit", "3")
         for _ in range(4):
             assert models(capy, secret).status_code == 200  # listing does not count
         assert code(chat(capy, secret, model="nope")) == "model_not_found"  # refused by CapyCTL: not counted
-        assert code(httpx.post(capy.base_url + "/v1/chat/completions", content=b"{",
-                               headers={"authorization": f"Bearer {secret}"})) == "invalid_json"
+        assert (
+            code(
+                httpx.post(
+                    capy.base_url + "/v1/chat/completions", content=b"{", headers={"authorization": f"Bearer {secret}"}
+                )
+            )
+            == "invalid_json"
+        )
         assert code(chat(capy, secret, cache_salt="")) == "invalid_request"
         assert code(chat(capy, secret, model="vchat", stream="yes")) == "invalid_request"
         for _ in range(3):
@@ -229,13 +271,16 @@ def test_a_scoped_key_sees_and_uses_only_its_models(server: CapyServer) -> None:
         assert refused.status_code == 404 and code(refused) == "model_not_found"
         error = refused.json()["error"]
         assert error["available"] == ["vchat", "vdec"]
-        assert "lchat" not in str(error).replace(f"'{other}'", "") and "sdec" not in str(error).replace(f"'{other}'", "")
+        assert "lchat" not in str(error).replace(f"'{other}'", "") and "sdec" not in str(error).replace(
+            f"'{other}'", ""
+        )
     metrics = httpx.get(server.base_url + "/metrics", headers={"authorization": f"Bearer {secret}"})
     assert metrics.status_code == 403 and code(metrics) == "forbidden"
 
 
 def test_a_salted_key_carries_its_salt_to_vllm_and_is_refused_where_it_cannot_be_kept(
-        server: CapyServer, engines: dict[str, Replay]) -> None:
+    server: CapyServer, engines: dict[str, Replay]
+) -> None:
     secret = create(server, "tenant-a", "--cache-salt", "salt-of-tenant-a")
     assert chat(server, secret).status_code == 200
     last = engines["vllm"].stats()["last_request"]
@@ -251,8 +296,12 @@ def test_a_salted_key_carries_its_salt_to_vllm_and_is_refused_where_it_cannot_be
     reached = engines["llamacpp"].stats()["requests"]
     refused = chat(server, secret, model="lchat")
     assert refused.status_code == 400 and code(refused) == "cache_salt_unsupported"
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {secret}"},
-                      json={"model": "lchat", "messages": [], "stream": True}) as stream:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {secret}"},
+        json={"model": "lchat", "messages": [], "stream": True},
+    ) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert stream.status_code == 200 and '"code":"cache_salt_unsupported"' in events[0]
     assert engines["llamacpp"].stats()["requests"] == reached  # the engine saw nothing
@@ -275,8 +324,11 @@ def test_a_salted_key_carries_its_salt_to_vllm_and_is_refused_where_it_cannot_be
 def test_the_key_name_is_in_the_events_the_log_and_the_request_counts(server: CapyServer) -> None:
     secret = create(server, "seen")
     assert chat(server, secret).status_code == 200
-    selections = [e for e in map(msgspec.json.decode, server.cli("events", "--json").stdout.splitlines())
-                  if e["kind"] == "router_selection" and e["detail"].get("key") == "seen"]
+    selections = [
+        e
+        for e in map(msgspec.json.decode, server.cli("events", "--json").stdout.splitlines())
+        if e["kind"] == "router_selection" and e["detail"].get("key") == "seen"
+    ]
     assert len(selections) == 1
     assert re.search(r"request \w{26} vchat -> \S+ instance 0 key seen", server.log())
     scrape = httpx.get(server.base_url + "/metrics", headers=server.headers()).text
@@ -289,8 +341,13 @@ def test_the_openai_client_works_with_a_named_key(server: CapyServer) -> None:
     assert [m.id for m in client.models.list()] == ["vchat"]
     reply = client.chat.completions.create(model="vchat", messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="vchat", messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="vchat", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        if c.choices
+    )
     assert streamed == reply.choices[0].message.content
     with pytest.raises(Exception) as refused:
         OpenAI(base_url=server.base_url + "/v1", api_key=secret + "x", max_retries=0).models.list()

@@ -12,6 +12,7 @@ file descriptors than it had then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -72,8 +73,11 @@ def bench(tmp_path: Path) -> Iterator[tuple[CapyServer, BrokenEngine]]:
         engine.start()
         server.start()
         path = tmp_path / "broken.yaml"
-        path.write_bytes(msgspec.yaml.encode(
-            {"name": "broken", "engine": "vllm", "endpoint": engine.url, "engine_version": "0.32.0"}))
+        path.write_bytes(
+            msgspec.yaml.encode(
+                {"name": "broken", "engine": "vllm", "endpoint": engine.url, "engine_version": "0.32.0"}
+            )
+        )
         server.cli("deploy", "model", "--file", str(path))
         yield server, engine
     finally:
@@ -97,11 +101,14 @@ async def hang_up(server: CapyServer, ask: Ask) -> None:
     """Send a request over a raw socket and close it before any answer can come."""
     payload = msgspec.json.encode(body(ask))
     _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write((
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-        f"Authorization: Bearer {server.api_key}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode() + payload)
+    writer.write(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            f"Authorization: Bearer {server.api_key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        ).encode()
+        + payload
+    )
     await writer.drain()
     await asyncio.sleep(ask.hang_up_ms / 1000)
     writer.close()
@@ -129,8 +136,9 @@ async def run(server: CapyServer, asks: list[Ask]) -> list[str]:
             elif (problem := await ask_whole(client, ask)) is not None:
                 problems.append(problem)
 
-    async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers(), limits=limits,
-                                 timeout=30, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=server.headers(), limits=limits, timeout=30, trust_env=False
+    ) as client:
         await asyncio.wait_for(asyncio.gather(*(worker(client) for _ in range(CONCURRENCY))), 120)
     return problems
 
@@ -144,10 +152,8 @@ def client_sockets(server: CapyServer) -> int:
     fds = Path(f"/proc/{server.process.pid}/fd")
     inodes = set()
     for fd in fds.iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
             inodes.add(os.readlink(fd))
-        except FileNotFoundError:  # closed meanwhile
-            pass
     suffix = f":{server.port:04X}"
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -181,15 +187,21 @@ def test_clients_hanging_up_before_the_headers_leak_nothing(bench: tuple[CapySer
     open_limit, fd_limit = max(start["open"], CONCURRENCY), start_fds + FD_SLACK
 
     def drained(stats: dict[str, Any]) -> bool:
-        return (stats["held"] == 0 and stats["open"] <= open_limit
-                and client_sockets(server) == 0 and fd_count(server) <= fd_limit)
+        return (
+            stats["held"] == 0
+            and stats["open"] <= open_limit
+            and client_sockets(server) == 0
+            and fd_count(server) <= fd_limit
+        )
 
     end = engine.wait_for(drained, 10.0)
     end_fds, clients = fd_count(server), client_sockets(server)
     holds = sum(ask.case == "hold_headers" for ask in asks)
-    print(f"\nleaks: {len(asks)} requests ({holds} hung up) in {took:.1f} s; engine open {start['open']} -> "
-          f"{end['open']}, held {end['held']}, closed_by_peer {start['closed_by_peer']} -> {end['closed_by_peer']}; "
-          f"CapyCTL fds {start_fds} -> {end_fds} ({clients} client sockets left)")
+    print(
+        f"\nleaks: {len(asks)} requests ({holds} hung up) in {took:.1f} s; engine open {start['open']} -> "
+        f"{end['open']}, held {end['held']}, closed_by_peer {start['closed_by_peer']} -> {end['closed_by_peer']}; "
+        f"CapyCTL fds {start_fds} -> {end_fds} ({clients} client sockets left)"
+    )
     assert not problems, f"{len(problems)} healthy answers were not whole, e.g. {problems[:5]}"
     assert end["held"] == 0, f"requests cut before the engine's headers left engine connections open: {end}"
     assert end["open"] <= open_limit, f"engine connections leaked: {start['open']} -> {end['open']}"

@@ -17,7 +17,9 @@ LONG = {"max_tokens": 1500, "ignore_eos": True, "messages": [{"role": "user", "c
 
 def deploy(capy: CapyServer, llama: LlamaPaths, tmp_path: Path, *flags: str) -> None:
     capy.cli("engine", "add", str(llama.server), "--name", "llama-server")
-    capy.cli("deploy", "model", "--file", str(deployment_file(tmp_path, "smollm2", "llama-server", llama.model)), *flags)
+    capy.cli(
+        "deploy", "model", "--file", str(deployment_file(tmp_path, "smollm2", "llama-server", llama.model)), *flags
+    )
 
 
 def status(capy: CapyServer) -> dict:
@@ -52,8 +54,12 @@ def test_listing_never_starts_but_a_request_does(capy: CapyServer, llama: LlamaP
     assert status(capy)["state"] == "stopped" and status(capy)["instances"][0]["pid"] is None
     assert status(capy)["desired"] == "on_demand"
     asked = time.time()  # the three status calls above took well over the half second the test once slept
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=120,
-                   json={"model": "smollm2", "messages": HELLO, "max_tokens": 8})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=120,
+        json={"model": "smollm2", "messages": HELLO, "max_tokens": 8},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert (status(capy)["state"], status(capy)["desired"]) == ("ready", "run")  # the request asked for it
     # the proof that the listing started nothing: the engine's one start came after the request was sent
@@ -67,8 +73,11 @@ def test_operator_stop_is_sticky_until_started(capy: CapyServer, llama: LlamaPat
     pid = status(capy)["instances"][0]["pid"]
     capy.cli("stop", "deployment", "smollm2")
     assert not pid_alive(pid)
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(),
-                   json={"model": "smollm2", "messages": HELLO, "max_tokens": 4})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        json={"model": "smollm2", "messages": HELLO, "max_tokens": 4},
+    )
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "deployment_stopped"
     assert "capyctl start deployment smollm2" in r.json()["error"]["message"]
@@ -77,23 +86,38 @@ def test_operator_stop_is_sticky_until_started(capy: CapyServer, llama: LlamaPat
     assert "desired     stop  (an operator's stop: only `capyctl start deployment` starts it)" in shown
     capy.cli("start", "deployment", "smollm2", "--wait")
     assert status(capy)["desired"] == "run"
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=60,
-                   json={"model": "smollm2", "messages": HELLO, "max_tokens": 4})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=60,
+        json={"model": "smollm2", "messages": HELLO, "max_tokens": 4},
+    )
     assert r.status_code == 200
 
 
-def test_a_crashed_engine_is_restarted_and_its_requests_get_502(capy: CapyServer, llama: LlamaPaths, tmp_path: Path) -> None:
+def test_a_crashed_engine_is_restarted_and_its_requests_get_502(
+    capy: CapyServer, llama: LlamaPaths, tmp_path: Path
+) -> None:
     deploy(capy, llama, tmp_path, "--wait")
     before = status(capy)["instances"][0]
     results: dict[str, object] = {}
 
     def non_streamed() -> None:
-        results["plain"] = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=60,
-                                      json={"model": "smollm2", **LONG})
+        results["plain"] = httpx.post(
+            capy.base_url + "/v1/chat/completions",
+            headers=capy.headers(),
+            timeout=60,
+            json={"model": "smollm2", **LONG},
+        )
 
     def streamed() -> None:
-        with httpx.stream("POST", capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=60,
-                          json={"model": "smollm2", "stream": True, **LONG}) as r:
+        with httpx.stream(
+            "POST",
+            capy.base_url + "/v1/chat/completions",
+            headers=capy.headers(),
+            timeout=60,
+            json={"model": "smollm2", "stream": True, **LONG},
+        ) as r:
             results["stream_status"] = r.status_code
             lines = []
             for line in r.iter_lines():
@@ -118,16 +142,23 @@ def test_a_crashed_engine_is_restarted_and_its_requests_get_502(capy: CapyServer
     assert plain.json()["error"]["model"] == "smollm2"
     assert results["stream_status"] == 200
     last = [e for e in str(results["stream"]).split("\n") if e][-1]
-    assert msgspec.json.decode(last[len("data: "):])["error"]["code"] == "engine_restarted"
+    assert msgspec.json.decode(last[len("data: ") :])["error"]["code"] == "engine_restarted"
     deadline = time.monotonic() + 30
     while (after := status(capy)["instances"][0])["state"] != "ready" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert after["state"] == "ready" and after["restarts"] == 1 and after["pid"] != before["pid"]
     assert "exited with status -9" in after["last_error"]
-    kinds = [e["kind"] for e in map(msgspec.json.decode, capy.cli("events", "--deployment", "smollm2", "--json").stdout.splitlines())]
+    kinds = [
+        e["kind"]
+        for e in map(msgspec.json.decode, capy.cli("events", "--deployment", "smollm2", "--json").stdout.splitlines())
+    ]
     assert "engine_crashed" in kinds and kinds.count("engine_started") == 2
-    r = httpx.post(capy.base_url + "/v1/chat/completions", headers=capy.headers(), timeout=60,
-                   json={"model": "smollm2", "messages": HELLO, "max_tokens": 4})
+    r = httpx.post(
+        capy.base_url + "/v1/chat/completions",
+        headers=capy.headers(),
+        timeout=60,
+        json={"model": "smollm2", "messages": HELLO, "max_tokens": 4},
+    )
     assert r.status_code == 200
 
 

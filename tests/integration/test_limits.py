@@ -39,8 +39,9 @@ def serve(tmp: Path, engine: BrokenEngine, *args: str) -> CapyServer:
 
 @pytest.fixture(scope="module")
 def impatient(tmp_path_factory: pytest.TempPathFactory, engine: BrokenEngine) -> Iterator[CapyServer]:
-    server = serve(tmp_path_factory.mktemp("impatient"), engine,
-                   "--client-header-timeout", "1s", "--client-body-timeout", "1500ms")
+    server = serve(
+        tmp_path_factory.mktemp("impatient"), engine, "--client-header-timeout", "1s", "--client-body-timeout", "1500ms"
+    )
     try:
         yield server
     finally:
@@ -62,8 +63,13 @@ def envelope(raw: bytes) -> dict:
 
 def cuts(server: CapyServer) -> dict[str, float]:
     text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=10).text
-    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
-            if f.name == "capyctl_client_connections_cut" for s in f.samples if s.name.endswith("_total")}
+    return {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "capyctl_client_connections_cut"
+        for s in f.samples
+        if s.name.endswith("_total")
+    }
 
 
 @pytest.mark.parametrize(
@@ -81,8 +87,10 @@ def test_a_client_too_slow_with_its_request_is_cut_and_counted_and_costs_no_engi
     before_requests, before_cuts = engine.stats()["requests"], cuts(impatient).get(f"slow_{phase}", 0.0)
     if sent is None:
         body = b'{"model": "ok", "messages": [{"role": "user", "content": "hi"}]}'
-        sent = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {impatient.api_key}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body) * 10}\r\n\r\n").encode() + body
+        sent = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {impatient.api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body) * 10}\r\n\r\n"
+        ).encode() + body
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
         sock.sendall(sent)
         raw = answer_of(sock)
@@ -102,18 +110,20 @@ def test_a_client_in_time_on_a_kept_alive_connection_is_not_cut(impatient: CapyS
             assert r.text.endswith("data: [DONE]\n\n") if stream else r.json()["choices"]
 
 
-
 def test_the_next_request_on_a_kept_alive_connection_gets_its_own_header_time(impatient: CapyServer) -> None:
     """After an answered request the connection's header time starts again with the next request's first
     byte: a pause before it is the keep-alive's business, a stall inside its headers is cut."""
     body = b'{"model": "ok", "messages": []}'
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {impatient.api_key}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {impatient.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     with socket.create_connection(("127.0.0.1", impatient.port)) as sock:
         sock.sendall(request)
         first = b""
         while b"\r\n\r\n" not in first or len(first.split(b"\r\n\r\n", 1)[1]) < int(
-                re.search(rb"content-length: (\d+)", first).group(1)):  # type: ignore[union-attr]
+            re.search(rb"content-length: (\d+)", first).group(1)
+        ):  # type: ignore[union-attr]
             first += sock.recv(65536)
         assert first.startswith(b"HTTP/1.1 200 ")
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthori")  # and no more
@@ -121,17 +131,20 @@ def test_the_next_request_on_a_kept_alive_connection_gets_its_own_header_time(im
     assert raw.startswith(b"HTTP/1.1 408 "), raw[:200]
     assert envelope(raw)["phase"] == "headers"
 
+
 def chat(server: CapyServer) -> httpx.Response:
     try:
-        return httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=30,
-                          json={"model": "ok", "messages": []})
+        return httpx.post(
+            server.base_url + "/v1/chat/completions",
+            headers=server.headers(),
+            timeout=30,
+            json={"model": "ok", "messages": []},
+        )
     except httpx.RemoteProtocolError:  # refused before httpx read a whole answer: as good as a 503 here
         return httpx.Response(503)
 
 
-def test_connections_past_the_cap_are_refused_with_a_clear_answer(
-    tmp_path: Path, engine: BrokenEngine
-) -> None:
+def test_connections_past_the_cap_are_refused_with_a_clear_answer(tmp_path: Path, engine: BrokenEngine) -> None:
     server = serve(tmp_path, engine, "--max-connections", "4")
     held: list[socket.socket] = []
     try:

@@ -14,16 +14,24 @@ CALLER = "checkout-7f3a-SECRET"
 
 
 def chat(served: CapyServer, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(served.base_url + "/v1/chat/completions", json={"model": "smollm2", "messages": HELLO, **body},
-                      headers={**served.headers(), **(headers or {})}, timeout=60)
+    return httpx.post(
+        served.base_url + "/v1/chat/completions",
+        json={"model": "smollm2", "messages": HELLO, **body},
+        headers={**served.headers(), **(headers or {})},
+        timeout=60,
+    )
 
 
 def test_caller_request_id_is_handed_back_and_logged_but_never_stored(served: CapyServer) -> None:
     plain = chat(served, {"max_tokens": 4}, {"X-Request-Id": CALLER})
     assert plain.status_code == 200 and plain.headers["x-request-id"] == CALLER
-    with httpx.stream("POST", served.base_url + "/v1/chat/completions", timeout=60,
-                      json={"model": "smollm2", "messages": HELLO, "max_tokens": 4, "stream": True},
-                      headers={**served.headers(), "X-Request-Id": CALLER + "-s"}) as r:
+    with httpx.stream(
+        "POST",
+        served.base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": "smollm2", "messages": HELLO, "max_tokens": 4, "stream": True},
+        headers={**served.headers(), "X-Request-Id": CALLER + "-s"},
+    ) as r:
         assert r.headers["x-request-id"] == CALLER + "-s"
         r.read()
     ours = plain.headers["x-capyctl-request-id"]
@@ -42,13 +50,18 @@ def test_caller_request_id_is_handed_back_and_logged_but_never_stored(served: Ca
 
 def test_bad_caller_request_ids_are_refused_before_anything_wakes(served: CapyServer) -> None:
     for bad in ["", "has space", "x" * 129, "caf\u00e9"]:
-        r = httpx.post(served.base_url + "/v1/chat/completions", headers=[
-            ("authorization", f"Bearer {served.api_key}"), ("x-request-id", bad.encode("utf-8"))],
-            json={"model": "smollm2", "messages": HELLO})
+        r = httpx.post(
+            served.base_url + "/v1/chat/completions",
+            headers=[("authorization", f"Bearer {served.api_key}"), ("x-request-id", bad.encode("utf-8"))],
+            json={"model": "smollm2", "messages": HELLO},
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", bad
         assert r.json()["error"]["param"] == "X-Request-Id"
-    twice = httpx.post(served.base_url + "/v1/chat/completions", json={"model": "smollm2", "messages": HELLO},
-                       headers=[("authorization", f"Bearer {served.api_key}"), ("x-request-id", "a"), ("x-request-id", "b")])
+    twice = httpx.post(
+        served.base_url + "/v1/chat/completions",
+        json={"model": "smollm2", "messages": HELLO},
+        headers=[("authorization", f"Bearer {served.api_key}"), ("x-request-id", "a"), ("x-request-id", "b")],
+    )
     assert twice.status_code == 400 and "more than once" in twice.json()["error"]["message"]
 
 
@@ -68,7 +81,7 @@ def test_cache_salt_is_refused_for_llama_cpp_and_never_reaches_it(served: CapySe
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "cache_salt_unsupported"
     stream = chat(served, {"cache_salt": "tenant-a", "stream": True})
     assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
-    event = msgspec.json.decode(stream.text.strip()[len("data: "):])
+    event = msgspec.json.decode(stream.text.strip()[len("data: ") :])
     assert event["error"]["code"] == "cache_salt_unsupported"
     # a request sent after them is served, so anything they had sent the engine was sent before it; once the
     # engine is idle it has done all of it, and its decodes are that one request's alone
@@ -77,7 +90,9 @@ def test_cache_salt_is_refused_for_llama_cpp_and_never_reaches_it(served: CapySe
     while engine_metric(port, "llamacpp:requests_processing") or engine_metric(port, "llamacpp:requests_deferred"):
         assert time.monotonic() < until_idle, "the engine is still busy: a refused request reached it"
         time.sleep(0.05)
-    assert engine_metric(port, "llamacpp:n_decode_total") - before == one_request, "a refused request reached the engine"
+    assert engine_metric(port, "llamacpp:n_decode_total") - before == one_request, (
+        "a refused request reached the engine"
+    )
 
 
 def test_prometheus_endpoint_parses_and_counts(served: CapyServer) -> None:
@@ -88,15 +103,23 @@ def test_prometheus_endpoint_parses_and_counts(served: CapyServer) -> None:
     scrape = httpx.get(served.base_url + "/metrics", headers=served.headers())
     assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(scrape.text)}
-    requests = {(s.labels["deployment"], s.labels["code"]): s.value
-                for s in families["capyctl_requests"].samples if s.name == "capyctl_requests_total"}
+    requests = {
+        (s.labels["deployment"], s.labels["code"]): s.value
+        for s in families["capyctl_requests"].samples
+        if s.name == "capyctl_requests_total"
+    }
     assert requests[("smollm2", "ok")] >= 1
     assert requests[("smollm2", "invalid_request_error")] >= 1
-    ttft = [s for s in families["capyctl_time_to_first_token_seconds"].samples
-            if s.name.endswith("_count") and s.labels["deployment"] == "smollm2"]
+    ttft = [
+        s
+        for s in families["capyctl_time_to_first_token_seconds"].samples
+        if s.name.endswith("_count") and s.labels["deployment"] == "smollm2"
+    ]
     assert ttft and ttft[0].value >= 1
-    assert any(s.labels == {"deployment": "smollm2", "state": "ready"} and s.value == 1
-               for s in families["capyctl_deployment_state"].samples)
+    assert any(
+        s.labels == {"deployment": "smollm2", "state": "ready"} and s.value == 1
+        for s in families["capyctl_deployment_state"].samples
+    )
     assert {s.labels["deployment"] for s in families["capyctl_requests_in_flight"].samples} == {"smollm2"}
     assert "capyctl_relay_latency_seconds" in families and "capyctl_engine_restarts" in families
 

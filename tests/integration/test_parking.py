@@ -33,29 +33,43 @@ class Parking:
         self.tmp = tmp
         self.timeline = tmp / "timeline.jsonl"
         config = tmp / "server.yaml"
-        config.write_text("memory:\n  devices:\n    - name: gpu0\n      capacity: 7GiB\n"
-                          "switching:\n  admission_window: 500ms\n")
+        config.write_text(
+            "memory:\n  devices:\n    - name: gpu0\n      capacity: 7GiB\nswitching:\n  admission_window: 500ms\n"
+        )
         self.server = CapyServer(tmp / "state", "--config", str(config))
 
     def deploy(self, name: str, residency: str = "host_backed", **env: str) -> None:
         path = self.tmp / f"{name}.yaml"
-        path.write_bytes(msgspec.yaml.encode({
-            "name": name, "engine": "vllm", "model": str(self.tmp / "model"), "residency": residency,
-            "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
-            "engine_config": {"env": {"STANDIN_TIMELINE": str(self.timeline), "STANDIN_LOAD_S": "0.3", **env}},
-        }))
+        path.write_bytes(
+            msgspec.yaml.encode(
+                {
+                    "name": name,
+                    "engine": "vllm",
+                    "model": str(self.tmp / "model"),
+                    "residency": residency,
+                    "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
+                    "engine_config": {"env": {"STANDIN_TIMELINE": str(self.timeline), "STANDIN_LOAD_S": "0.3", **env}},
+                }
+            )
+        )
         self.server.cli("deploy", "model", "--file", str(path))
 
     def ask(self, name: str, **extra: Any) -> httpx.Response:
-        return httpx.post(self.server.base_url + "/v1/chat/completions", headers=self.server.headers(),
-                          json={"model": name, **QUESTION, **extra}, timeout=60)
+        return httpx.post(
+            self.server.base_url + "/v1/chat/completions",
+            headers=self.server.headers(),
+            json={"model": name, **QUESTION, **extra},
+            timeout=60,
+        )
 
     def status(self, name: str) -> dict[str, Any]:
         return self.server.cli_json("status", "deployment", name)
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         out = self.server.cli("events", "--json").stdout
-        return [e for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip()) if e["kind"] == kind]
+        return [
+            e for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip()) if e["kind"] == kind
+        ]
 
     def lines(self) -> list[dict[str, Any]]:
         return read_timeline(self.timeline)
@@ -131,7 +145,8 @@ def test_an_operators_park_then_start_wakes_it(parking: Parking) -> None:
     woken = parking.server.cli_json("start", "deployment", "alpha", "--wait")
     assert woken["state"] == "ready"
     assert parking.ask("alpha").json()["choices"][0]["message"]["content"] == expected_text(
-        {"model": "alpha", **QUESTION})
+        {"model": "alpha", **QUESTION}
+    )
 
 
 def test_a_park_waits_for_the_requests_at_the_engine_and_aborts_none(parking: Parking) -> None:
@@ -141,8 +156,13 @@ def test_a_park_waits_for_the_requests_at_the_engine_and_aborts_none(parking: Pa
     got: dict[str, Any] = {}
 
     def long_stream() -> None:  # about a second of tokens at the stand-in's 5 ms a token
-        with httpx.stream("POST", parking.server.base_url + "/v1/chat/completions", headers=parking.server.headers(),
-                          json={"model": "alpha", **QUESTION, "max_tokens": 200, "stream": True}, timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            parking.server.base_url + "/v1/chat/completions",
+            headers=parking.server.headers(),
+            json={"model": "alpha", **QUESTION, "max_tokens": 200, "stream": True},
+            timeout=60,
+        ) as r:
             got["status"] = r.status_code
             got["body"] = "".join(r.iter_text())
             got["ended"] = time.time()
@@ -181,8 +201,13 @@ def test_a_deep_park_drops_the_weights_and_the_wake_reloads_them(parking: Parkin
     assert r.status_code == 200
     assert r.json()["choices"][0]["message"]["content"] == expected_text({"model": "delta", **QUESTION})
     sequence = calls(parking.lines(), "delta")
-    assert sequence[-5:] == [("/sleep", "level=2&mode=wait"), ("/wake_up", "tags=weights"), ("/collective_rpc", ""),
-                             ("/wake_up", "tags=kv_cache"), ("/reset_prefix_cache", "")]
+    assert sequence[-5:] == [
+        ("/sleep", "level=2&mode=wait"),
+        ("/wake_up", "tags=weights"),
+        ("/collective_rpc", ""),
+        ("/wake_up", "tags=kv_cache"),
+        ("/reset_prefix_cache", ""),
+    ]
     assert not [e for e in parking.events("wake_mismatch") if e["deployment"] == "delta"]
 
 
@@ -196,7 +221,9 @@ def test_prometheus_counts_parks_wakes_switches_and_memory(parking: Parking) -> 
     assert samples['capyctl_parks_total{deployment="alpha",why="switch"}'] >= 1
     assert samples['capyctl_parks_total{deployment="alpha",why="operator"}'] >= 1
     assert samples['capyctl_wakes_total{deployment="alpha"}'] >= 2
-    assert samples['capyctl_wake_seconds_count{deployment="alpha"}'] == samples['capyctl_wakes_total{deployment="alpha"}']
+    assert (
+        samples['capyctl_wake_seconds_count{deployment="alpha"}'] == samples['capyctl_wakes_total{deployment="alpha"}']
+    )
     assert samples['capyctl_switches_total{device="gpu0",outcome="completed"}'] >= 2
     assert samples['capyctl_memory_capacity_bytes{device="gpu0",kind="capacity"}'] == CAPACITY
     charged = sum(v for k, v in samples.items() if k.startswith("capyctl_memory_charged_bytes{"))

@@ -14,8 +14,11 @@ import pytest
 from tests.integration.harness import CapyServer, LlamaPaths, deployment_file, engine_metric
 
 pytestmark = pytest.mark.integration
-LONG = {"messages": [{"role": "user", "content": "Count from one to one hundred in words."}], "max_tokens": 48,
-        "temperature": 0}
+LONG = {
+    "messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
+    "max_tokens": 48,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,9 @@ def queued(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> Itera
     server = CapyServer(tmp / "state", "--config", str(config)).start()
     try:
         server.cli("engine", "add", str(llama.server), "--name", "llama-server")
-        server.cli("deploy", "model", "--file", str(deployment_file(tmp, "smollm2", "llama-server", llama.model)),
-                   "--wait")
+        server.cli(
+            "deploy", "model", "--file", str(deployment_file(tmp, "smollm2", "llama-server", llama.model)), "--wait"
+        )
         yield server
     finally:
         server.stop()
@@ -66,13 +70,17 @@ def test_forty_at_once_get_eighteen_answers_and_twenty_two_queue_full(queued: Ca
     watcher.start()
 
     async def ask(client: httpx.AsyncClient, n: int) -> httpx.Response:
-        return await client.post("/v1/chat/completions", json={"model": "smollm2", **LONG, "stream": n % 2 == 0},
-                                 headers={"X-Request-Id": f"q-{n}"})
+        return await client.post(
+            "/v1/chat/completions",
+            json={"model": "smollm2", **LONG, "stream": n % 2 == 0},
+            headers={"X-Request-Id": f"q-{n}"},
+        )
 
     async def all_at_once() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=queued.base_url, headers=queued.headers(), timeout=300,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=queued.base_url, headers=queued.headers(), timeout=300, limits=limits
+        ) as client:
             return await asyncio.gather(*(ask(client, n) for n in range(40)))
 
     try:
@@ -101,8 +109,9 @@ def test_x_llm_wait_0_on_a_stopped_model_answers_model_loading_and_starts_it(
     queued: CapyServer, llama: LlamaPaths, tmp_path: Path
 ) -> None:
     notes = "SmolLM2-135M on CPU: two slots"
-    queued.cli("deploy", "model", "--file",
-               str(deployment_file(tmp_path, "cold", "llama-server", llama.model, notes=notes)))
+    queued.cli(
+        "deploy", "model", "--file", str(deployment_file(tmp_path, "cold", "llama-server", llama.model, notes=notes))
+    )
     assert queued.cli_json("status", "deployment", "cold")["state"] == "stopped"  # deployed, never started
     before = listed(queued)["cold"]
     assert queued.cli_json("status", "deployment", "cold")["state"] == "stopped"  # listing starts nothing
@@ -110,22 +119,32 @@ def test_x_llm_wait_0_on_a_stopped_model_answers_model_loading_and_starts_it(
     assert (before["engine"], before["context_length"], before["notes"]) == ("llamacpp", 4096, notes)
     assert before["capyctl"]["state"] == "stopped" and before["capyctl"]["max_concurrent"] == 2
     assert before["capyctl"]["queue"] == {"in_flight": 0, "waiting": 0}
-    r = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30,
-                   headers={**queued.headers(), "X-LLM-Wait": "0"}, json={"model": "cold", **LONG})
+    r = httpx.post(
+        queued.base_url + "/v1/chat/completions",
+        timeout=30,
+        headers={**queued.headers(), "X-LLM-Wait": "0"},
+        json={"model": "cold", **LONG},
+    )
     assert r.status_code == 503, r.text
     error = r.json()["error"]
     assert error["code"] == "model_loading" and error["model"] == "cold" and error["state"] == "starting"
     assert int(r.headers["retry-after"]) >= 1 and error["retry_after_s"] == int(r.headers["retry-after"])
     deadline = time.monotonic() + 120  # no other request: it becomes ready by itself
-    while (state := queued.cli_json("status", "deployment", "cold")["state"]) != "ready" and time.monotonic() < deadline:
+    while (
+        state := queued.cli_json("status", "deployment", "cold")["state"]
+    ) != "ready" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert state == "ready"
     after = listed(queued)["cold"]
     assert (after["state"], after["loaded"], after["capyctl"]["state"]) == ("loaded", True, "ready")
     assert after["cold_start_s"] == 0.0  # ready: nothing to wait for
     assert after["created"] == before["created"] <= time.time()  # the server's start, not "now"
-    r = httpx.post(queued.base_url + "/v1/chat/completions", timeout=60,
-                   headers={**queued.headers(), "X-LLM-Wait": "0"}, json={"model": "cold", **LONG})
+    r = httpx.post(
+        queued.base_url + "/v1/chat/completions",
+        timeout=60,
+        headers={**queued.headers(), "X-LLM-Wait": "0"},
+        json={"model": "cold", **LONG},
+    )
     assert r.status_code == 200 and r.json()["model"] == "cold"
     queued.cli("stop", "deployment", "cold")
     stopped = listed(queued)["cold"]
@@ -134,8 +153,12 @@ def test_x_llm_wait_0_on_a_stopped_model_answers_model_loading_and_starts_it(
 
 @pytest.mark.parametrize("value", ["901", "-1", "1.5", "soon", ""])
 def test_a_bad_x_llm_wait_is_refused_before_anything_starts(queued: CapyServer, value: str) -> None:
-    r = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30,
-                   headers={**queued.headers(), "X-LLM-Wait": value}, json={"model": "smollm2", **LONG})
+    r = httpx.post(
+        queued.base_url + "/v1/chat/completions",
+        timeout=30,
+        headers={**queued.headers(), "X-LLM-Wait": value},
+        json={"model": "smollm2", **LONG},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_request" and r.json()["error"]["param"] == "X-LLM-Wait"
 
@@ -144,24 +167,34 @@ def scrape(server: CapyServer) -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_waits_and_refusals_are_counted(queued: CapyServer) -> None:
     before = scrape(queued)
-    bad_key = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30,
-                         headers={"authorization": "Bearer nope"}, json={"model": "smollm2", **LONG})
+    bad_key = httpx.post(
+        queued.base_url + "/v1/chat/completions",
+        timeout=30,
+        headers={"authorization": "Bearer nope"},
+        json={"model": "smollm2", **LONG},
+    )
     assert bad_key.status_code == 401
-    unknown = httpx.post(queued.base_url + "/v1/chat/completions", timeout=30, headers=queued.headers(),
-                         json={"model": "nope", **LONG})
+    unknown = httpx.post(
+        queued.base_url + "/v1/chat/completions", timeout=30, headers=queued.headers(), json={"model": "nope", **LONG}
+    )
     assert unknown.status_code == 404
 
     async def burst() -> list[int]:
-        async with httpx.AsyncClient(base_url=queued.base_url, headers=queued.headers(), timeout=300,
-                                     limits=httpx.Limits(max_connections=64)) as client:
-            answers = await asyncio.gather(*(client.post("/v1/chat/completions", json={"model": "smollm2", **LONG})
-                                             for _ in range(24)))
+        async with httpx.AsyncClient(
+            base_url=queued.base_url, headers=queued.headers(), timeout=300, limits=httpx.Limits(max_connections=64)
+        ) as client:
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json={"model": "smollm2", **LONG}) for _ in range(24))
+            )
             return [r.status_code for r in answers]
 
     statuses = asyncio.run(burst())

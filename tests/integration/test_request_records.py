@@ -26,20 +26,29 @@ HELLO = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
-    with replay_behind_capyctl(tmp_path_factory.mktemp("records"), RECORDING, "--default-case",
-                               "chat_stream_usage") as capy:
+    with replay_behind_capyctl(
+        tmp_path_factory.mktemp("records"), RECORDING, "--default-case", "chat_stream_usage"
+    ) as capy:
         yield capy
 
 
 def chat(server: CapyServer, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
-                      json={"model": "chat", "messages": HELLO, **body}, headers=headers or server.headers())
+    return httpx.post(
+        server.base_url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "chat", "messages": HELLO, **body},
+        headers=headers or server.headers(),
+    )
 
 
 def management(server: CapyServer, path: str, **params: Any) -> httpx.Response:
     token = (server.state_dir / "identity" / "admin-token").read_text().strip()
-    return httpx.get(f"http://127.0.0.1:{server.management_port}{path}", params=params, timeout=30,
-                     headers={"authorization": f"Bearer {token}"})
+    return httpx.get(
+        f"http://127.0.0.1:{server.management_port}{path}",
+        params=params,
+        timeout=30,
+        headers={"authorization": f"Bearer {token}"},
+    )
 
 
 def by_id(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -49,9 +58,13 @@ def by_id(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_id(server: CapyServer) -> None:
     plain = chat(server, server.headers(**{"X-Request-Id": CALLER}))
     assert plain.status_code == 200, plain.text
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=30,
-                      json={"model": "chat", "messages": HELLO, "stream": True},
-                      headers=server.headers(**{"X-Request-Id": CALLER + "-s"})) as streamed:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "chat", "messages": HELLO, "stream": True},
+        headers=server.headers(**{"X-Request-Id": CALLER + "-s"}),
+    ) as streamed:
         relayed = streamed.read()
         assert streamed.status_code == 200 and b"data: [DONE]" in relayed
     unknown = chat(server, server.headers(**{"X-Request-Id": CALLER + "-u"}), model="nope")
@@ -66,8 +79,14 @@ def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_i
     rows = by_id(msgspec.json.decode(listed))
     answer = rows[plain.headers["x-capyctl-request-id"]]
     assert {k: answer[k] for k in ("api", "code", "status", "deployment", "key", "instance", "stream")} == {
-        "api": "chat", "code": "ok", "status": 200, "deployment": "chat", "key": "default", "instance": 0,
-        "stream": False}
+        "api": "chat",
+        "code": "ok",
+        "status": 200,
+        "deployment": "chat",
+        "key": "default",
+        "instance": 0,
+        "stream": False,
+    }
     metrics = plain.json()["capyctl"]["metrics"]  # the row says what the answer said
     assert answer["ttft_ms"] == metrics["ttft_ms"]["value"] and answer["ttft_ms"] > 0
     assert answer["queue_ms"] == metrics["queue_ms"]["value"]
@@ -89,7 +108,12 @@ def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_i
 
     refused = rows[unknown.headers["x-capyctl-request-id"]]
     assert (refused["code"], refused["status"], refused["deployment"], refused["key"], refused["instance"]) == (
-        "model_not_found", 404, "nope", "default", None)
+        "model_not_found",
+        404,
+        "nope",
+        "default",
+        None,
+    )
     assert rows[bad_key.headers["x-capyctl-request-id"]]["code"] == "invalid_api_key"
     assert rows[bad_key.headers["x-capyctl-request-id"]]["key"] is None
     assert rows[bad_caller.headers["x-capyctl-request-id"]]["status"] == 400
@@ -103,8 +127,13 @@ def test_answers_streamed_or_not_and_refusals_are_recorded_without_the_callers_i
 def test_a_stream_the_client_left_is_recorded_cut_then_settled(server: CapyServer) -> None:
     """The client hangs up after the first text: the row says so (cause, and the engine_idle rule, since the
     engine had answered), and once the engine reports itself idle, after how long it was settled."""
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=30, headers=server.headers(),
-                      json={"model": "chat", "messages": HELLO, "stream": True, "replay_interval_ms": 50}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        timeout=30,
+        headers=server.headers(),
+        json={"model": "chat", "messages": HELLO, "stream": True, "replay_interval_ms": 50},
+    ) as r:
         ours = r.headers["x-capyctl-request-id"]
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
@@ -118,10 +147,14 @@ def test_a_stream_the_client_left_is_recorded_cut_then_settled(server: CapyServe
         time.sleep(0.1)
     got = row.json()
     assert (got["code"], got["status"], got["stream"], got["cause"], got["settlement"]) == (
-        "client_gone", 200, True, "client_gone", "engine_idle")
+        "client_gone",
+        200,
+        True,
+        "client_gone",
+        "engine_idle",
+    )
     assert got["ttft_ms"] is None and got["settled_s"] >= 0  # (its answer never ended: no figures)
     assert got["total_ms"] < 5000
-
 
 
 def test_an_engine_refusal_before_a_stream_is_recorded_with_the_status_answered(server: CapyServer) -> None:
@@ -143,10 +176,16 @@ def test_a_refusal_at_the_daily_limit_is_recorded_with_its_key_and_model(server:
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "daily_limit"
     row = management(server, "/requests/" + refused.headers["x-capyctl-request-id"]).json()
     assert (row["code"], row["status"], row["key"], row["deployment"], row["instance"]) == (
-        "daily_limit", 429, "one-a-day", "chat", None)
+        "daily_limit",
+        429,
+        "one-a-day",
+        "chat",
+        None,
+    )
     bad = chat(server, headers, model=7)  # refused before any model was read: the key alone is named
     row = management(server, "/requests/" + bad.headers["x-capyctl-request-id"]).json()
     assert (row["status"], row["key"], row["deployment"]) == (400, "one-a-day", None)
+
 
 def test_filters_on_the_cli_and_the_api(server: CapyServer) -> None:
     assert chat(server).status_code == 200
@@ -164,8 +203,15 @@ def test_filters_on_the_cli_and_the_api(server: CapyServer) -> None:
     assert "model_not_found" in text and " ok " not in text
 
 
-@pytest.mark.parametrize(("params", "param"), [({"status": "abc"}, "status"), ({"limit": 0}, "limit"),
-                                               ({"since": "yesterday"}, "since"), ({"model": "chat"}, "model")])
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"status": "abc"}, "status"),
+        ({"limit": 0}, "limit"),
+        ({"since": "yesterday"}, "since"),
+        ({"model": "chat"}, "model"),
+    ],
+)
 def test_bad_filters_are_400_naming_the_parameter(server: CapyServer, params: dict[str, Any], param: str) -> None:
     r = management(server, "/requests", **params)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
@@ -177,8 +223,11 @@ def test_an_unknown_id_is_404_and_the_records_need_the_admin_token(server: CapyS
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     anonymous = httpx.get(f"http://127.0.0.1:{server.management_port}/requests", timeout=10)
     assert anonymous.status_code == 401
-    wrong = httpx.get(f"http://127.0.0.1:{server.management_port}/requests", timeout=10,
-                      headers={"authorization": f"Bearer {server.api_key}"})  # an inference key is not the admin's
+    wrong = httpx.get(
+        f"http://127.0.0.1:{server.management_port}/requests",
+        timeout=10,
+        headers={"authorization": f"Bearer {server.api_key}"},
+    )  # an inference key is not the admin's
     assert wrong.status_code == 401
 
 
@@ -215,11 +264,19 @@ def test_a_locked_database_delays_no_request_and_the_records_carry_on_once_it_is
 def test_config_check_shows_the_records_settings(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("records:\n  max_count: 500\n  max_age: 36h\n")
-    done = subprocess.run([sys.executable, "-m", "capyctl", "config", "check", str(path), "--json"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "capyctl", "config", "check", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert msgspec.json.decode(done.stdout)["records"] == {"max_count": 500, "max_age_s": 129600.0, "buffer": 10000}
     path.write_text("records:\n  max_count: 0\n")
-    done = subprocess.run([sys.executable, "-m", "capyctl", "config", "check", str(path), "--json"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "capyctl", "config", "check", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 6 and "records.max_count" in msgspec.json.decode(done.stdout)["error"]["message"]

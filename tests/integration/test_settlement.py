@@ -26,8 +26,11 @@ def events(server: CapyServer, kind: str) -> list[dict]:
 def open_stream(server: CapyServer, body: dict) -> socket.socket:
     data = msgspec.json.encode({"model": "smollm2", "stream": True, **body})
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -42,8 +45,7 @@ def test_a_stream_cut_after_its_first_text_is_counted_then_settled_by_the_engine
     served: CapyServer,
 ) -> None:
     cuts_before = len(events(served, "request_cut"))
-    sock = open_stream(served, {"messages": [{"role": "user", "content": "Tell me a long story."}],
-                                "max_tokens": 2000})
+    sock = open_stream(served, {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000})
     received = b""
     sock.settimeout(30)
     while received.count(b'"content":"') < 2:  # text has come (not only the role chunk)
@@ -58,7 +60,9 @@ def test_a_stream_cut_after_its_first_text_is_counted_then_settled_by_the_engine
 
 def test_a_request_cut_before_any_output_stays_counted_until_the_engine_stops(served: CapyServer) -> None:
     port = served.cli_json("status", "deployment", "smollm2")["instances"][0]["port"]
-    prompt = "Summarise this text. " + "The capybara is the largest living rodent. " * 150  # a long prefill, within a slot's 2048 tokens
+    prompt = (
+        "Summarise this text. " + "The capybara is the largest living rodent. " * 150
+    )  # a long prefill, within a slot's 2048 tokens
     sock = open_stream(served, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 8})
     until(lambda: engine_metric(port, "llamacpp:requests_processing") >= 1, 30)  # the engine has it
     sock.close()  # before any output: the engine may still be on its prompt

@@ -42,7 +42,7 @@ def _dechunk(body: bytes) -> bytes:
         size = int(body[i:end], 16)
         if size == 0:
             return b"".join(out)
-        out.append(body[end + 2:end + 2 + size])
+        out.append(body[end + 2 : end + 2 + size])
         i = end + 2 + size + 2
 
 
@@ -51,9 +51,11 @@ def test_a_slow_client_gets_the_whole_stream_in_order(server: CapyServer) -> Non
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                 .encode() + body)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
     received = bytearray()
     deadline = time.monotonic() + 120
     sock.settimeout(30)
@@ -69,6 +71,6 @@ def test_a_slow_client_gets_the_whole_stream_in_order(server: CapyServer) -> Non
     events = _dechunk(chunked).split(b"\n\n")[:-1]
     data = [e for e in events if e.startswith(b"data: {")]
     assert len(data) == REPEATS + 3  # the role chunk, every content chunk, the finish and usage chunks
-    contents = [msgspec.json.decode(e[6:])["choices"][0]["delta"].get("content") for e in data[1:REPEATS + 1]]
+    contents = [msgspec.json.decode(e[6:])["choices"][0]["delta"].get("content") for e in data[1 : REPEATS + 1]]
     assert contents == [contents[0]] * REPEATS and all(b'"model":"chat"' in e for e in data)
     assert events[-2].startswith(b": x-capyctl-metrics ") and events[-1] == b"data: [DONE]"

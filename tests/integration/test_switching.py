@@ -71,12 +71,19 @@ def switching(tmp_path_factory: pytest.TempPathFactory, llama: LlamaPaths) -> It
         server.cli("engine", "add", str(llama.server), "--name", "llama-server")
         for name in NAMES:
             path = tmp / f"{name}.yaml"
-            path.write_bytes(msgspec.yaml.encode({
-                "name": name, "engine": "llama-server", "model": str(llama.model),
-                # one slot and one thread each: two engines share the CI machine's 2 cores without oversubscribing them
-                "engine_config": {"context_length": 2048, "extra_args": ["--parallel", "1", "--threads", "1"]},
-                "resources": {"memory": "1GiB"},
-            }))
+            path.write_bytes(
+                msgspec.yaml.encode(
+                    {
+                        "name": name,
+                        "engine": "llama-server",
+                        "model": str(llama.model),
+                        # one slot and one thread each: two engines share the CI machine's 2 cores
+                        # without oversubscribing them
+                        "engine_config": {"context_length": 2048, "extra_args": ["--parallel", "1", "--threads", "1"]},
+                        "resources": {"memory": "1GiB"},
+                    }
+                )
+            )
             server.cli("deploy", "model", "--file", str(path))
         yield server
     finally:
@@ -99,11 +106,15 @@ def test_interleaved_bursts_to_three_models_where_two_fit(switching: CapyServer)
         async def burst(client: httpx.AsyncClient, name: str, round_: int) -> list[tuple[str, str, httpx.Response]]:
             asks = [(name, PROMPTS[(i + round_) % len(PROMPTS)]) for i in range(8)]
             replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(n, p)) for n, p in asks))
-            return [(n, p, r) for (n, p), r in zip(asks, replies)]
+            return [(n, p, r) for (n, p), r in zip(asks, replies, strict=False)]
 
         async def interleaved() -> list[tuple[str, str, httpx.Response]]:
-            async with httpx.AsyncClient(base_url=switching.base_url, headers=switching.headers(), timeout=600,
-                                         limits=httpx.Limits(max_connections=64)) as client:
+            async with httpx.AsyncClient(
+                base_url=switching.base_url,
+                headers=switching.headers(),
+                timeout=600,
+                limits=httpx.Limits(max_connections=64),
+            ) as client:
                 tasks = []
                 for round_ in range(2):
                     for name in NAMES:
@@ -128,18 +139,29 @@ def test_interleaved_bursts_to_three_models_where_two_fit(switching: CapyServer)
 
 def _events(server: CapyServer) -> list[dict]:
     out = server.cli("events", "--json").stdout
-    return [e for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip())
-            if e["kind"].startswith("switch_")]
+    return [
+        e
+        for e in (msgspec.json.decode(line) for line in out.splitlines() if line.strip())
+        if e["kind"].startswith("switch_")
+    ]
 
 
-def test_a_model_larger_than_the_device_is_refused_with_the_figures(switching: CapyServer, tmp_path: Path,
-                                                                     llama: LlamaPaths) -> None:
+def test_a_model_larger_than_the_device_is_refused_with_the_figures(
+    switching: CapyServer, tmp_path: Path, llama: LlamaPaths
+) -> None:
     path = tmp_path / "big.yaml"
-    path.write_bytes(msgspec.yaml.encode({"name": "big", "engine": "llama-server", "model": str(llama.model),
-                                          "resources": {"memory": "3GiB"}}))
+    path.write_bytes(
+        msgspec.yaml.encode(
+            {"name": "big", "engine": "llama-server", "model": str(llama.model), "resources": {"memory": "3GiB"}}
+        )
+    )
     switching.cli("deploy", "model", "--file", str(path))
-    r = httpx.post(switching.base_url + "/v1/chat/completions", headers=switching.headers(), timeout=60,
-                   json=body("big", PROMPTS[0]))
+    r = httpx.post(
+        switching.base_url + "/v1/chat/completions",
+        headers=switching.headers(),
+        timeout=60,
+        json=body("big", PROMPTS[0]),
+    )
     assert r.status_code == 503 and r.headers["retry-after"].isdigit()
     error = r.json()["error"]
     assert error["code"] == "insufficient_memory" and error["model"] == "big"
@@ -147,11 +169,15 @@ def test_a_model_larger_than_the_device_is_refused_with_the_figures(switching: C
     assert switching.cli_json("status", "deployment", "big")["instances"][0]["pid"] is None  # nothing started
 
 
-def test_a_residency_the_engine_cannot_do_is_refused_when_applied(switching: CapyServer, tmp_path: Path,
-                                                                    llama: LlamaPaths) -> None:
+def test_a_residency_the_engine_cannot_do_is_refused_when_applied(
+    switching: CapyServer, tmp_path: Path, llama: LlamaPaths
+) -> None:
     path = tmp_path / "sleepy.yaml"
-    path.write_bytes(msgspec.yaml.encode({"name": "sleepy", "engine": "llama-server", "model": str(llama.model),
-                                          "residency": "host_backed"}))
+    path.write_bytes(
+        msgspec.yaml.encode(
+            {"name": "sleepy", "engine": "llama-server", "model": str(llama.model), "residency": "host_backed"}
+        )
+    )
     done = switching.cli("deploy", "model", "--file", str(path), check=False)
     assert done.returncode != 0
     assert "residency host_backed is not something llamacpp can do; it can: restart_only" in done.stderr

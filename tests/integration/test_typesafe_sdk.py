@@ -8,7 +8,6 @@ what CapyCTL relays.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -37,8 +36,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
         capy.cli("engine", "add", str(make_standin_venv(tmp / "vllm-venv", "vllm", "0.32.0")), "--name", "vllm")
         for name, api in (("decider", "decisions"), ("chatty", "chat")):
             path = tmp / f"{name}.yaml"
-            path.write_bytes(msgspec.yaml.encode({"name": name, "engine": "vllm", "model": str(tmp / "model"),
-                                                  "api": api}))
+            path.write_bytes(
+                msgspec.yaml.encode({"name": name, "engine": "vllm", "model": str(tmp / "model"), "api": api})
+            )
             capy.cli("deploy", "model", "--file", str(path))
         yield capy
     finally:
@@ -47,14 +47,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
 
 def client(server: CapyServer, model: str = "decider", key: str | None = None) -> TypeSafeClient:
     # the SDK takes the server's root (it adds /v1 itself); no retries, so a refusal shows at once
-    return TypeSafeClient(api_key=key or server.api_key, model=model, base_url=server.base_url,
-                          retry=RetryPolicy(max_retries=0), timeout=120)
+    return TypeSafeClient(
+        api_key=key or server.api_key,
+        model=model,
+        base_url=server.base_url,
+        retry=RetryPolicy(max_retries=0),
+        timeout=120,
+    )
 
 
 QUESTIONS = {
     "angry": Noul(instructions="Is the customer angry?"),
-    "route": Choice(instructions="Which team should handle this?",
-                    criteria={"billing": "payments and refunds", "shipping": None, "technical": None}),
+    "route": Choice(
+        instructions="Which team should handle this?",
+        criteria={"billing": "payments and refunds", "shipping": None, "technical": None},
+    ),
     "urgency": Score(instructions="How urgent is this?", criteria=["can wait", "this week", "today"]),
 }
 

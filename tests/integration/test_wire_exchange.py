@@ -25,16 +25,20 @@ CHUNKS = (RECORDING / "chat_stream_eos_stop.sse").read_bytes().count(b"data: {")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CapyServer]:
-    with replay_behind_capyctl(tmp_path_factory.mktemp("wire"), RECORDING, "--default-case",
-                               "chat_stream_eos_stop") as capy:
+    with replay_behind_capyctl(
+        tmp_path_factory.mktemp("wire"), RECORDING, "--default-case", "chat_stream_eos_stop"
+    ) as capy:
         yield capy
 
 
-def request(server: CapyServer, body: dict, version: str = "1.1", path: str = "/v1/chat/completions",
-            extra: str = "") -> tuple[bytes, bytes]:
+def request(
+    server: CapyServer, body: dict, version: str = "1.1", path: str = "/v1/chat/completions", extra: str = ""
+) -> tuple[bytes, bytes]:
     data = msgspec.json.encode(body)
-    head = (f"POST {path} HTTP/{version}\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n{extra}\r\n").encode()
+    head = (
+        f"POST {path} HTTP/{version}\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n{extra}\r\n"
+    ).encode()
     return head, data
 
 
@@ -70,7 +74,7 @@ class Reader:
                 deadline = time.monotonic() + within
                 while len(self.buffer) < size + 2:
                     self._more(deadline)
-                body, self.buffer = body + self.buffer[:size], self.buffer[size + 2:]
+                body, self.buffer = body + self.buffer[:size], self.buffer[size + 2 :]
                 if size == 0:
                     return status, headers, body
         length = int(headers["content-length"])
@@ -108,8 +112,9 @@ def test_one_connection_serves_streams_answers_and_errors_one_after_the_other(se
 def test_pipelined_requests_are_answered_in_order(server: CapyServer) -> None:
     slow = {**STREAM, "replay_interval_ms": 40}  # the first takes longest: answered at once, they would overtake it
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"".join(request(server, slow)) + b"".join(request(server, WHOLE))
-                     + b"".join(request(server, STREAM)))
+        sock.sendall(
+            b"".join(request(server, slow)) + b"".join(request(server, WHOLE)) + b"".join(request(server, STREAM))
+        )
         reader = Reader(sock)
         kinds = []
         for _ in range(3):

@@ -17,7 +17,9 @@ from capyctl.adapters.process.children import PopenProcessControl, prune_logs
 from tests.integration.harness import pid_alive
 
 
-async def test_no_python_runs_in_the_child_between_fork_and_exec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_no_python_runs_in_the_child_between_fork_and_exec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: dict = {}
     real = subprocess.Popen
 
@@ -109,7 +111,8 @@ async def test_engine_environment_changes_reach_the_child(tmp_path: Path, monkey
     monkeypatch.setenv("KEEP_ME", "kept")
     log = tmp_path / "env.log"
     process = await PopenProcessControl().spawn(
-        ["sh", "-c", 'echo "key=${LLAMA_ARG_API_KEY-unset} keep=$KEEP_ME new=$NEW"'], log,
+        ["sh", "-c", 'echo "key=${LLAMA_ARG_API_KEY-unset} keep=$KEEP_ME new=$NEW"'],
+        log,
         {"LLAMA_ARG_API_KEY": None, "NEW": "1"},
     )
     with anyio.fail_after(5):

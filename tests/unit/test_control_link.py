@@ -40,12 +40,17 @@ class Server:
         self.store, self.clock = FakeStore(), FakeClock()
         self.registry = HostRegistry(self.store, self.clock, Events(self.store, self.clock), LinkTimings())
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
 
     def join_file(self, name: str, secret: bytes = bytes(range(32))) -> JoinFile:
         invite = self.registry.invite(name, secret, ttl=600)
-        return JoinFile(host=name, server=self.address, ca_pem=self.authority.cert_pem.decode(),
-                        secret=secret_text(secret), expires_at=invite.expires_at)
+        return JoinFile(
+            host=name,
+            server=self.address,
+            ca_pem=self.authority.cert_pem.decode(),
+            secret=secret_text(secret),
+            expires_at=invite.expires_at,
+        )
 
 
 @pytest.fixture
@@ -109,8 +114,12 @@ async def test_the_agent_links_and_a_revocation_stops_it_for_good(server: Server
 async def test_a_hello_in_another_name_or_a_stray_message_is_refused(server: Server, tmp_path: Path) -> None:
     await join(server.join_file("gpu-a"), tmp_path / "a")
     state = tmp_path / "a" / "identity"
-    tls = client_ssl_context(server.authority.cert_pem, (state / "host-cert.pem").read_bytes(),
-                             (state / "host-key.pem").read_bytes(), server_name=SERVER_NAME)
+    tls = client_ssl_context(
+        server.authority.cert_pem,
+        (state / "host-cert.pem").read_bytes(),
+        (state / "host-key.pem").read_bytes(),
+        server_name=SERVER_NAME,
+    )
     for first in (Hello(host="gpu-b", version="0", protocol=1), Inventory()):
         async with connect(f"wss://{server.address}", ssl=tls, server_hostname=SERVER_NAME, proxy=None) as conn:
             await conn.send(encode(first))

@@ -20,8 +20,8 @@ from capyctl.domain.memory import Holding
 from capyctl.domain.scheduling import Route
 from capyctl.services.controllers import ControllerSettings, ManagedController
 from capyctl.services.events import Events
-from capyctl.services.local_engines import LocalEngineEffects
 from capyctl.services.fleet import decode_spec
+from capyctl.services.local_engines import LocalEngineEffects
 from tests.fakes.ports import FakeEngineAdapter, FakeProcessControl, FakeStore, VirtualClock, virtual_time
 
 pytestmark = pytest.mark.anyio
@@ -38,11 +38,18 @@ class World:
         spec = decode_spec({"name": "m", "engine": "e", "model": "/m.gguf"})
         engine = EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0", version_text="")
         clock = VirtualClock()
-        effects = LocalEngineEffects(spec, engine, self.adapter, self.processes, clock, lambda: 5555,
-                                     Path("/tmp/capyctl-test-logs"))
+        effects = LocalEngineEffects(
+            spec, engine, self.adapter, self.processes, clock, lambda: 5555, Path("/tmp/capyctl-test-logs")
+        )
         self.controller = ManagedController(
-            Deployment(spec=spec, operator_stopped=operator_stopped), engine, self.adapter, effects, clock,
-            Events(self.store, clock), SETTINGS, row_for(engine.family, engine.version),
+            Deployment(spec=spec, operator_stopped=operator_stopped),
+            engine,
+            self.adapter,
+            effects,
+            clock,
+            Events(self.store, clock),
+            SETTINGS,
+            row_for(engine.family, engine.version),
         )
 
     def states(self) -> list[str]:
@@ -173,7 +180,10 @@ async def test_a_launch_that_raises_is_a_failed_start_and_the_deployment_ends_fa
     assert len(attempts) == SETTINGS.max_start_failures  # the broken launch counts against the budget
     failed = [e["detail"] for e in world.store.events if e["kind"] == "engine_start_failed"]
     assert [d.get("reason", d.get("status")) for d in failed] == [
-        1, "could not launch the engine: OSError: [Errno 28] No space left on device", 1]
+        1,
+        "could not launch the engine: OSError: [Errno 28] No space left on device",
+        1,
+    ]
     assert [e["detail"]["after_s"] for e in world.store.events if e["kind"] == "engine_restarting"] == [0.5, 1.0]
 
 
@@ -239,7 +249,7 @@ async def test_an_engine_that_crashes_after_each_start_backs_off_then_fails(worl
     assert len(world.processes.spawned) == SETTINGS.max_start_failures
     delays = [e["detail"]["after_s"] for e in world.store.events if e["kind"] == "engine_restarting"]
     assert delays == [0.5, 1.0]  # growing
-    gaps = [b - a for a, b in zip(launched, launched[1:])]
+    gaps = [b - a for a, b in zip(launched, launched[1:], strict=False)]
     assert gaps[0] >= 0.5 and gaps[1] >= 1.0 and gaps[1] > gaps[0]  # the delays were really waited
     with pytest.raises(LlmUnavailable, match="exited with status -11 while serving"):
         await world.controller.route(1)
@@ -325,14 +335,35 @@ class Parks(World):
     def __init__(self) -> None:
         super().__init__()
         self.answers = ["ready", "ready"]  # the first readiness, then each wake
-        spec = decode_spec({"name": "m", "engine": "e", "model": "/m.gguf", "residency": "host_backed",
-                            "resources": {"memory": "4GiB", "parked_memory": "1GiB"}})
+        spec = decode_spec(
+            {
+                "name": "m",
+                "engine": "e",
+                "model": "/m.gguf",
+                "residency": "host_backed",
+                "resources": {"memory": "4GiB", "parked_memory": "1GiB"},
+            }
+        )
         old = self.controller
-        effects = LocalEngineEffects(spec, old.engine, self.adapter, self.processes, VirtualClock(), lambda: 5555,
-                                     Path("/tmp/capyctl-test-logs"), canary=self.canary)
+        effects = LocalEngineEffects(
+            spec,
+            old.engine,
+            self.adapter,
+            self.processes,
+            VirtualClock(),
+            lambda: 5555,
+            Path("/tmp/capyctl-test-logs"),
+            canary=self.canary,
+        )
         self.controller = ManagedController(
-            Deployment(spec=spec), old.engine, self.adapter, effects, VirtualClock(),
-            Events(self.store, VirtualClock()), SETTINGS, old.fields,
+            Deployment(spec=spec),
+            old.engine,
+            self.adapter,
+            effects,
+            VirtualClock(),
+            Events(self.store, VirtualClock()),
+            SETTINGS,
+            old.fields,
         )
 
     async def canary(self, base_url: str, model: str) -> str:

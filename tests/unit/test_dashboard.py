@@ -92,11 +92,16 @@ def test_only_the_admin_token_signs_in() -> None:
 
 def test_the_host_must_name_this_listener_by_address_localhost_or_its_configured_name() -> None:
     names = served_names("cap.internal")
-    for host in ("127.0.0.1:7443", "localhost:7443", "LOCALHOST:7443", "[::1]:7443", "10.1.2.3:7443",
-                 "cap.internal:7443"):
+    for host in (
+        "127.0.0.1:7443",
+        "localhost:7443",
+        "LOCALHOST:7443",
+        "[::1]:7443",
+        "10.1.2.3:7443",
+        "cap.internal:7443",
+    ):
         assert host_ok(host, 7443, names), host
-    for host in ("127.0.0.1:7444", "127.0.0.1", "evil.example:7443", "127.0.0.1.nip.io:7443", "",
-                 "localhost.:7443"):
+    for host in ("127.0.0.1:7444", "127.0.0.1", "evil.example:7443", "127.0.0.1.nip.io:7443", "", "localhost.:7443"):
         assert not host_ok(host, 7443, names), host
     assert served_names("0.0.0.0") == {"localhost"} and "[fd00::1]" in served_names("fd00::1")
 
@@ -121,12 +126,12 @@ async def test_a_stream_sends_everything_first_then_only_what_changed_and_ends_w
     feed = Feed()
     feed.offer()
     sent = []
-    async for message in stream(feed, lambda: next(snapshots), lambda name, now: f"{name}={now[name]}",
-                                lambda: next(alive), anyio.Event()):
+    async for message in stream(
+        feed, lambda: next(snapshots), lambda name, now: f"{name}={now[name]}", lambda: next(alive), anyio.Event()
+    ):
         feed.offer()  # as if every event came at once
         sent.append((message.event, message.data))
-    assert sent == [(None, None), ("a", "a=1"), ("b", "b=2"), ("b", "b=3"), ("c", "c=4"),
-                    ("signed-out", "signed out")]
+    assert sent == [(None, None), ("a", "a=1"), ("b", "b=2"), ("b", "b=3"), ("c", "c=4"), ("signed-out", "signed out")]
 
 
 async def test_a_stream_awaits_a_snapshot_read_off_the_loop() -> None:
@@ -139,8 +144,9 @@ async def test_a_stream_awaits_a_snapshot_read_off_the_loop() -> None:
 
     feed = Feed()
     sent = []
-    async for message in stream(feed, snapshot, lambda name, now: ",".join(now[name]), lambda: next(alive),
-                                anyio.Event()):
+    async for message in stream(
+        feed, snapshot, lambda name, now: ",".join(now[name]), lambda: next(alive), anyio.Event()
+    ):
         feed.offer()
         sent.append((message.event, message.data))
     assert sent == [(None, None), ("requests", "r1"), ("requests", "r2,r1"), ("signed-out", "signed out")]
@@ -151,13 +157,20 @@ def test_the_requests_form_drops_blank_fields_shows_200_rows_and_keeps_the_recor
     blank = {"deployment": "", "key": " ", "status": "", "code": "", "since": ""}  # a form sent as it is
     assert page_filter(blank, 1000.0) == RowFilter(limit=ROWS) and chosen(blank) == {}
     given = {"deployment": "alpha", "key": "team", "status": "404", "code": "model_not_found", "since": "10m"}
-    assert page_filter(given, 1000.0) == RowFilter(deployment="alpha", key="team", status=404,
-                                                   code="model_not_found", since=400.0, limit=ROWS)
+    assert page_filter(given, 1000.0) == RowFilter(
+        deployment="alpha", key="team", status=404, code="model_not_found", since=400.0, limit=ROWS
+    )
     assert chosen({**given, "key": ""}) == {k: v for k, v in given.items() if k != "key"}
     assert page_filter({"limit": "5"}, 0).limit == 5
-    for params, name in [({"status": "abc"}, "status"), ({"status": "700"}, "status"), ({"since": "soon"}, "since"),
-                         ({"limit": str(LIMIT_MOST + 1)}, "limit"), ({"limit": "0"}, "limit"),
-                         ({"colour": "red"}, "colour"), ({"colour": ""}, "colour")]:
+    for params, name in [
+        ({"status": "abc"}, "status"),
+        ({"status": "700"}, "status"),
+        ({"since": "soon"}, "since"),
+        ({"limit": str(LIMIT_MOST + 1)}, "limit"),
+        ({"limit": "0"}, "limit"),
+        ({"colour": "red"}, "colour"),
+        ({"colour": ""}, "colour"),
+    ]:
         with pytest.raises(InvalidRequest) as refused:
             page_filter(params, 1000.0)
         assert refused.value.extra["param"] == name and name in refused.value.message, params
@@ -165,7 +178,13 @@ def test_the_requests_form_drops_blank_fields_shows_200_rows_and_keeps_the_recor
 
 def test_a_figure_nobody_measured_is_a_dash_never_0() -> None:
     assert [figure(None), figure(0), figure(0.0), figure(12.345), figure(37), figure(1.25, 2)] == [
-        "–", "0", "0.0", "12.3", "37", "1.25"]
+        "–",
+        "0",
+        "0.0",
+        "12.3",
+        "37",
+        "1.25",
+    ]
     cut = RequestRow(id="R1", at=1.0, api="chat", code="client_gone", cause="client_gone", settlement="engine_idle")
     assert settlement(cut) == "engine_idle (unsettled)"
     assert settlement(RequestRow(id="R1", at=1.0, api="chat", code="ok")) == "–"
@@ -174,7 +193,12 @@ def test_a_figure_nobody_measured_is_a_dash_never_0() -> None:
     shown = dict(fields(done))
     assert list(shown) == list(RequestRow.__struct_fields__)  # every field, in the record's order
     assert (shown["id"], shown["stream"], shown["ttft_ms"], shown["settled_s"], shown["at"]) == (
-        "R1", "no", "–", "2.5", "1.000 (1970-01-01 00:00:01 UTC)")
+        "R1",
+        "no",
+        "–",
+        "2.5",
+        "1.000 (1970-01-01 00:00:01 UTC)",
+    )
 
 
 # --- the Charts page -------------------------------------------------------------------------------------
@@ -189,17 +213,33 @@ def test_the_charts_query_takes_a_known_window_and_a_deployment_and_names_a_bad_
 
 
 async def test_charts_show_each_deployments_figures_per_bucket_with_its_parks_wakes_and_switches_marked(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     clock = FakeClock()
     records = RequestLog(FakeRequestStore(), clock)
     now = clock.wall()
-    records.add(RequestRow(id="A1", at=now, api="chat", code="ok", deployment="alpha", ttft_ms=40.0,
-                           decode_tokens_per_second=90.0, queue_wait_ms=5.0))
+    records.add(
+        RequestRow(
+            id="A1",
+            at=now,
+            api="chat",
+            code="ok",
+            deployment="alpha",
+            ttft_ms=40.0,
+            decode_tokens_per_second=90.0,
+            queue_wait_ms=5.0,
+        )
+    )
     records.add(RequestRow(id="A2", at=now, api="chat", code="engine_error", deployment="alpha"))
     await records.flush()
     store = FakeStore()
-    for at, kind in [(now - 120, "parked"), (now - 60, "woken"), (now - 30, "switch_completed"),
-                     (now - 20, "state_changed"), (now - 7200, "parked")]:  # not a mark; before the window
+    for at, kind in [
+        (now - 120, "parked"),
+        (now - 60, "woken"),
+        (now - 30, "switch_completed"),
+        (now - 20, "state_changed"),
+        (now - 7200, "parked"),
+    ]:  # not a mark; before the window
         store.add_event(at, "alpha", kind, {"seconds": 1.5})
     timeline = Timeline(store, tmp_path)
     await timeline.ensure_seeded()
@@ -214,7 +254,10 @@ async def test_charts_show_each_deployments_figures_per_bucket_with_its_parks_wa
     assert alpha.series["ttft_p50_ms"][:-1] == [None] * 29  # nobody measured one there: no figure, never 0
     assert beta.series["requests_per_second"] == [0.0] * 30 and beta.series["ttft_p95_ms"] == [None] * 30
     assert [(m.kind, m.event, m.at) for m in alpha.marks] == [
-        ("park", "parked", now - 120), ("wake", "woken", now - 60), ("switch", "switch_completed", now - 30)]
+        ("park", "parked", now - 120),
+        ("wake", "woken", now - 60),
+        ("switch", "switch_completed", now - 30),
+    ]
     assert alpha.marks[0].detail == "seconds=1.5" and beta.marks == []
     encoded = msgspec.json.decode(msgspec.json.encode(shown))  # as GET /ui/charts/data answers it
     assert encoded["deployments"][0]["series"]["requests_per_second"][-1] > 0
@@ -279,19 +322,33 @@ class World:
 
     def __init__(self, tmp_path: Path) -> None:
         self.store = FakeStore()
-        self.store.put_engine(EngineInstall(name="e", family=EngineFamily.VLLM, path="/venv", version="0.32.0",
-                                            version_text=""))
+        self.store.put_engine(
+            EngineInstall(name="e", family=EngineFamily.VLLM, path="/venv", version="0.32.0", version_text="")
+        )
         self.model = tmp_path / "model"
         self.model.mkdir()
         self.clock = VirtualClock()
         self.events = Events(self.store, self.clock)
         self.admission = AdmissionService(QueueLimits(), self.clock, 1800.0)
-        self.room = Switchboard([Device(name="gpu0", capacity=int(2.5 * GiB))],
-                                Switching(admission_window=0.5, drain_timeout=30), self.admission, self.clock,
-                                self.events)
+        self.room = Switchboard(
+            [Device(name="gpu0", capacity=int(2.5 * GiB))],
+            Switching(admission_window=0.5, drain_timeout=30),
+            self.admission,
+            self.clock,
+            self.events,
+        )
         ports = itertools.count(7000)
-        self.fleet = Fleet(self.store, {"vllm": ParkingAdapter()}, FakeProcessControl(), self.clock,  # type: ignore[dict-item]
-                           self.events, lambda: next(ports), tmp_path / "logs", SETTINGS, self.room)
+        self.fleet = Fleet(
+            self.store,
+            {"vllm": ParkingAdapter()},
+            FakeProcessControl(),
+            self.clock,  # type: ignore[dict-item]
+            self.events,
+            lambda: next(ports),
+            tmp_path / "logs",
+            SETTINGS,
+            self.room,
+        )
         self.room.bind(self.fleet.controllers)
         self.keys = Keyring(self.store, self.clock, self.events)
         self.hub = Hub(self.clock.wall)
@@ -300,8 +357,16 @@ class World:
         self.ids = itertools.count()
 
     async def deploy(self, name: str, memory: str = "1GiB") -> None:
-        await self.fleet.apply({"name": name, "engine": "e", "model": str(self.model), "residency": "host_backed",
-                                "resources": {"memory": memory, "parked_memory": "256MiB"}}, activate=False)
+        await self.fleet.apply(
+            {
+                "name": name,
+                "engine": "e",
+                "model": str(self.model),
+                "residency": "host_backed",
+                "resources": {"memory": memory, "parked_memory": "256MiB"},
+            },
+            activate=False,
+        )
 
     async def request(self, name: str) -> None:
         controller = self.fleet.resolve(name)
@@ -413,28 +478,36 @@ async def test_keys_show_calls_limits_and_refusals_never_a_secret(world: World) 
     (row,) = [r for r in world.board.key_rows() if r.name == "team"]
     assert (row.used_today, row.daily_limit, row.refused_today, row.under_way) == (1, 1, 2, 0)
     assert [e["detail"] for e in world.store.events if e["kind"] == "daily_limit_reached"] == [
-        {"key": "team", "daily_limit": 1}]  # the first refusal of the day only
+        {"key": "team", "daily_limit": 1}
+    ]  # the first refusal of the day only
     assert secret not in repr(world.board.snapshot("keys")) and key.digest not in repr(world.board.snapshot("keys"))
 
 
-async def test_the_timeline_groups_events_by_deployment_with_the_launch_log_in_effect(world: World,
-                                                                                     tmp_path: Path) -> None:
+async def test_the_timeline_groups_events_by_deployment_with_the_launch_log_in_effect(
+    world: World, tmp_path: Path
+) -> None:
     logs = tmp_path / "logs" / "a"
     logs.mkdir(parents=True)
     (logs / "1000000000-1.log").write_text("first launch\n")
     (logs / "1000002000-2.log").write_text("second launch\n")
     world.store.events.clear()
-    for at, deployment, kind in [(999_999.0, "a", "deployment_created"), (1_000_001.0, "a", "state_changed"),
-                                 (1_000_003.0, "a", "engine_crashed"), (1_000_001.5, None, "key_created"),
-                                 (1_000_003.5, "a", "router_selection")]:  # per request: left out
+    for at, deployment, kind in [
+        (999_999.0, "a", "deployment_created"),
+        (1_000_001.0, "a", "state_changed"),
+        (1_000_003.0, "a", "engine_crashed"),
+        (1_000_001.5, None, "key_created"),
+        (1_000_003.5, "a", "router_selection"),
+    ]:  # per request: left out
         world.store.add_event(at, deployment, kind, {"n": 1})
     timeline = Timeline(world.store, tmp_path / "logs")
     await timeline.ensure_seeded()
     (a, a_events), (server, server_events) = timeline.view()
     assert (a, server) == ("a", None)
-    assert [(e.kind, e.log) for e in a_events] == [("engine_crashed", "1000002000-2.log"),
-                                                    ("state_changed", "1000000000-1.log"),
-                                                    ("deployment_created", None)]
+    assert [(e.kind, e.log) for e in a_events] == [
+        ("engine_crashed", "1000002000-2.log"),
+        ("state_changed", "1000000000-1.log"),
+        ("deployment_created", None),
+    ]
     assert [e.kind for e in server_events] == ["key_created"] and a_events[0].detail == "n=1"
     world.store.add_event(1_000_004.0, "a", "operator_start", {})
     timeline.refresh()
@@ -454,10 +527,19 @@ async def test_unsettled_cut_requests_are_marked_and_change_what_a_switch_would_
     assert c.victims == (("a", "stop", GiB),)  # it may still run on the engine: only a stop settles it
 
 
-async def test_a_park_of_any_residency_leaves_its_mark_on_the_charts_and_a_plain_stop_none(world: World,
-                                                                                         tmp_path: Path) -> None:
-    await world.fleet.apply({"name": "r", "engine": "e", "model": str(world.model), "residency": "restart_only",
-                             "resources": {"memory": "1GiB"}}, activate=False)
+async def test_a_park_of_any_residency_leaves_its_mark_on_the_charts_and_a_plain_stop_none(
+    world: World, tmp_path: Path
+) -> None:
+    await world.fleet.apply(
+        {
+            "name": "r",
+            "engine": "e",
+            "model": str(world.model),
+            "residency": "restart_only",
+            "resources": {"memory": "1GiB"},
+        },
+        activate=False,
+    )
     await world.deploy("h")
     for name in ("r", "h"):
         await world.request(name)
@@ -478,15 +560,22 @@ async def test_a_park_of_any_residency_leaves_its_mark_on_the_charts_and_a_plain
 
 async def test_counts_are_written_in_the_singular_for_one(world: World) -> None:
     assert [counted(0, "request"), counted(1, "request"), counted(2, "waiting request")] == [
-        "0 requests", "1 request", "2 waiting requests"]
+        "0 requests",
+        "1 request",
+        "2 waiting requests",
+    ]
     await world.deploy("a")
     await world.request("a")
     lines = consequences("stop", world.fleet.get("a"), world.admission, world.fleet.room, world.fleet.controllers())
     assert "0 requests in flight are cut; 0 waiting requests are refused (deployment_stopped)." in lines
     assert not [line for line in lines if "(s)" in line]
-    assert "1 cut request still counted" in templates().get_template("_memory.html").render(bars=[
-        msgspec.structs.replace(world.memory(), segments=tuple(
-            msgspec.structs.replace(s, unsettled=1) for s in world.memory().segments))])
+    assert "1 cut request still counted" in templates().get_template("_memory.html").render(
+        bars=[
+            msgspec.structs.replace(
+                world.memory(), segments=tuple(msgspec.structs.replace(s, unsettled=1) for s in world.memory().segments)
+            )
+        ]
+    )
 
 
 async def test_a_card_names_the_host_its_engine_runs_on_and_nothing_on_this_machine(world: World) -> None:

@@ -74,9 +74,14 @@ def test_every_file_the_dashboard_serves_is_in_the_package_data() -> None:
     root = Path(__file__).parents[2]
     package = root / "src" / "capyctl" / "adapters" / "dashboard"
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "capyctl.adapters.dashboard"]
-    files = [p.relative_to(package).as_posix() for folder in ("templates", "static") for p in (package / folder).rglob("*")
-             if p.is_file() and p.name not in ("__init__.py",) and "__pycache__" not in p.parts]
+        "capyctl.adapters.dashboard"
+    ]
+    files = [
+        p.relative_to(package).as_posix()
+        for folder in ("templates", "static")
+        for p in (package / folder).rglob("*")
+        if p.is_file() and p.name not in ("__init__.py",) and "__pycache__" not in p.parts
+    ]
     assert "static/favicon.ico" in files
     missing = [f for f in files if not any(fnmatch.fnmatchcase(f, g) for g in globs)]
     assert missing == []

@@ -14,8 +14,6 @@ import msgspec
 import pytest
 
 from capyctl.adapters.dashboard.board import Board
-from capyctl.adapters.http.management import Hosts
-from capyctl.adapters.http.views import host_view
 from capyctl.adapters.dashboard.hosts import DeviceRow, HostRow, host_row, invitation, invite_lines, revoke_lines
 from capyctl.adapters.dashboard.live import Feed, stream
 from capyctl.adapters.dashboard.marks import Mark, mark_of
@@ -28,6 +26,8 @@ from capyctl.adapters.dashboard.web import (
     dashboard_envelope,
     templates,
 )
+from capyctl.adapters.http.management import Hosts
+from capyctl.adapters.http.views import host_view
 from capyctl.domain.errors import InvalidRequest, ModelNotFound
 from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.link import DeviceReport, Hello, Inventory
@@ -57,15 +57,24 @@ class HostWorld(World):
             self.invited.append((name, ttl, server))
             return {"host": name, "secret": "s3cret"}
 
-        self.board = Board(self.fleet, self.admission, self.keys, self.store, self.clock, self.hub,
-                           tmp_path / "logs", hosts=hosts(self.registry, invite),
-                           host_views=lambda: [host_view(v, self.fleet) for v in self.registry.views()])
+        self.board = Board(
+            self.fleet,
+            self.admission,
+            self.keys,
+            self.store,
+            self.clock,
+            self.hub,
+            tmp_path / "logs",
+            hosts=hosts(self.registry, invite),
+            host_views=lambda: [host_view(v, self.fleet) for v in self.registry.views()],
+        )
 
     def link(self, name: str, address: str) -> int:
         """Host ``name`` joined and linked, its inventory told: a 10 GiB gpu0."""
         self.registry.joined(name, f"fp-{name}")
-        session, _ = self.registry.connected(name, address, Hello(host=name, version="9.9.9", protocol=1),
-                                             close=_closed)
+        session, _ = self.registry.connected(
+            name, address, Hello(host=name, version="9.9.9", protocol=1), close=_closed
+        )
         self.registry.heard(name, session, Inventory(devices=[DeviceReport(name="gpu0", capacity=10 * GiB, reserve=0)]))
         return session
 
@@ -101,8 +110,13 @@ def render_hosts(hosts: Any) -> str:
 async def test_a_host_is_shown_as_get_hosts_shows_it_with_its_devices_charged(world: HostWorld) -> None:
     world.link("gpu-a", "10.0.0.2")
     (row,) = world.rows()
-    assert (row.name, row.state, row.address, row.version, row.age) == ("gpu-a", "online", "10.0.0.2", "9.9.9",
-                                                                         "0 s ago")
+    assert (row.name, row.state, row.address, row.version, row.age) == (
+        "gpu-a",
+        "online",
+        "10.0.0.2",
+        "9.9.9",
+        "0 s ago",
+    )
     assert row.devices == (DeviceRow("gpu0", 0, 10 * GiB, 0),) and row.deployments == () and not row.revoked
     assert row.heard == world.clock.wall()
     text = render_hosts(world.rows())
@@ -118,8 +132,7 @@ async def test_a_silent_host_turns_suspended_on_the_live_page_and_its_heartbeat_
     async def watch() -> None:
         feed = Feed()
         render: Callable[[str, dict[str, Any]], str] = lambda name, now: render_hosts(now[name])  # noqa: E731
-        async for message in stream(feed, lambda: world.board.snapshot("hosts"), render, lambda: alive,
-                                    anyio.Event()):
+        async for message in stream(feed, lambda: world.board.snapshot("hosts"), render, lambda: alive, anyio.Event()):
             if message.event == "hosts":
                 sent.append(str(message.data))
 
@@ -135,7 +148,8 @@ async def test_a_silent_host_turns_suspended_on_the_live_page_and_its_heartbeat_
 
 
 async def test_a_revoked_host_has_no_revoke_button_and_a_standalone_capyctl_says_hosts_need_a_server(
-        world: HostWorld) -> None:
+    world: HostWorld,
+) -> None:
     world.link("gpu-a", "10.0.0.2")
     await world.registry.revoke("gpu-a")
     (row,) = world.rows()
@@ -148,8 +162,10 @@ async def test_a_revoked_host_has_no_revoke_button_and_a_standalone_capyctl_says
 
 
 def test_any_state_a_host_may_have_gets_a_class_of_its_own() -> None:
-    rows = [host_row({"name": f"h{i}", "state": state, "silent_s": None}) for i, state in
-            enumerate(["disconnected", "joined", "quarantined"])]
+    rows = [
+        host_row({"name": f"h{i}", "state": state, "silent_s": None})
+        for i, state in enumerate(["disconnected", "joined", "quarantined"])
+    ]
     text = render_hosts(rows)
     for state in ("disconnected", "joined", "quarantined"):
         assert f'class="card-body state-{state}" data-state="{state}"' in text
@@ -158,12 +174,22 @@ def test_any_state_a_host_may_have_gets_a_class_of_its_own() -> None:
 
 
 def test_a_hosts_row_takes_the_views_figures_and_lists_recent_exits_newest_first() -> None:
-    view = {"name": "gpu-b", "state": "online", "address": "10.0.0.3", "version": "1.0", "last_heartbeat": 5.0,
-            "silent_s": 125.0, "revoked_at": None, "instances": ["alpha"],
-            "devices": [{"name": "gpu0", "capacity_bytes": 10 * GiB, "reserve_bytes": GiB, "charged_bytes": 7 * GiB}],
-            "engines": [{"name": "llama", "family": "llamacpp", "version": "b5000", "path": "/x"}],
-            "exits": [{"instance": "alpha", "pid": 11, "returncode": 1, "at": 1.0},
-                      {"instance": "alpha", "pid": 12, "returncode": None, "at": 2.0, "cause": "agent_stopped"}]}
+    view = {
+        "name": "gpu-b",
+        "state": "online",
+        "address": "10.0.0.3",
+        "version": "1.0",
+        "last_heartbeat": 5.0,
+        "silent_s": 125.0,
+        "revoked_at": None,
+        "instances": ["alpha"],
+        "devices": [{"name": "gpu0", "capacity_bytes": 10 * GiB, "reserve_bytes": GiB, "charged_bytes": 7 * GiB}],
+        "engines": [{"name": "llama", "family": "llamacpp", "version": "b5000", "path": "/x"}],
+        "exits": [
+            {"instance": "alpha", "pid": 11, "returncode": 1, "at": 1.0},
+            {"instance": "alpha", "pid": 12, "returncode": None, "at": 2.0, "cause": "agent_stopped"},
+        ],
+    }
     row = host_row(view)
     assert (row.age, row.engines, row.deployments) == ("2 min ago", ("llama (llamacpp b5000)",), ("alpha",))
     assert [(e.pid, e.returncode, e.cause) for e in row.exits] == [(12, None, "agent_stopped"), (11, 1, None)]
@@ -184,11 +210,18 @@ def test_a_revoke_says_what_it_does_to_the_deployments_running_there() -> None:
 
 def test_an_invitation_form_is_read_strictly_and_says_what_it_will_be() -> None:
     assert invitation({"name": "gpu-c", "ttl": "", "server": ""}) == ("gpu-c", 900.0, None)
-    assert invitation({"name": " gpu-c ", "ttl": "30m", "server": "10.0.0.1:7445"}) == ("gpu-c", 1800.0,
-                                                                                         "10.0.0.1:7445")
-    for fields, param in [({"name": "GPU_C", "ttl": "1h"}, "name"), ({"name": "", "ttl": "1h"}, "name"),
-                          ({"name": "gpu-c", "ttl": "soon"}, "ttl"), ({"name": "gpu-c", "ttl": "2h"}, "ttl"),
-                          ({"name": "gpu-c", "ttl": "0s"}, "ttl")]:
+    assert invitation({"name": " gpu-c ", "ttl": "30m", "server": "10.0.0.1:7445"}) == (
+        "gpu-c",
+        1800.0,
+        "10.0.0.1:7445",
+    )
+    for fields, param in [
+        ({"name": "GPU_C", "ttl": "1h"}, "name"),
+        ({"name": "", "ttl": "1h"}, "name"),
+        ({"name": "gpu-c", "ttl": "soon"}, "ttl"),
+        ({"name": "gpu-c", "ttl": "2h"}, "ttl"),
+        ({"name": "gpu-c", "ttl": "0s"}, "ttl"),
+    ]:
         with pytest.raises(InvalidRequest) as refused:
             invitation(fields)
         assert refused.value.extra["param"] == param, fields
@@ -215,9 +248,13 @@ def test_a_mark_keeps_the_events_own_words() -> None:
 
 # --- the dashboard's refusals as JSON -------------------------------------------------------------------------
 def test_the_dashboards_own_refusals_carry_the_type_their_status_gives() -> None:
-    expected = [(SignInNeeded("x"), 401, "invalid_request_error"), (SignInRefused("x"), 401, "invalid_request_error"),
-                (CsrfRefused("x"), 403, "invalid_request_error"), (NotNow("x"), 409, "invalid_request_error"),
-                (TooManyStreams("x"), 503, "service_unavailable")]
+    expected = [
+        (SignInNeeded("x"), 401, "invalid_request_error"),
+        (SignInRefused("x"), 401, "invalid_request_error"),
+        (CsrfRefused("x"), 403, "invalid_request_error"),
+        (NotNow("x"), 409, "invalid_request_error"),
+        (TooManyStreams("x"), 503, "service_unavailable"),
+    ]
     for error, status, kind in expected:
         got_status, body = dashboard_envelope(error)
         assert (got_status, body["error"]["type"], body["error"]["code"]) == (status, kind, error.code), error
@@ -231,7 +268,8 @@ async def test_a_card_shows_an_engine_held_by_its_host_and_a_hosts_doing_as_no_e
     from capyctl.domain.errors import DeviceOffline
     from capyctl.domain.scheduling import QueueLimits
     from capyctl.services.admission import AdmissionService
-    from tests.unit.test_managed import S, World as Managed, bound
+    from tests.unit.test_managed import S, bound
+    from tests.unit.test_managed import World as Managed
 
     async with bound(Managed()) as w:
         admission = AdmissionService(QueueLimits(), w.controller._clock, 1800.0)  # noqa: SLF001 - its own clock

@@ -20,14 +20,17 @@ def test_the_five_fields_and_no_others() -> None:
         assert caught.value.extra["param"] == extra and extra in caught.value.message
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"state": "hi", "questions": {}}, "model"),
-    ({"model": "", "state": "hi", "questions": {}}, "model"),
-    ({"model": "d", "questions": {}}, "state"),
-    ({"model": "d", "state": "hi"}, "questions"),
-    ({**OK, "images": "data:x"}, "images"),
-    ({**OK, "files": [1]}, "files"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"state": "hi", "questions": {}}, "model"),
+        ({"model": "", "state": "hi", "questions": {}}, "model"),
+        ({"model": "d", "questions": {}}, "state"),
+        ({"model": "d", "state": "hi"}, "questions"),
+        ({**OK, "images": "data:x"}, "images"),
+        ({**OK, "files": [1]}, "files"),
+    ],
+)
 def test_what_is_missing_or_malformed_is_named(body: dict, param: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         read_decision(body)
@@ -63,6 +66,10 @@ def test_the_figures_added_to_an_answer() -> None:
     }
     assert "input_tokens" not in decision_metrics({"usage": {"input_tokens": True}}, 1, 1)  # nobody measured it
     engine = decision_metrics({"metrics": {"queue_ms": 0.5, "prefill_ms": 3, "cached_tokens": 16, "x": 1}}, 1, 1)
-    assert {k: v["source"] for k, v in engine.items()} == {"cached_tokens": "engine", "prefill_ms": "engine",
-                                                           "queue_ms": "engine", "time_to_response_ms": "router",
-                                                           "total_ms": "router"}
+    assert {k: v["source"] for k, v in engine.items()} == {
+        "cached_tokens": "engine",
+        "prefill_ms": "engine",
+        "queue_ms": "engine",
+        "time_to_response_ms": "router",
+        "total_ms": "router",
+    }

@@ -20,9 +20,9 @@ from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine, has_per_request_metrics
+from capyctl.adapters.process.ports import free_port
 from capyctl.domain.deployments import DeploymentSpec, EngineConfig, check_extra_args
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.adapters.process.ports import free_port
 from capyctl.domain.errors import EngineError, EngineUnavailable, InvalidConfig, InvalidEngine
 from capyctl.domain.memory import Residency
 from tests.fakes.scripted_engine import ScriptedEngine
@@ -119,7 +119,10 @@ def install(family: EngineFamily, path: Path, version: str) -> EngineInstall:
 
 def spec(context: int | None = None, extra: list[str] | None = None) -> DeploymentSpec:
     return DeploymentSpec(
-        name="tiny", engine="e", model="/models/tiny", engine_config=EngineConfig(context_length=context, extra_args=extra or [])
+        name="tiny",
+        engine="e",
+        model="/models/tiny",
+        engine_config=EngineConfig(context_length=context, extra_args=extra or []),
     )
 
 
@@ -439,8 +442,11 @@ async def test_tensorfold_ready_load_version(http: ScriptedEngine, client: WireE
 
     http.add("/metrics", body=TENSORFOLD_METRICS, content_type="text/plain")
     # only the vLLM-style copies published
-    http.add("/metrics", body=b"tensorfold:num_requests_running 1\ntensorfold:num_requests_waiting 5\n",
-             content_type="text/plain")
+    http.add(
+        "/metrics",
+        body=b"tensorfold:num_requests_running 1\ntensorfold:num_requests_waiting 5\n",
+        content_type="text/plain",
+    )
     http.add("/metrics", 401)
     assert await engine.load(base) == (2, 1)
     assert await engine.load(base) == (1, 5)
@@ -451,8 +457,9 @@ async def test_llamacpp_ready_load_version(http: ScriptedEngine, client: WireEng
     engine, base = LlamaCppEngine(client), http.url
     http.add("/health", 503, json={"error": {"code": 503, "message": "Loading model"}})
     http.add("/health", json={"status": "ok"})
-    http.add("/metrics", body=b"llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n",
-             content_type="text/plain")
+    http.add(
+        "/metrics", body=b"llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n", content_type="text/plain"
+    )
     http.add("/props", json={"build_info": "b6123-abcdef"})
     http.add("/props", json={"build_info": "b0-unknown"})
     assert await engine.ready(base) is False  # loading the model
@@ -475,9 +482,14 @@ async def test_vllm_parks_with_mode_wait_and_wakes_in_order(http: ScriptedEngine
     await engine.wake(base, Residency.HOST_BACKED, "/models/tiny")
     await engine.wake(base, Residency.DEEP, "/models/tiny")
     assert [(m, u) for m, u, _ in http.sent()] == [
-        ("POST", "/sleep?level=1&mode=wait"), ("POST", "/sleep?level=2&mode=wait"),
-        ("POST", "/wake_up?tags=weights"), ("POST", "/wake_up?tags=kv_cache"), ("POST", "/reset_prefix_cache"),
-        ("POST", "/wake_up?tags=weights"), ("POST", "/collective_rpc"), ("POST", "/wake_up?tags=kv_cache"),
+        ("POST", "/sleep?level=1&mode=wait"),
+        ("POST", "/sleep?level=2&mode=wait"),
+        ("POST", "/wake_up?tags=weights"),
+        ("POST", "/wake_up?tags=kv_cache"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/wake_up?tags=weights"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/wake_up?tags=kv_cache"),
         ("POST", "/reset_prefix_cache"),
     ]
     assert http.sent()[6][2] == b'{"method":"reload_weights"}'
@@ -504,7 +516,9 @@ async def test_vllm_parked_reads_is_sleeping_and_a_refusal_is_an_engine_error(
         await engine.wake(down, Residency.HOST_BACKED, "/models/tiny")
 
 
-async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(http: ScriptedEngine, client: WireEngineSession) -> None:
+async def test_sglang_releases_and_resumes_and_a_deep_wake_reloads(
+    http: ScriptedEngine, client: WireEngineSession
+) -> None:
     engine, base = SglangEngine(client), http.url
     http.add(body=b"null", reusable=True)
     await engine.park(base, Residency.DEEP)

@@ -70,8 +70,9 @@ async def test_side_requests_share_the_pool_with_decisions(engine: ScriptedEngin
     assert engine.connections == 1
 
 
-async def test_a_timeout_closes_the_connection_and_never_pools_it(engine: ScriptedEngine,
-                                                                  session: WireEngineSession) -> None:
+async def test_a_timeout_closes_the_connection_and_never_pools_it(
+    engine: ScriptedEngine, session: WireEngineSession
+) -> None:
     engine.add("/sleep", how="stall")
     engine.add("/health", 200, b"ok")
     began = time.monotonic()
@@ -98,8 +99,9 @@ async def test_a_cancelled_request_closes_its_connection(engine: ScriptedEngine,
     assert engine.connections == 2
 
 
-async def test_an_answer_past_the_limit_is_refused_and_its_connection_closed(engine: ScriptedEngine,
-                                                                               session: WireEngineSession) -> None:
+async def test_an_answer_past_the_limit_is_refused_and_its_connection_closed(
+    engine: ScriptedEngine, session: WireEngineSession
+) -> None:
     engine.add("/metrics", 200, b"m" * 1000)
     engine.add("/metrics", 200, b"m" * 1001, how="chunked")
     engine.add("/metrics", 200, b"m" * (_MAX_ANSWER + 1))

@@ -110,9 +110,14 @@ TOOL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
         ({"choices": [{"index": 0, "delta": {"tool_calls": [7]}}]}, "a tool call is a int"),
         ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": "0"}]}}]}, "tool call's 'index' is '0'"),
         ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": -1}]}}]}, "tool call's 'index' is -1"),
-        ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": True}]}}]}, "tool call's 'index' is True"),
-        ({"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": 10_000_000}]}}]},
-         "past the limit of 256 tool calls"),
+        (
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": True}]}}]},
+            "tool call's 'index' is True",
+        ),
+        (
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{**TOOL, "index": 10_000_000}]}}]},
+            "past the limit of 256 tool calls",
+        ),
     ],
 )
 def test_verifier_refuses_chunks_of_the_wrong_shape_as_edge_errors(obj: dict, says: str) -> None:

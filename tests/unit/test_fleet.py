@@ -28,14 +28,23 @@ class World:
         self.store = FakeStore()
         self.processes = FakeProcessControl()
         self.processes.stop_takes = 1.0  # an engine takes a while to exit: the window where races happen
-        self.store.put_engine(EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0",
-                                            version_text=""))
+        self.store.put_engine(
+            EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0", version_text="")
+        )
         self.model = tmp_path / "m.gguf"
         self.model.write_bytes(b"GGUF")
         ports = itertools.count(6000)
         clock = VirtualClock()
-        self.fleet = Fleet(self.store, {"llamacpp": FakeEngineAdapter()}, self.processes, clock,  # type: ignore[dict-item]
-                           Events(self.store, clock), lambda: next(ports), tmp_path / "logs", SETTINGS)
+        self.fleet = Fleet(
+            self.store,
+            {"llamacpp": FakeEngineAdapter()},
+            self.processes,
+            clock,  # type: ignore[dict-item]
+            Events(self.store, clock),
+            lambda: next(ports),
+            tmp_path / "logs",
+            SETTINGS,
+        )
 
     def document(self, args: list[str] | None = None) -> dict:
         return {"name": "m", "engine": "e", "model": str(self.model), "engine_config": {"extra_args": args or []}}
@@ -49,9 +58,9 @@ class World:
     async def settled(self) -> None:
         """Wait until no engine is between states (bounded, in virtual time)."""
         with anyio.fail_after(60):
-            while any(c.status.state in (InstanceState.STARTING, InstanceState.STOPPING)
-                      for c in self.fleet.controllers()) or any(p.terminated and p.code is None
-                                                                  for p in self.processes.spawned):
+            while any(
+                c.status.state in (InstanceState.STARTING, InstanceState.STOPPING) for c in self.fleet.controllers()
+            ) or any(p.terminated and p.code is None for p in self.processes.spawned):
                 await anyio.sleep(0.01)
 
 
@@ -178,8 +187,10 @@ async def test_a_missing_model_is_refused_saying_what_to_set(world: World) -> No
     gone = world.model.with_name("gone.gguf")
     with pytest.raises(InvalidConfig) as caught:
         await world.fleet.apply({**world.document(), "model": str(gone)}, activate=False)
-    assert caught.value.message == (f"model {str(gone)!r} does not exist on this machine; set model to the path of "
-                                    "the model file or directory for e to load")
+    assert caught.value.message == (
+        f"model {str(gone)!r} does not exist on this machine; set model to the path of "
+        "the model file or directory for e to load"
+    )
     assert list(world.fleet.controllers()) == []
 
 

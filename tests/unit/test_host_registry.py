@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from capyctl.domain.errors import AlreadyExists, DeviceOffline, HostNotFound, HostRevoked, HostAnswerInvalid
+from capyctl.domain.errors import AlreadyExists, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinRefused
 from capyctl.domain.link import CommandResult, DeviceReport, Goodbye, Hello, Inventory, ProcessExit
@@ -223,11 +223,24 @@ async def test_a_command_gets_the_hosts_result_or_device_offline() -> None:
 
     async def answer(message: Any) -> None:  # the host answers at once
         sent.append(message)
-        hosts.heard("gpu-a", session, CommandResult(id=message.id, generation=message.generation, ok=True,
-                                                    detail={"name": "llama", "family": "llamacpp",
-                                                            "path": "/opt/llama-server", "version": "b1",
-                                                            "version_text": "version: b1"}
-                                                    if message.args["path"] != "/bad" else {"name": 3}))
+        hosts.heard(
+            "gpu-a",
+            session,
+            CommandResult(
+                id=message.id,
+                generation=message.generation,
+                ok=True,
+                detail={
+                    "name": "llama",
+                    "family": "llamacpp",
+                    "path": "/opt/llama-server",
+                    "version": "b1",
+                    "version_text": "version: b1",
+                }
+                if message.args["path"] != "/bad"
+                else {"name": 3},
+            ),
+        )
 
     with pytest.raises(DeviceOffline, match="joined"):  # never linked
         await hosts.command("gpu-a", "probe", {})
@@ -262,6 +275,7 @@ async def test_a_command_fails_when_the_link_closes_or_the_host_is_silent() -> N
     with pytest.raises(DeviceOffline, match="not answering"):
         await hosts.command("gpu-a", "probe", {}, timeout=0.05)
     async with anyio.create_task_group() as tasks:
+
         async def cut() -> None:
             while not hosts._waiting:  # noqa: SLF001 - the command is in flight
                 await anyio.sleep(0.001)
@@ -285,10 +299,21 @@ async def test_each_link_that_comes_up_is_told_with_what_runs_on_the_host() -> N
     hosts.joined("gpu-a", "f1")
     told: list[tuple[str, list[str]]] = []
     hosts.on_linked(lambda name, running: told.append((name, [r.instance for r in running])))
-    running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=7, pid=42,
-                               pid_start_time=1.0, port=40000, launch_id="L")]
-    session, _ = hosts.connected("gpu-a", "10.0.0.2", Hello(host="gpu-a", version="0", protocol=1,
-                                                            running=running), close=_no_close)
+    running = [
+        RunningInstance(
+            instance="chat",
+            deployment="chat",
+            number=1,
+            generation=7,
+            pid=42,
+            pid_start_time=1.0,
+            port=40000,
+            launch_id="L",
+        )
+    ]
+    session, _ = hosts.connected(
+        "gpu-a", "10.0.0.2", Hello(host="gpu-a", version="0", protocol=1, running=running), close=_no_close
+    )
     assert told == [] and hosts.devices("gpu-a") == []  # its devices are not known yet: nothing to charge on
     inventory = Inventory(devices=[DeviceReport(name="gpu0", capacity=10, reserve=1)])
     hosts.heard("gpu-a", session, inventory)

@@ -28,41 +28,55 @@ HEARD = 1000.0
 
 # --- the link's state ------------------------------------------------------------------------------------
 
+
 def linked(last_heard: float | None = HEARD, **facts: object) -> LinkFacts:
     return LinkFacts(linked=True, last_heard=last_heard, **facts)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("silent", "state"), [
-    (0.0, H.ONLINE),
-    (4.999, H.ONLINE),  # just before suspend_after
-    (5.0, H.SUSPENDED),  # at it
-    (5.001, H.SUSPENDED),
-    (29.999, H.SUSPENDED),  # just before lost_after
-    (30.0, H.LOST),  # at it
-    (30.001, H.LOST),
-    (86_400.0, H.LOST),
-    (-1.0, H.ONLINE),  # heard "after" now: a caller's race, not silence
-])
+@pytest.mark.parametrize(
+    ("silent", "state"),
+    [
+        (0.0, H.ONLINE),
+        (4.999, H.ONLINE),  # just before suspend_after
+        (5.0, H.SUSPENDED),  # at it
+        (5.001, H.SUSPENDED),
+        (29.999, H.SUSPENDED),  # just before lost_after
+        (30.0, H.LOST),  # at it
+        (30.001, H.LOST),
+        (86_400.0, H.LOST),
+        (-1.0, H.ONLINE),  # heard "after" now: a caller's race, not silence
+    ],
+)
 def test_a_linked_hosts_state_by_silence(silent: float, state: HostState) -> None:
     assert link_state(linked(), HEARD + silent, T) is state
 
 
-@pytest.mark.parametrize(("silent", "state"), [
-    (0.0, H.DISCONNECTED),  # the instant its link closed: never online on the strength of its last beat
-    (4.999, H.DISCONNECTED),
-    (5.0, H.DISCONNECTED),  # not suspended: there is no link to be silent on
-    (29.999, H.DISCONNECTED),
-    (30.0, H.LOST),
-])
+@pytest.mark.parametrize(
+    ("silent", "state"),
+    [
+        (0.0, H.DISCONNECTED),  # the instant its link closed: never online on the strength of its last beat
+        (4.999, H.DISCONNECTED),
+        (5.0, H.DISCONNECTED),  # not suspended: there is no link to be silent on
+        (29.999, H.DISCONNECTED),
+        (30.0, H.LOST),
+    ],
+)
 def test_a_host_whose_link_closed_is_disconnected_at_once_then_lost(silent: float, state: HostState) -> None:
     assert link_state(LinkFacts(linked=False, last_heard=HEARD), HEARD + silent, T) is state
 
 
-@pytest.mark.parametrize(("since_start", "state"), [
-    (0.0, H.DISCONNECTED), (3.0, H.DISCONNECTED), (29.999, H.DISCONNECTED), (30.0, H.LOST),
-])
-def test_after_a_server_start_a_host_not_yet_heard_is_silent_from_the_start(since_start: float,
-                                                                             state: HostState) -> None:
+@pytest.mark.parametrize(
+    ("since_start", "state"),
+    [
+        (0.0, H.DISCONNECTED),
+        (3.0, H.DISCONNECTED),
+        (29.999, H.DISCONNECTED),
+        (30.0, H.LOST),
+    ],
+)
+def test_after_a_server_start_a_host_not_yet_heard_is_silent_from_the_start(
+    since_start: float, state: HostState
+) -> None:
     assert link_state(LinkFacts(last_heard=None, since=HEARD), HEARD + since_start, T) is state
 
 
@@ -72,10 +86,15 @@ def test_a_host_that_joined_and_never_linked_is_joined_however_long_ago() -> Non
     assert link_state(linked(ever_linked=False), HEARD, T) is H.ONLINE  # its first link: online
 
 
-@pytest.mark.parametrize("facts", [
-    LinkFacts(), LinkFacts(linked=True, last_heard=HEARD), LinkFacts(last_heard=HEARD - 100.0),
-    LinkFacts(ever_linked=False),
-])
+@pytest.mark.parametrize(
+    "facts",
+    [
+        LinkFacts(),
+        LinkFacts(linked=True, last_heard=HEARD),
+        LinkFacts(last_heard=HEARD - 100.0),
+        LinkFacts(ever_linked=False),
+    ],
+)
 def test_revoked_wins_whatever_was_heard(facts: LinkFacts) -> None:
     assert link_state(msgspec.structs.replace(facts, revoked=True), HEARD, T) is H.REVOKED
 
@@ -90,24 +109,40 @@ def test_default_timings() -> None:
     assert LinkTimings() == LinkTimings(suspend_after=5.0, lost_after=30.0)
 
 
-@pytest.mark.parametrize(("suspend_after", "lost_after"), [
-    (0.0, 30.0), (-1.0, 30.0), (30.0, 30.0), (31.0, 30.0), (float("nan"), 30.0), (5.0, float("nan")),
-])
+@pytest.mark.parametrize(
+    ("suspend_after", "lost_after"),
+    [
+        (0.0, 30.0),
+        (-1.0, 30.0),
+        (30.0, 30.0),
+        (31.0, 30.0),
+        (float("nan"), 30.0),
+        (5.0, float("nan")),
+    ],
+)
 def test_timings_that_cannot_work_are_refused_naming_both_keys(suspend_after: float, lost_after: float) -> None:
     with pytest.raises(InvalidConfig) as caught:
         LinkTimings(suspend_after=suspend_after, lost_after=lost_after)
     assert "hosts.suspend_after" in caught.value.message and "hosts.lost_after" in caught.value.message
 
 
-@pytest.mark.parametrize(("state", "takes"), [
-    (H.ONLINE, True), (H.SUSPENDED, False), (H.DISCONNECTED, False), (H.LOST, False), (H.REVOKED, False),
-    (H.JOINED, False),
-])
+@pytest.mark.parametrize(
+    ("state", "takes"),
+    [
+        (H.ONLINE, True),
+        (H.SUSPENDED, False),
+        (H.DISCONNECTED, False),
+        (H.LOST, False),
+        (H.REVOKED, False),
+        (H.JOINED, False),
+    ],
+)
 def test_only_an_online_host_takes_requests(state: HostState, takes: bool) -> None:
     assert takes_requests(state) is takes
 
 
 # --- command fencing --------------------------------------------------------------------------------------
+
 
 def command(id: str, generation: int, instance: str = "qwen/1", action: str = "launch") -> Command:
     return Command(id=id, generation=generation, instance=instance, action=action, args={})  # type: ignore[arg-type]
@@ -225,16 +260,44 @@ def test_a_ledger_keeps_at_least_one_result() -> None:
 
 # --- adoption -------------------------------------------------------------------------------------------
 
-def running(instance: str = "qwen/1", *, generation: int = 3, pid: int = 4242, started: float = 5000.25,
-            launch_id: str = "L3", deployment: str | None = None) -> RunningInstance:
-    return RunningInstance(instance=instance, deployment=deployment or instance.split("/")[0], number=1,
-                           generation=generation, pid=pid, pid_start_time=started, port=30001, launch_id=launch_id)
+
+def running(
+    instance: str = "qwen/1",
+    *,
+    generation: int = 3,
+    pid: int = 4242,
+    started: float = 5000.25,
+    launch_id: str = "L3",
+    deployment: str | None = None,
+) -> RunningInstance:
+    return RunningInstance(
+        instance=instance,
+        deployment=deployment or instance.split("/")[0],
+        number=1,
+        generation=generation,
+        pid=pid,
+        pid_start_time=started,
+        port=30001,
+        launch_id=launch_id,
+    )
 
 
-def expected(instance: str = "qwen/1", *, generation: int = 3, pid: int | None = 4242,
-             started: float | None = 5000.25, launch_id: str = "L3") -> ExpectedInstance:
-    return ExpectedInstance(instance=instance, deployment=instance.split("/")[0], generation=generation,
-                            launch_id=launch_id, pid=pid, pid_start_time=started)
+def expected(
+    instance: str = "qwen/1",
+    *,
+    generation: int = 3,
+    pid: int | None = 4242,
+    started: float | None = 5000.25,
+    launch_id: str = "L3",
+) -> ExpectedInstance:
+    return ExpectedInstance(
+        instance=instance,
+        deployment=instance.split("/")[0],
+        generation=generation,
+        launch_id=launch_id,
+        pid=pid,
+        pid_start_time=started,
+    )
 
 
 def actions(steps: list[AdoptionStep]) -> list[tuple[str, Adopt]]:
@@ -303,10 +366,17 @@ def test_a_second_process_for_a_kept_instance_is_stopped() -> None:
 
 
 def test_steps_are_sorted_by_instance() -> None:
-    steps = adoption([expected("c/1"), expected("a/1"), expected("b/1", generation=2)],
-                     [running("b/1"), running("d/1"), running("a/1")])
-    assert actions(steps) == [("a/1", Adopt.KEEP), ("b/1", Adopt.STOP), ("b/1", Adopt.GONE),
-                              ("c/1", Adopt.GONE), ("d/1", Adopt.STOP)]
+    steps = adoption(
+        [expected("c/1"), expected("a/1"), expected("b/1", generation=2)],
+        [running("b/1"), running("d/1"), running("a/1")],
+    )
+    assert actions(steps) == [
+        ("a/1", Adopt.KEEP),
+        ("b/1", Adopt.STOP),
+        ("b/1", Adopt.GONE),
+        ("c/1", Adopt.GONE),
+        ("d/1", Adopt.STOP),
+    ]
 
 
 def test_an_instance_expected_twice_is_a_callers_error() -> None:
@@ -316,18 +386,28 @@ def test_an_instance_expected_twice_is_a_callers_error() -> None:
 
 # One host's worth of instances: a few names, and fields drawn from small sets so that matches happen often.
 NAMES = st.sampled_from(["a/1", "a/2", "b/1", "c/1", "d/1"])
-EXPECTED = st.builds(lambda name, g, pid, started, launch: expected(name, generation=g, pid=pid, started=started,
-                                                                     launch_id=launch),
-                     NAMES, st.integers(1, 3), st.none() | st.integers(1, 3), st.none() | st.sampled_from([1.0, 2.0]),
-                     st.sampled_from(["L1", "L2"]))
-RUNNING = st.builds(lambda name, g, pid, started, launch: running(name, generation=g, pid=pid, started=started,
-                                                                   launch_id=launch),
-                    NAMES, st.integers(1, 3), st.integers(1, 3), st.sampled_from([1.0, 2.0]),
-                    st.sampled_from(["L1", "L2"]))
+EXPECTED = st.builds(
+    lambda name, g, pid, started, launch: expected(name, generation=g, pid=pid, started=started, launch_id=launch),
+    NAMES,
+    st.integers(1, 3),
+    st.none() | st.integers(1, 3),
+    st.none() | st.sampled_from([1.0, 2.0]),
+    st.sampled_from(["L1", "L2"]),
+)
+RUNNING = st.builds(
+    lambda name, g, pid, started, launch: running(name, generation=g, pid=pid, started=started, launch_id=launch),
+    NAMES,
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from([1.0, 2.0]),
+    st.sampled_from(["L1", "L2"]),
+)
 
 
 @given(st.lists(EXPECTED, unique_by=lambda e: e.instance), st.lists(RUNNING, unique_by=lambda r: r.instance))
-def test_adoption_accounts_for_every_instance_once(wanted: list[ExpectedInstance], found: list[RunningInstance]) -> None:
+def test_adoption_accounts_for_every_instance_once(
+    wanted: list[ExpectedInstance], found: list[RunningInstance]
+) -> None:
     steps = adoption(wanted, found)
     # every reported process is kept or stopped, once; every expected one is kept or counted gone, once
     assert sorted((s.running.instance for s in steps if s.running), key=str) == sorted(r.instance for r in found)
@@ -340,8 +420,10 @@ def test_adoption_accounts_for_every_instance_once(wanted: list[ExpectedInstance
     for step in steps:  # a kept process is the expected launch, its pid proved where the server knew it
         if step.action is Adopt.KEEP:
             assert step.running is not None and step.expected is not None
-            assert (step.running.generation, step.running.launch_id) == (step.expected.generation,
-                                                                         step.expected.launch_id)
+            assert (step.running.generation, step.running.launch_id) == (
+                step.expected.generation,
+                step.expected.launch_id,
+            )
             assert step.expected.pid in (None, step.running.pid)
             assert step.expected.pid_start_time in (None, step.running.pid_start_time)
     assert [s.instance for s in steps] == sorted(s.instance for s in steps)

@@ -37,13 +37,14 @@ class Engine:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-                     .split(b":")[1])
+        length = int(
+            next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
+        )
         self.requests.append(head + await reader.readexactly(length))
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
         try:
             for i in range(self.pieces):
-                writer.write(b"data: {\"n\": %d}\n\n" % i)
+                writer.write(b'data: {"n": %d}\n\n' % i)
                 await writer.drain()
                 await asyncio.sleep(0.01)
             writer.close()
@@ -81,12 +82,18 @@ class KeptAlive:
 
 
 class Setup:
-    def __init__(self, tmp: Path, trusted: bool = True, header_timeout: float = HEADER_TIMEOUT,
-                 body_timeout: float = BODY_TIMEOUT) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        trusted: bool = True,
+        header_timeout: float = HEADER_TIMEOUT,
+        body_timeout: float = BODY_TIMEOUT,
+    ) -> None:
         self.ca = CertificateAuthority.load_or_create(tmp / "ca")
         key, csr = host_key_and_csr("gpu-a")
-        self.ingress = Ingress(self.ca.sign_host(csr, "gpu-a"), key, header_timeout=header_timeout,
-                               body_timeout=body_timeout)
+        self.ingress = Ingress(
+            self.ca.sign_host(csr, "gpu-a"), key, header_timeout=header_timeout, body_timeout=body_timeout
+        )
         self.caller_cert, self.caller_key = caller_certificate("capyctl-server")
         if trusted:
             self.ingress.trust_callers(self.caller_cert)
@@ -99,8 +106,9 @@ class Setup:
 
     async def connect(self, tls: ssl.SSLContext | None = None, name: str = "gpu-a") -> Stream:
         with anyio.fail_after(10):
-            return await asyncio.open_connection("127.0.0.1", self.port, ssl=tls or self.tls(name),
-                                                 server_hostname=name)
+            return await asyncio.open_connection(
+                "127.0.0.1", self.port, ssl=tls or self.tls(name), server_hostname=name
+            )
 
     async def ask(self, request: bytes, name: str = "gpu-a", read: int | None = None) -> bytes:
         reader, writer = await self.connect(name=name)
@@ -114,8 +122,12 @@ class Setup:
 
 def post(body: bytes, gate: str | None = "k1", path: str = "/v1/chat/completions", length: int | None = None) -> bytes:
     gate_line = f"X-CapyCTL-Gate: {gate}\r\n".encode() if gate is not None else b""
-    return (f"POST {path} HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n".encode() + gate_line
-            + b"Content-Length: %d\r\nConnection: keep-alive\r\n\r\n" % (len(body) if length is None else length) + body)
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gpu-a\r\nContent-Type: application/json\r\n".encode()
+        + gate_line
+        + b"Content-Length: %d\r\nConnection: keep-alive\r\n\r\n" % (len(body) if length is None else length)
+        + body
+    )
 
 
 def error_of(answer: bytes) -> tuple[int, str]:
@@ -243,11 +255,15 @@ async def test_refusals_say_why_and_reach_no_engine(setup: Setup) -> None:
     assert error_of(await setup.ask(post(b"{}", gate="other"))) == (403, "gate_refused")
     assert error_of(await setup.ask(post(b"{}", path="/metrics"))) == (404, "not_found")
     assert error_of(await setup.ask(b"GET /v1/chat/completions HTTP/1.1\r\nX-CapyCTL-Gate: k1\r\n\r\n")) == (
-        404, "not_found")
+        404,
+        "not_found",
+    )
     # a body declared past 8 MiB is refused at once: the answer comes though no byte of it was sent
     assert error_of(await setup.ask(post(b"", length=(8 << 20) + 1))) == (413, "too_large")
-    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nX-CapyCTL-Gate: k1\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"2\r\n{}\r\n0\r\n\r\n")
+    chunked = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nX-CapyCTL-Gate: k1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\n{}\r\n0\r\n\r\n"
+    )
     assert error_of(await setup.ask(chunked)) == (411, "invalid_request")
     no_length = b"POST /v1/chat/completions HTTP/1.1\r\nX-CapyCTL-Gate: k1\r\n\r\n"
     assert error_of(await setup.ask(no_length)) == (411, "invalid_request")
@@ -267,8 +283,9 @@ MALFORMED = {
     "a folded header line": GOOD.replace(b"Host: gpu-a\r\n", b"Host: gpu-a\r\n  also\r\n"),
     "a blank before the colon": GOOD.replace(b"Host: gpu-a", b"Host : gpu-a"),
     "a control character in a value": GOOD.replace(b"Host: gpu-a", b"Host: gpu\x01a"),
-    "a length beside Transfer-Encoding": GOOD.replace(b"Content-Length: 2\r\n",
-                                                      b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n"),
+    "a length beside Transfer-Encoding": GOOD.replace(
+        b"Content-Length: 2\r\n", b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n"
+    ),
     "an upgrade": GOOD.replace(b"Connection: keep-alive", b"Connection: upgrade\r\nUpgrade: websocket"),
     "not HTTP/1": GOOD.replace(b"HTTP/1.1", b"HTTP/2.0"),
     "a head over 64 KiB": GOOD.replace(b"Host: gpu-a", b"Host: gpu-a\r\nX-Pad: " + b"a" * (96 << 10)),
@@ -358,7 +375,8 @@ async def test_before_trust_callers_no_connection_gets_a_byte(tmp_path: Path) ->
 
 @pytest.mark.parametrize("how", ["stopping", "cancelled"])
 async def test_the_ingress_stops_with_connections_open_and_leaves_nothing(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
     caplog.set_level(logging.WARNING)
     made = Setup(tmp_path)
     streaming, streaming_server, port = await engine(pieces=100_000)
@@ -390,9 +408,13 @@ async def test_the_ingress_stops_with_connections_open_and_leaves_nothing(
         writer.close()
     with anyio.fail_after(5):
         await streaming.closed.wait()  # the engine's connection of the answer cut short is closed too
-    left = [task for task in asyncio.all_tasks() if not task.done()
-            and getattr(task.get_coro(), "cr_code", None) is not None
-            and task.get_coro().cr_code.co_filename == ingress_module.__file__]  # type: ignore[union-attr]
+    left = [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done()
+        and getattr(task.get_coro(), "cr_code", None) is not None
+        and task.get_coro().cr_code.co_filename == ingress_module.__file__
+    ]  # type: ignore[union-attr]
     assert left == []
     gc.collect()  # a task dropped while pending is reported as it is collected
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []

@@ -134,8 +134,9 @@ def test_host_names_that_are_lower_case_dns_labels_are_taken(name: str) -> None:
     assert invite_for(name, SECRET, NOW).name == name
 
 
-@pytest.mark.parametrize("name", ["", "-gpu", "gpu-", "-", "GPU-A", "gpu_a", "gpu.a", "gpu a", "x" * 64,
-                                  "gpü", "gpu-a\n", None, 7])
+@pytest.mark.parametrize(
+    "name", ["", "-gpu", "gpu-", "-", "GPU-A", "gpu_a", "gpu.a", "gpu a", "x" * 64, "gpü", "gpu-a\n", None, 7]
+)
 def test_other_host_names_are_refused_saying_what_is_allowed(name: object) -> None:
     with pytest.raises(InvalidRequest, match="1 to 63 characters of a-z, 0-9 and '-'"):
         check_host_name(name)
@@ -146,9 +147,11 @@ def test_other_host_names_are_refused_saying_what_is_allowed(name: object) -> No
 
 # --- the join file -----------------------------------------------------------------------------------------
 
+
 def join_file(**changes: object) -> JoinFile:
-    fields: dict[str, object] = dict(host="gpu-a", server="10.0.0.1:7445", ca_pem=CA_PEM,
-                                     secret=secret_text(SECRET), expires_at=NOW + 900)
+    fields: dict[str, object] = dict(
+        host="gpu-a", server="10.0.0.1:7445", ca_pem=CA_PEM, secret=secret_text(SECRET), expires_at=NOW + 900
+    )
     return JoinFile(**{**fields, **changes})  # type: ignore[arg-type]
 
 
@@ -161,16 +164,19 @@ def test_a_join_file_round_trips_and_says_its_version() -> None:
     assert "=" not in made.secret and len(made.secret) == 43
 
 
-@pytest.mark.parametrize(("change", "named"), [
-    ({"surprise": 1}, "unknown field `surprise`"),
-    ({"version": 2}, "`$.version`"),
-    ({"host": "GPU"}, "`$.host`"),
-    ({"server": "10.0.0.1"}, "`$.server`"),
-    ({"ca_pem": "not a certificate"}, "`$.ca_pem`"),
-    ({"secret": "short"}, "`$.secret`"),
-    ({"secret": "a+b/" * 8}, "`$.secret`"),
-    ({"expires_at": "soon"}, "`$.expires_at`"),
-])
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"surprise": 1}, "unknown field `surprise`"),
+        ({"version": 2}, "`$.version`"),
+        ({"host": "GPU"}, "`$.host`"),
+        ({"server": "10.0.0.1"}, "`$.server`"),
+        ({"ca_pem": "not a certificate"}, "`$.ca_pem`"),
+        ({"secret": "short"}, "`$.secret`"),
+        ({"secret": "a+b/" * 8}, "`$.secret`"),
+        ({"expires_at": "soon"}, "`$.expires_at`"),
+    ],
+)
 def test_a_join_file_is_decoded_strictly_naming_what_is_wrong(change: dict[str, object], named: str) -> None:
     data = msgspec.json.decode(msgspec.json.encode(join_file()))
     with pytest.raises(InvalidConfig, match="not a CapyCTL join file") as caught:

@@ -16,8 +16,6 @@ import pytest
 
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
-from tests.fakes.answers import ScriptedAnswer, chunks
-from tests.fakes.asgi_door import AsgiDoor
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -48,6 +46,8 @@ from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from capyctl.services.keys import Keyring
+from tests.fakes.answers import ScriptedAnswer, chunks
+from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore
 
 SECRET = "s" * 43
@@ -77,9 +77,18 @@ def test_a_key_splits_into_its_id_and_secret_and_nothing_else_passes() -> None:
     assert token == f"capy_abcdefgh23_{SECRET}"
     assert split_key(token) == ("abcdefgh23", SECRET)
     assert split_key(format_key("abcdefgh23", "a_b-" + "c" * 39)) == ("abcdefgh23", "a_b-" + "c" * 39)  # _ in secret
-    for bad in ["", "capy_", f"capy-{SECRET}", f"capy_ABCDEFGH23_{SECRET}", f"capy_abcdefgh2_{SECRET}",
-                f"capy_abcdefgh23_{SECRET[:-1]}", f"capy_abcdefgh23_{SECRET}x", f"xcapy_abcdefgh23_{SECRET}",
-                f"capy_abcdefgh18_{SECRET}", f"capy_abcdefgh23-{SECRET}"]:  # 1 and 8 are not base32
+    for bad in [
+        "",
+        "capy_",
+        f"capy-{SECRET}",
+        f"capy_ABCDEFGH23_{SECRET}",
+        f"capy_abcdefgh2_{SECRET}",
+        f"capy_abcdefgh23_{SECRET[:-1]}",
+        f"capy_abcdefgh23_{SECRET}x",
+        f"xcapy_abcdefgh23_{SECRET}",
+        f"capy_abcdefgh18_{SECRET}",
+        f"capy_abcdefgh23-{SECRET}",
+    ]:  # 1 and 8 are not base32
         assert split_key(bad) is None, bad
 
 
@@ -121,11 +130,22 @@ def test_names_limits_models_and_salts_are_checked_and_nothing_is_made_of_a_bad_
     with pytest.raises(AlreadyExists):
         keyring.create("app")
     bad: list[dict[str, Any]] = [
-        {"name": "has space"}, {"name": ""}, {"name": None}, {"name": "-dash"}, {"name": "x" * 65},
-        {"name": "n", "daily_limit": 0}, {"name": "n", "daily_limit": True}, {"name": "n", "daily_limit": "5"},
-        {"name": "n", "models": []}, {"name": "n", "models": "a,b"}, {"name": "n", "models": ["ok", "not ok"]},
-        {"name": "n", "cache_salt": ""}, {"name": "n", "cache_salt": "a/b"}, {"name": "n", "cache_salt": "x@y"},
-        {"name": "n", "cache_salt": "x" * 129}, {"name": "n", "cache_salt": 7},
+        {"name": "has space"},
+        {"name": ""},
+        {"name": None},
+        {"name": "-dash"},
+        {"name": "x" * 65},
+        {"name": "n", "daily_limit": 0},
+        {"name": "n", "daily_limit": True},
+        {"name": "n", "daily_limit": "5"},
+        {"name": "n", "models": []},
+        {"name": "n", "models": "a,b"},
+        {"name": "n", "models": ["ok", "not ok"]},
+        {"name": "n", "cache_salt": ""},
+        {"name": "n", "cache_salt": "a/b"},
+        {"name": "n", "cache_salt": "x@y"},
+        {"name": "n", "cache_salt": "x" * 129},
+        {"name": "n", "cache_salt": 7},
     ]
     for fields in bad:
         with pytest.raises(InvalidRequest):
@@ -280,8 +300,11 @@ def test_counts_and_last_use_survive_a_restart_and_no_secret_reaches_the_databas
 def test_a_scoped_key_learns_only_of_its_own_models() -> None:
     key = ApiKey(id="abcdefgh23", name="app", digest="", created=0.0, models=("alpha", "gone"))
     check_scope(key, "alpha", lambda: ["alpha", "beta", "gamma"])
-    check_scope(ApiKey(id="abcdefgh23", name="all", digest="", created=0.0), "beta",
-                lambda: pytest.fail("the names are read only for a scoped key"))
+    check_scope(
+        ApiKey(id="abcdefgh23", name="all", digest="", created=0.0),
+        "beta",
+        lambda: pytest.fail("the names are read only for a scoped key"),
+    )
     for other in ("beta", "nope", "gone"):  # gone: on its list, not deployed
         with pytest.raises(ModelNotFound) as refused:
             check_scope(key, other, lambda: ["alpha", "beta", "gamma"])
@@ -310,8 +333,13 @@ def test_a_bound_salt_is_added_kept_or_refused_and_never_shown() -> None:
 
 
 # --- through the front door, on a clock the test moves ----------------------------------------------------
-CHUNK = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
-         "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+CHUNK = {
+    "id": "c",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+}
 
 
 class OneChunkEngine:
@@ -357,29 +385,40 @@ async def call(app: Any, token: str, body: dict[str, Any]) -> tuple[int, dict[by
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"authorization", f"Bearer {token}".encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"authorization", f"Bearer {token}".encode())],
+    }
     with anyio.fail_after(5):
         await app(scope, receive, send)
     payload = b"".join(m.get("body", b"") for m in sent[1:])
     return sent[0]["status"], dict(sent[0]["headers"]), msgspec.json.decode(payload)
 
 
-def front_door(clock: FakeClock, family: str = EngineFamily.VLLM, slots: int = 4,
-               max_pending: int = 64) -> tuple[AsgiDoor, Keyring, OneChunkEngine, Stats]:
+def front_door(
+    clock: FakeClock, family: str = EngineFamily.VLLM, slots: int = 4, max_pending: int = 64
+) -> tuple[AsgiDoor, Keyring, OneChunkEngine, Stats]:
     version = "0.32.0" if family == EngineFamily.VLLM else "0.6.0"
     spec = decode_spec({"name": "m", "engine": family, "endpoint": "http://127.0.0.1:9", "engine_version": version})
     engine = EngineInstall(name="e", family=family, path="x", version=version, version_text="")
     store = FakeStore()
     events = Events(store, clock)
-    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events,
-                                    row_for(engine.family, engine.version))
+    controller = AttachedController(
+        Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events, row_for(engine.family, engine.version)
+    )
     controller.want(Desired.RUN)
-    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: name == "m",
-                            get=lambda name: controller, names=lambda: ["m", "other"])
+    fleet = SimpleNamespace(
+        resolve=lambda name, api="chat": controller,
+        has=lambda name: name == "m",
+        get=lambda name: controller,
+        names=lambda: ["m", "other"],
+    )
     keyring = Keyring(store, clock, events)
-    admission = AdmissionService(QueueLimits(max_in_flight_per_instance=slots, max_pending_per_deployment=max_pending),
-                                 clock)
+    admission = AdmissionService(
+        QueueLimits(max_in_flight_per_instance=slots, max_pending_per_deployment=max_pending), clock
+    )
     session = OneChunkEngine()
     service = ChatService(fleet, session, clock, events, ChatSettings(), admission, keyring)  # type: ignore[arg-type]
     stats = Stats()

@@ -14,20 +14,20 @@ import pytest
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
-from tests.fakes.asgi_door import AsgiDoor
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.fields import row_for
+from capyctl.domain.request_rows import RowFilter
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.streams import DONE, Chunks, sse_of
 from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
-from tests.fakes.answers import ScriptedAnswer
-from capyctl.domain.request_rows import RowFilter
 from capyctl.services.request_log import RequestLog
+from tests.fakes.answers import ScriptedAnswer
+from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore, keyring_with
 from tests.fakes.request_store import FakeRequestStore
 
@@ -58,8 +58,9 @@ class BrokenService:
     def start(self, record: RequestRecord, obj: dict[str, Any]) -> None:
         return None  # nothing done before the request's task runs
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None,
-                       started: Any = None) -> dict[str, Any]:
+    async def complete(
+        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, started: Any = None
+    ) -> dict[str, Any]:
         raise RuntimeError("a bug in the assembler")
 
     @asynccontextmanager
@@ -98,8 +99,12 @@ async def call(app: Any, scope: dict[str, Any], body: bytes = b"") -> list[dict[
 
 
 def chat_scope() -> dict[str, Any]:
-    return {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-            "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"authorization", f"Bearer {KEY}".encode())],
+    }
 
 
 def header(start: dict[str, Any], name: bytes) -> str:
@@ -108,8 +113,15 @@ def header(start: dict[str, Any], name: bytes) -> str:
 
 async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(caplog: pytest.LogCaptureFixture) -> None:
     records = RequestLog(FakeRequestStore(), FakeClock())
-    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(None), Stats())], keyring_with(KEY), 1 << 20, Stats(),  # type: ignore[arg-type]
-                                 records))
+    handler = AsgiDoor(
+        FrontDoor(
+            [ChatEndpoint(BrokenService(None), Stats())],
+            keyring_with(KEY),
+            1 << 20,
+            Stats(),  # type: ignore[arg-type]
+            records,
+        )
+    )
     with caplog.at_level(logging.ERROR, "capyctl.http"):
         sent = await call(handler, chat_scope(), b'{"model": "m", "messages": []}')
     start, body = sent[0], msgspec.json.decode(sent[1]["body"])
@@ -121,13 +133,26 @@ async def test_a_bug_in_a_non_streamed_answer_is_internal_error_with_the_id(capl
     assert logged and logged[0].exc_info
     assert "a bug in the assembler" in logging.Formatter().formatException(logged[0].exc_info)  # the traceback
     (row,) = await records.find(RowFilter())  # the request records keep it too
-    assert (row.id, row.code, row.status, row.deployment, row.key) == (request_id, "internal_error", 500, "m", "default")
+    assert (row.id, row.code, row.status, row.deployment, row.key) == (
+        request_id,
+        "internal_error",
+        500,
+        "m",
+        "default",
+    )
 
 
 async def test_a_bug_during_a_stream_ends_it_with_an_error_event() -> None:
     records = RequestLog(FakeRequestStore(), FakeClock())
-    handler = AsgiDoor(FrontDoor([ChatEndpoint(BrokenService(1), Stats())], keyring_with(KEY), 1 << 20, Stats(),  # type: ignore[arg-type]
-                                 records))
+    handler = AsgiDoor(
+        FrontDoor(
+            [ChatEndpoint(BrokenService(1), Stats())],
+            keyring_with(KEY),
+            1 << 20,
+            Stats(),  # type: ignore[arg-type]
+            records,
+        )
+    )
     sent = await call(handler, chat_scope(), b'{"model": "m", "messages": [], "stream": true}')
     assert sent[0]["status"] == 200
     assert sent[1]["body"] == b'data: {"choices":[]}\n\n'  # what came before the bug was relayed
@@ -159,8 +184,14 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
     """An attached engine is not CapyCTL's to watch: no wait for it to 'exit' (it used to cost crash_notice)."""
     spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
     engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
-    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), FakeClock(),
-                                    Events(FakeStore(), FakeClock()), row_for(engine.family, engine.version))
+    controller = AttachedController(
+        Deployment(spec=spec),
+        engine,
+        FakeEngineAdapter(),
+        FakeClock(),
+        Events(FakeStore(), FakeClock()),
+        row_for(engine.family, engine.version),
+    )
     controller.want(Desired.RUN)
     assert await controller.route(1) == ("http://127.0.0.1:9", 1)
 
@@ -185,8 +216,14 @@ async def test_a_chunk_relayed_unread_that_cannot_be_assembled_is_an_edge_error(
     answer, which decodes every chunk whole, must end in edge_error, not in a bug's 500."""
     spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
     engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
-    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), FakeClock(),
-                                    Events(FakeStore(), FakeClock()), row_for(engine.family, engine.version))
+    controller = AttachedController(
+        Deployment(spec=spec),
+        engine,
+        FakeEngineAdapter(),
+        FakeClock(),
+        Events(FakeStore(), FakeClock()),
+        row_for(engine.family, engine.version),
+    )
     controller.want(Desired.RUN)
     payload = b'{"model":"m","created":1e999,"choices":[{"index":0,"delta":{"content":"hi"}}]}'
 

@@ -10,7 +10,10 @@ ROOT = Path(__file__).parents[2]
 def test_import_contracts_hold() -> None:
     done = subprocess.run(
         [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert "Contracts: 7 kept, 0 broken." in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0
@@ -46,8 +49,11 @@ def test_no_code_imports_a_private_module_or_name_of_another_package() -> None:
     assert not _private_imports("from a.b import c, __version__")
     assert _private_imports("from _sha256 import sha256") and _private_imports("import _sha2")
     assert _private_imports("from _thread import allocate_lock")
-    offending = {str(path.relative_to(ROOT)): found for path in sorted((ROOT / "src").rglob("*.py"))
-                 if (found := _private_imports(path.read_text()))}
+    offending = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted((ROOT / "src").rglob("*.py"))
+        if (found := _private_imports(path.read_text()))
+    }
     assert offending == {}
 
 

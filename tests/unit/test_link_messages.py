@@ -29,20 +29,40 @@ from capyctl.domain.link import (
     encode,
 )
 
-RUNNING = RunningInstance(instance="qwen/1", deployment="qwen", number=3, generation=7, pid=4242,
-                          pid_start_time=123456.78, port=30001, launch_id="01HZX")
+RUNNING = RunningInstance(
+    instance="qwen/1",
+    deployment="qwen",
+    number=3,
+    generation=7,
+    pid=4242,
+    pid_start_time=123456.78,
+    port=30001,
+    launch_id="01HZX",
+)
 
 EVERY_MESSAGE: list[Message] = [
-    Hello(host="gpu-1", version="0.9.0", protocol=PROTOCOL_VERSION, capabilities=["sleep", "multi_node"],
-          running=[RUNNING]),
-    Inventory(devices=[DeviceReport(name="cuda:0", capacity=80 * 2**30, reserve=2**30)],
-              engines=[EngineReport(name="vllm-0.11", family="vllm", version="0.11.0", path="/opt/vllm/bin/vllm")]),
+    Hello(
+        host="gpu-1",
+        version="0.9.0",
+        protocol=PROTOCOL_VERSION,
+        capabilities=["sleep", "multi_node"],
+        running=[RUNNING],
+    ),
+    Inventory(
+        devices=[DeviceReport(name="cuda:0", capacity=80 * 2**30, reserve=2**30)],
+        engines=[EngineReport(name="vllm-0.11", family="vllm", version="0.11.0", path="/opt/vllm/bin/vllm")],
+    ),
     LoadSample(at=812.5, loads=[InstanceLoad(instance="qwen/1", running=2, waiting=5)]),
     ProcessExit(instance="qwen/1", pid=4242, returncode=-9, at=900.25),
     ProcessExit(instance="qwen/1", pid=4242, returncode=None, at=900.25),
     ProcessExit(instance="qwen/1", pid=4242, returncode=-15, at=900.25, cause="agent_stopped"),
-    Command(id="c-1", generation=7, instance="qwen/1", action="launch",
-            args={"argv": ["vllm", "serve"], "env": {"A": "1"}, "port": 30001}),
+    Command(
+        id="c-1",
+        generation=7,
+        instance="qwen/1",
+        action="launch",
+        args={"argv": ["vllm", "serve"], "env": {"A": "1"}, "port": 30001},
+    ),
     CommandResult(id="c-1", generation=7, ok=True, detail={"pid": 4242, "pid_start_time": 123456.78}),
     CommandResult(id="c-2", generation=6, ok=False, code="stale_generation", message="older"),
     Heartbeat(seq=12, at=1.5),

@@ -60,7 +60,9 @@ def test_a_line_that_is_not_routine_is_written_at_once() -> None:
             time.sleep(0.01)
         lines = stream.getvalue().splitlines()
         assert [msgspec.json.decode(line)["message"] for line in lines] == [
-            "routine", "request cut: engine connection closed"]
+            "routine",
+            "request cut: engine connection closed",
+        ]
         assert '"_routine"' not in stream.getvalue() and '"event":"cut"' in lines[1]
     finally:
         writer.stop()

@@ -53,8 +53,15 @@ class World:
             document["resources"] = {"memory": "4GiB", "parked_memory": "1GiB"}
         engine = EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0", version_text="")
         self.controller = ManagedController(
-            Deployment(spec=decode_spec(document)), engine, FakeEngineAdapter(), self.effects,  # type: ignore[arg-type]
-            clock, events, SETTINGS, row_for(engine.family, engine.version), room,
+            Deployment(spec=decode_spec(document)),
+            engine,
+            FakeEngineAdapter(),
+            self.effects,  # type: ignore[arg-type]
+            clock,
+            events,
+            SETTINGS,
+            row_for(engine.family, engine.version),
+            room,
         )
 
     async def until(self, condition: Callable[[], bool], limit: float = 60) -> None:
@@ -96,7 +103,9 @@ async def test_a_request_launches_one_engine_and_is_routed_to_it(world: World) -
 async def test_a_crash_ends_the_old_engine_before_the_next_launch(world: World) -> None:
     route = await world.controller.route(5)
     world.effects.crash(1)
-    assert isinstance(await world.controller.lost(route, notice=1.0, broke=EngineUnavailable("connection reset")), EngineRestarted)
+    assert isinstance(
+        await world.controller.lost(route, notice=1.0, broke=EngineUnavailable("connection reset")), EngineRestarted
+    )
     await world.until(lambda: world.controller.ready)
     assert world.effects.done == ["launch 1", "stop 1", "launch 2"]
     assert world.controller.route_now() == Route("http://engine-2", 2)
@@ -190,13 +199,20 @@ async def test_a_wake_that_answers_differently_is_stopped_and_a_fresh_engine_ser
     await parks.controller.route(5)
     await parks.controller.give_way(park=True)
     assert await parks.controller.route(30) == Route("http://engine-2", 2)
-    assert parks.effects.done == ["launch 1", "canary 1", "park 1", "wake 1", "canary 1", "stop 1", "launch 2",
-                                  "canary 2"]
+    assert parks.effects.done == [
+        "launch 1",
+        "canary 1",
+        "park 1",
+        "wake 1",
+        "canary 1",
+        "stop 1",
+        "launch 2",
+        "canary 2",
+    ]
     assert "wake_mismatch" in parks.kinds()
 
 
-async def test_an_engine_whose_machine_is_out_of_reach_is_refused_at_once_and_served_again_after(
-        world: World) -> None:
+async def test_an_engine_whose_machine_is_out_of_reach_is_refused_at_once_and_served_again_after(world: World) -> None:
     assert await world.controller.route(5) == Route("http://engine-1", 1)
     world.effects.unreachable = DeviceOffline("gpu-a", "suspended", model="m")
     assert world.controller.route_now() is None  # no request goes to it

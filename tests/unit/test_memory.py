@@ -38,7 +38,9 @@ def wanted(name: str, gib: float, **kw: object) -> Resident:
 def test_charges_follow_the_evidence() -> None:
     r = Resident(name="a", memory=6 * GiB, parked_memory=1 * GiB)
     assert r.charged == 0  # no process
-    assert msgspec.structs.replace(r, holding=Holding.AWAKE).charged == 6 * GiB  # starting, serving, parking or stopping
+    assert (
+        msgspec.structs.replace(r, holding=Holding.AWAKE).charged == 6 * GiB
+    )  # starting, serving, parking or stopping
     assert msgspec.structs.replace(r, holding=Holding.PARKED).charged == 1 * GiB  # only once the engine confirmed it
 
 
@@ -90,30 +92,35 @@ def test_restart_only_and_unsettled_victims_stop_instead_of_parking() -> None:
     hb = Residency.HOST_BACKED
     restart = plan(DEVICE, wanted("c", 4), [awake("a", 9, parked_memory=1 * GiB)])
     assert isinstance(restart, SwitchPlan) and restart.victims[0].action == "stop"  # restart_only
-    unsettled = plan(DEVICE, wanted("c", 4),
-                     [awake("a", 9, parked_memory=1 * GiB, residency=hb, unsettled_before_output=1)])
+    unsettled = plan(
+        DEVICE, wanted("c", 4), [awake("a", 9, parked_memory=1 * GiB, residency=hb, unsettled_before_output=1)]
+    )
     assert isinstance(unsettled, SwitchPlan) and unsettled.victims[0].action == "stop"  # CAN-3
     settled = plan(DEVICE, wanted("c", 4), [awake("a", 9, parked_memory=1 * GiB, residency=hb)])
     assert isinstance(settled, SwitchPlan) and settled.victims[0].action == "park"
 
 
 def test_a_parked_model_can_be_stopped_to_free_its_parked_footprint() -> None:
-    parked = Resident(name="p", memory=6 * GiB, parked_memory=2 * GiB, holding=Holding.PARKED,
-                      residency=Residency.HOST_BACKED)
+    parked = Resident(
+        name="p", memory=6 * GiB, parked_memory=2 * GiB, holding=Holding.PARKED, residency=Residency.HOST_BACKED
+    )
     result = plan(DEVICE, wanted("c", 8), [parked])  # 9 usable, 2 parked: 1 short
     assert isinstance(result, SwitchPlan) and result.victims == (Victim("p", "stop", 2 * GiB),)
 
 
 def test_waking_a_parked_target_needs_only_the_difference() -> None:
-    target = Resident(name="t", memory=6 * GiB, parked_memory=2 * GiB, holding=Holding.PARKED,
-                      residency=Residency.HOST_BACKED)
+    target = Resident(
+        name="t", memory=6 * GiB, parked_memory=2 * GiB, holding=Holding.PARKED, residency=Residency.HOST_BACKED
+    )
     assert plan(DEVICE, target, [awake("a", 3)]) == Fits(0)  # 9 usable = 3 + 6
 
 
 def test_a_model_that_can_never_fit_is_refused_at_once_with_the_figures() -> None:
     result = plan(DEVICE, wanted("huge", 9.5), [awake("a", 1)])
     assert isinstance(result, NeverFits)
-    assert "huge needs 9.50 GiB" in result.reason and "10.00 GiB" in result.reason and "1.00 GiB reserved" in result.reason
+    assert (
+        "huge needs 9.50 GiB" in result.reason and "10.00 GiB" in result.reason and "1.00 GiB reserved" in result.reason
+    )
     pinned = plan(DEVICE, wanted("c", 6), [awake("stuck", 4, pinned=True), awake("a", 1)])
     assert isinstance(pinned, NeverFits) and "stuck 4.00 GiB" in pinned.reason  # what is pinned is named
 

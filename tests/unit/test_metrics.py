@@ -47,7 +47,9 @@ def test_vllm_032_metrics_object_gives_queue_prefill_ttft_and_decode() -> None:
     assert figures["queue_ms"] == {"value": round(engine["queue_time_ms"], 2), "source": "engine"}
     assert figures["prefill_ms"] == {"value": round(engine["time_to_first_token_ms"], 2), "source": "engine"}
     assert figures["ttft_ms"] == {
-        "value": round(engine["queue_time_ms"] + engine["time_to_first_token_ms"], 2), "source": "engine"}
+        "value": round(engine["queue_time_ms"] + engine["time_to_first_token_ms"], 2),
+        "source": "engine",
+    }
     assert figures["decode_tokens_per_second"] == {"value": round(1000 / engine["mean_itl_ms"], 2), "source": "engine"}
     assert list(figures) == sorted(figures)
 
@@ -64,7 +66,10 @@ def test_llamacpp_timings() -> None:
     timings = meter.seen["timings"]
     figures = meter.figures(metrics_row_for(F.LLAMACPP, "0.6.0"))
     assert figures["prefill_ms"] == {"value": round(timings["prompt_ms"], 2), "source": "engine"}
-    assert figures["decode_tokens_per_second"] == {"value": round(timings["predicted_per_second"], 2), "source": "engine"}
+    assert figures["decode_tokens_per_second"] == {
+        "value": round(timings["predicted_per_second"], 2),
+        "source": "engine",
+    }
     assert figures["cached_tokens"] == {"value": 23, "source": "engine"}
     assert figures["ttft_ms"]["source"] == "router"
     assert "queue_ms" not in figures
@@ -94,8 +99,15 @@ def test_one_read_of_many_chunks_reads_the_clock_for_its_first_text_and_its_end(
 
 def test_unmeasured_figures_are_absent_not_zero() -> None:
     meter, check = metered(F.VLLM, "0.32.0")
-    check.check(chunks({"choices": [{"index": 0, "delta": {"role": "assistant"}}], "timings": {"prompt_ms": 0.0},
-                        "metrics": {"queue_time_ms": 0.0, "time_to_first_token_ms": None}}))
+    check.check(
+        chunks(
+            {
+                "choices": [{"index": 0, "delta": {"role": "assistant"}}],
+                "timings": {"prompt_ms": 0.0},
+                "metrics": {"queue_time_ms": 0.0, "time_to_first_token_ms": None},
+            }
+        )
+    )
     assert meter.seen["timings"] == {"prompt_ms": 0.0}  # kept, yet no figure: a zero here means "not measured"
     assert meter.figures(metrics_row_for(F.LLAMACPP, "0.6.0")) == {}
     assert meter.figures(metrics_row_for(F.VLLM, "0.31.0")) == {}

@@ -61,6 +61,7 @@ def host_cert(authority: CertificateAuthority, name: str) -> tuple[bytes, bytes]
 
 # --- the CA on disk ----------------------------------------------------------------------------------------
 
+
 def test_the_ca_is_made_once_with_a_private_key_and_loaded_identical_after(tmp_path: Path) -> None:
     directory = tmp_path / "state" / "identity" / "ca"
     first = CertificateAuthority.load_or_create(directory)
@@ -117,6 +118,7 @@ def test_write_private_is_0600_atomic_and_makes_a_missing_parent_0700(tmp_path: 
 
 # --- host certificates -------------------------------------------------------------------------------------
 
+
 def test_a_host_csr_is_signed_into_a_certificate_for_that_host(ca: CertificateAuthority) -> None:
     key_pem, csr_pem = host_key_and_csr("gpu-a")
     cert_pem = ca.sign_host(csr_pem, "gpu-a")
@@ -126,9 +128,11 @@ def test_a_host_csr_is_signed_into_a_certificate_for_that_host(ca: CertificateAu
     assert host_name_of(cert.public_bytes(serialization.Encoding.DER)) == "gpu-a"
     # a client of the control link, and the server of the host's ingress (reached by the host's name)
     assert cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
-        [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH])
+        [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
+    )
     assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-        x509.DNSName) == ["gpu-a"]
+        x509.DNSName
+    ) == ["gpu-a"]
     assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
     # the certificate carries the host's own key, which never went to the CA
     key = serialization.load_pem_private_key(key_pem, password=None)
@@ -150,8 +154,11 @@ def test_a_csr_whose_signature_does_not_verify_is_refused(ca: CertificateAuthori
     _, csr_pem = host_key_and_csr("gpu-a")
     der = bytearray(x509.load_pem_x509_csr(csr_pem).public_bytes(serialization.Encoding.DER))
     der[-3] ^= 0x01  # inside the signature
-    forged = b"-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(der)) \
+    forged = (
+        b"-----BEGIN CERTIFICATE REQUEST-----\n"
+        + base64.encodebytes(bytes(der))
         + b"-----END CERTIFICATE REQUEST-----\n"
+    )
     with pytest.raises(InvalidRequest, match="not signed"):
         ca.sign_host(forged, "gpu-a")
 
@@ -160,8 +167,11 @@ def test_a_csr_that_is_not_one_or_names_no_host_is_refused(ca: CertificateAuthor
     with pytest.raises(InvalidRequest, match="not a PEM"):
         ca.sign_host(b"hello", "gpu-a")
     key = ec.generate_private_key(ec.SECP256R1())
-    nameless = x509.CertificateSigningRequestBuilder().subject_name(
-        x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "x")])).sign(key, hashes.SHA256())
+    nameless = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "x")]))
+        .sign(key, hashes.SHA256())
+    )
     with pytest.raises(InvalidRequest, match="names no host"):
         ca.sign_host(nameless.public_bytes(serialization.Encoding.PEM), "gpu-a")
     with pytest.raises(InvalidRequest, match="host name"):
@@ -176,13 +186,15 @@ def test_the_server_certificate_names_dns_names_and_ip_addresses(ca: Certificate
     assert alt.get_values_for_type(x509.DNSName) == [SERVER]
     assert [str(ip) for ip in alt.get_values_for_type(x509.IPAddress)] == ["10.0.0.1", "::1"]
     assert cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value == x509.ExtendedKeyUsage(
-        [ExtendedKeyUsageOID.SERVER_AUTH])
+        [ExtendedKeyUsageOID.SERVER_AUTH]
+    )
     assert b"PRIVATE KEY" in key_pem
     with pytest.raises(InvalidConfig):
         ca.server_certificate([])
 
 
 # --- handshakes --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Handshake:
@@ -216,8 +228,10 @@ def handshake(server: ssl.SSLContext, client: ssl.SSLContext, server_hostname: s
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as raw, \
-                client.wrap_socket(raw, server_hostname=server_hostname) as tls:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as raw,
+            client.wrap_socket(raw, server_hostname=server_hostname) as tls,
+        ):
             seen.version = tls.version()
             tls.sendall(b"ping")
             seen.answer = tls.recv(16)
@@ -237,7 +251,8 @@ def listener_tls(ca: CertificateAuthority) -> ssl.SSLContext:
 
 
 def test_mutual_tls_with_a_host_certificate_succeeds_and_names_the_host(
-        ca: CertificateAuthority, listener_tls: ssl.SSLContext) -> None:
+    ca: CertificateAuthority, listener_tls: ssl.SSLContext
+) -> None:
     cert_pem, key_pem = host_cert(ca, "gpu-a")
     seen = handshake(listener_tls, client_ssl_context(ca.cert_pem, cert_pem, key_pem, server_name=SERVER))
     assert seen.client_error is None and seen.server_error is None
@@ -248,7 +263,8 @@ def test_mutual_tls_with_a_host_certificate_succeeds_and_names_the_host(
 
 
 def test_a_host_certificate_from_another_ca_is_refused_by_the_server(
-        ca: CertificateAuthority, other_ca: CertificateAuthority, listener_tls: ssl.SSLContext) -> None:
+    ca: CertificateAuthority, other_ca: CertificateAuthority, listener_tls: ssl.SSLContext
+) -> None:
     cert_pem, key_pem = host_cert(other_ca, "gpu-a")
     seen = handshake(listener_tls, client_ssl_context(ca.cert_pem, cert_pem, key_pem, server_name=SERVER))
     assert isinstance(seen.server_error, ssl.SSLCertVerificationError)
@@ -256,14 +272,16 @@ def test_a_host_certificate_from_another_ca_is_refused_by_the_server(
 
 
 def test_a_client_without_a_certificate_is_refused_where_one_is_required(
-        ca: CertificateAuthority, listener_tls: ssl.SSLContext) -> None:
+    ca: CertificateAuthority, listener_tls: ssl.SSLContext
+) -> None:
     seen = handshake(listener_tls, client_ssl_context(ca.cert_pem, server_name=SERVER))
     assert isinstance(seen.server_error, ssl.SSLError)
     assert seen.received is None and seen.answer != b"pong"
 
 
 def test_without_require_client_a_bare_client_may_talk_but_a_foreign_certificate_may_not(
-        ca: CertificateAuthority, other_ca: CertificateAuthority) -> None:
+    ca: CertificateAuthority, other_ca: CertificateAuthority
+) -> None:
     cert_pem, key_pem = ca.server_certificate([SERVER])
     joining = server_ssl_context(cert_pem, key_pem, ca.cert_pem, require_client=False)
     bare = handshake(joining, client_ssl_context(ca.cert_pem, server_name=SERVER))
@@ -274,7 +292,8 @@ def test_without_require_client_a_bare_client_may_talk_but_a_foreign_certificate
 
 
 def test_the_client_refuses_a_server_of_another_ca_before_sending_a_byte(
-        ca: CertificateAuthority, other_ca: CertificateAuthority) -> None:
+    ca: CertificateAuthority, other_ca: CertificateAuthority
+) -> None:
     cert_pem, key_pem = other_ca.server_certificate([SERVER])
     impostor = server_ssl_context(cert_pem, key_pem, other_ca.cert_pem, require_client=False)
     seen = handshake(impostor, client_ssl_context(ca.cert_pem, server_name=SERVER))
@@ -283,15 +302,20 @@ def test_the_client_refuses_a_server_of_another_ca_before_sending_a_byte(
     assert seen.received is None and seen.version is None  # the ping was never sent
 
 
-def test_the_client_checks_the_server_name_it_was_given(
-        ca: CertificateAuthority, listener_tls: ssl.SSLContext) -> None:
+def test_the_client_checks_the_server_name_it_was_given(ca: CertificateAuthority, listener_tls: ssl.SSLContext) -> None:
     cert_pem, key_pem = host_cert(ca, "gpu-a")
-    wrong = handshake(listener_tls, client_ssl_context(ca.cert_pem, cert_pem, key_pem, server_name="elsewhere"),
-                      server_hostname="elsewhere")
+    wrong = handshake(
+        listener_tls,
+        client_ssl_context(ca.cert_pem, cert_pem, key_pem, server_name="elsewhere"),
+        server_hostname="elsewhere",
+    )
     assert isinstance(wrong.client_error, ssl.SSLCertVerificationError) and wrong.received is None
     assert "Hostname mismatch" in wrong.client_error.verify_message
-    by_ip = handshake(listener_tls, client_ssl_context(ca.cert_pem, cert_pem, key_pem, server_name="127.0.0.1"),
-                      server_hostname="127.0.0.1")
+    by_ip = handshake(
+        listener_tls,
+        client_ssl_context(ca.cert_pem, cert_pem, key_pem, server_name="127.0.0.1"),
+        server_hostname="127.0.0.1",
+    )
     assert by_ip.answer == b"pong"
 
 

@@ -33,15 +33,17 @@ class FakeHosts:
         self.running: list[RunningInstance] | None = []  # the hello's list; None: not linked
         self.exits: dict[tuple[str, int], ProcessExit] = {}
         self.sent: list[tuple[str, dict[str, Any], int]] = []  # (action, args, generation)
-        self.answers: dict[str, dict[str, Any] | Exception] = {"launch": {"pid": 4242, "log_path": "/l/1.log",
-                                                                          "launch_id": "L1"},
-                                                               "adopt": {"pid": 777, "log_path": "/l/0.log",
-                                                                         "launch_id": "x"},
-                                                               "stop": {"status": -15}, "probe": {"ready": True},
-                                                               "load": {"running": 0, "waiting": 0}}
+        self.answers: dict[str, dict[str, Any] | Exception] = {
+            "launch": {"pid": 4242, "log_path": "/l/1.log", "launch_id": "L1"},
+            "adopt": {"pid": 777, "log_path": "/l/0.log", "launch_id": "x"},
+            "stop": {"status": -15},
+            "probe": {"ready": True},
+            "load": {"running": 0, "waiting": 0},
+        }
 
-    async def run(self, name: str, action: str, args: dict[str, Any], instance: str = "", generation: int = 0
-                  ) -> dict[str, Any]:
+    async def run(
+        self, name: str, action: str, args: dict[str, Any], instance: str = "", generation: int = 0
+    ) -> dict[str, Any]:
         assert name == "gpu-a" and instance == "chat"
         if self.state_now != HostState.ONLINE:
             raise DeviceOffline(name, self.state_now.value)
@@ -103,8 +105,18 @@ async def test_each_launch_has_its_own_gate_key_and_a_newer_generation() -> None
 
 async def test_an_engine_a_server_before_this_one_launched_is_adopted_not_started_again() -> None:
     hosts = FakeHosts()
-    hosts.running = [RunningInstance(instance="chat", deployment="chat", number=3, generation=555, pid=777,
-                                     pid_start_time=1.0, port=40000, launch_id="x")]
+    hosts.running = [
+        RunningInstance(
+            instance="chat",
+            deployment="chat",
+            number=3,
+            generation=555,
+            pid=777,
+            pid_start_time=1.0,
+            port=40000,
+            launch_id="x",
+        )
+    ]
     remote = effects(hosts)
     adopted = await remote.launch(1)
     assert adopted.adopted and adopted.pid == 777
@@ -123,8 +135,18 @@ async def test_an_engine_counts_gone_only_on_the_hosts_word() -> None:
     hosts.state_now, hosts.running = HostState.LOST, None  # silent: nothing is known, nothing is released
     assert remote.exited(engine) is None
     hosts.state_now, hosts.link_session = HostState.ONLINE, 2
-    hosts.running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=1, pid=4242,
-                                     pid_start_time=1.0, port=40000, launch_id="L1")]
+    hosts.running = [
+        RunningInstance(
+            instance="chat",
+            deployment="chat",
+            number=1,
+            generation=1,
+            pid=4242,
+            pid_start_time=1.0,
+            port=40000,
+            launch_id="L1",
+        )
+    ]
     assert remote.exited(engine) is None  # back, and it says the engine still runs: kept
     hosts.link_session, hosts.running = 3, []
     assert remote.exited(engine) == GONE  # back, and it says the engine no longer runs
@@ -133,8 +155,18 @@ async def test_an_engine_counts_gone_only_on_the_hosts_word() -> None:
     hosts.running, hosts.link_session = [], 4
     relaunched = await again.launch(1)
     hosts.link_session = 5  # back once more: a process under the same pid, but another launch (a pid reused)
-    hosts.running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=1, pid=4242,
-                                     pid_start_time=9.0, port=40000, launch_id="other")]
+    hosts.running = [
+        RunningInstance(
+            instance="chat",
+            deployment="chat",
+            number=1,
+            generation=1,
+            pid=4242,
+            pid_start_time=9.0,
+            port=40000,
+            launch_id="other",
+        )
+    ]
     assert again.exited(relaunched) == GONE
 
 
@@ -153,7 +185,6 @@ async def test_a_revoked_hosts_engine_counts_gone_and_a_told_exit_keeps_its_stat
     launched = await stopped.launch(1)
     hosts.exit(4242, -15, "agent_stopped")  # its agent stopped, and told so before its link closed
     assert stopped.exited(launched) == -15 and stopped.ended_by(launched) == "agent_stopped"
-
 
 
 async def test_a_stop_waits_for_an_offline_host_and_a_stopping_server_leaves_the_engine_running() -> None:
@@ -201,8 +232,18 @@ async def test_an_engine_kept_while_its_host_was_away_serves_again_once_a_probe_
     engine = await remote.launch(1)
     assert remote.offline() is None
     hosts.link_session = 2  # the host linked again, saying the engine still runs: not taken on trust all the same
-    hosts.running = [RunningInstance(instance="chat", deployment="chat", number=1, generation=1, pid=4242,
-                                     pid_start_time=1.0, port=40000, launch_id="L1")]
+    hosts.running = [
+        RunningInstance(
+            instance="chat",
+            deployment="chat",
+            number=1,
+            generation=1,
+            pid=4242,
+            pid_start_time=1.0,
+            port=40000,
+            launch_id="L1",
+        )
+    ]
     refusal = remote.offline()
     assert isinstance(refusal, DeviceOffline) and refusal.extra["reason"] == "reconnecting"
     hosts.answers["probe"] = {"ready": False}  # not ready yet: still refused, probed again

@@ -41,7 +41,8 @@ def replay(folder: Path, *extra: str, port: int = 0) -> Iterator[str]:
     """A replay engine process serving ``folder``; yields its base URL and always stops it."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "capyctl.replay", "--recordings", str(folder), "--port", str(port), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         assert proc.stdout is not None
@@ -97,6 +98,7 @@ def gauge(url: str, name: str) -> float:
 
 # -- serving ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("chunk", [1, 7, None])
 @pytest.mark.parametrize("case", ["chat_stream_usage", "adv_split_utf8", "adv_error_midstream"])
 def test_streams_are_served_byte_identical_at_any_chunk_size(llama: str, case: str, chunk: int | None) -> None:
@@ -126,11 +128,17 @@ def test_default_case_is_chat_stream_usage(vllm: str) -> None:
         assert b"".join(r.iter_raw()) == (VLLM / "chat_stream_usage.sse").read_bytes()
 
 
-@pytest.mark.parametrize(("folder", "case", "status"), [
-    (LLAMA, "error_bad_messages", 400), (VLLM, "chat_context_overflow", 400), (VLLM, "error_bad_messages", 400),
-])
-def test_error_cases_answer_their_recorded_status_and_body(llama: str, vllm: str, folder: Path, case: str,
-                                                           status: int) -> None:
+@pytest.mark.parametrize(
+    ("folder", "case", "status"),
+    [
+        (LLAMA, "error_bad_messages", 400),
+        (VLLM, "chat_context_overflow", 400),
+        (VLLM, "error_bad_messages", 400),
+    ],
+)
+def test_error_cases_answer_their_recorded_status_and_body(
+    llama: str, vllm: str, folder: Path, case: str, status: int
+) -> None:
     url = llama if folder == LLAMA else vllm
     for stream in (True, False):
         r = chat(url, case, stream)
@@ -151,9 +159,13 @@ def test_unknown_case_is_a_404_in_the_dialect_shape(llama: str, vllm: str) -> No
 def test_non_streamed_requests_get_an_assembled_answer(llama: str, vllm: str) -> None:
     answer = chat(llama, "chat_stream_stop", stream=False).json()
     assert answer["object"] == "chat.completion" and answer["model"] == "smollm2-135m-instruct"
-    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant",
-                                                          "content": "The capital of France is Paris."},
-                                  "finish_reason": "stop"}]
+    assert answer["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "The capital of France is Paris."},
+            "finish_reason": "stop",
+        }
+    ]
     tools = chat(vllm, "chat_stream_tools", stream=False).json()["choices"][0]
     assert tools["finish_reason"] == "tool_calls"
     arguments = tools["message"]["tool_calls"][0]["function"]["arguments"]
@@ -171,6 +183,7 @@ def test_many_concurrent_streams_are_all_exact(vllm: str) -> None:
 
 
 # -- live counts, disconnects ---------------------------------------------------------------------------
+
 
 def test_metrics_count_a_running_stream_live() -> None:
     with replay(LLAMA, "--pace", "recorded", port=free_port()) as url:  # ~1.5 s stream of 200 tokens
@@ -197,8 +210,10 @@ def test_a_client_hang_up_mid_stream_is_counted_within_a_second(llama: str) -> N
     host, port = llama.removeprefix("http://").split(":")
     body = json.dumps({"stream": True, "replay_case": "chat_stream_usage", "replay_pace": "recorded"}).encode()
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: replay\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: replay\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         received = b""
         while received.count(b"data: ") < 3:
             received += sock.recv(65536)
@@ -212,6 +227,7 @@ def test_a_client_hang_up_mid_stream_is_counted_within_a_second(llama: str) -> N
 
 
 # -- side routes per dialect -------------------------------------------------------------------------------
+
 
 def test_side_routes_per_dialect(llama: str, vllm: str) -> None:
     r = httpx.get(vllm + "/health")
@@ -272,16 +288,26 @@ def test_sglang_memory_release_and_chat_waiting() -> None:
     with replay(RECORDINGS / "sglang" / "0.5.22") as url:
         r = httpx.post(url + "/release_memory_occupation", json={})
         assert r.status_code == 200 and r.content == b"null"
-        _sleeping_chat_waits_until_woken(url, "/release_memory_occupation", "/resume_memory_occupation",
-                                         "sglang:num_queue_reqs")
+        _sleeping_chat_waits_until_woken(
+            url, "/release_memory_occupation", "/resume_memory_occupation", "sglang:num_queue_reqs"
+        )
 
 
 # -- recordings --------------------------------------------------------------------------------------------
 
+
 def test_every_folder_lists_every_case_and_each_listed_file_exists() -> None:
     assert {f"{p.parent.name}/{p.name}" for p in FOLDERS} >= {
-        "vllm/0.29.0", "vllm/0.30.0", "vllm/0.31.0", "vllm/0.32.0", "vllm/0.33.0", "llamacpp/0.6.0",
-        *(f"sglang/0.5.{n}" for n in range(18, 24)), "tensorfold/0.6.0", "tensorfold/0.6.3"}
+        "vllm/0.29.0",
+        "vllm/0.30.0",
+        "vllm/0.31.0",
+        "vllm/0.32.0",
+        "vllm/0.33.0",
+        "llamacpp/0.6.0",
+        *(f"sglang/0.5.{n}" for n in range(18, 24)),
+        "tensorfold/0.6.0",
+        "tensorfold/0.6.3",
+    }
     for folder in FOLDERS:
         meta = read_metadata(folder)
         assert meta["engine"] == folder.parent.name and meta["version"] == folder.name
@@ -293,7 +319,8 @@ def test_every_folder_lists_every_case_and_each_listed_file_exists() -> None:
             assert case["how"] in ("captured", "synthesized") and case["note"], (folder, name)
             assert case["expect"] in ("ok", "unverified_stream", "engine_error"), (folder, name)
             assert (folder / f"{name}.sse").exists() or (
-                (folder / f"{name}.json").exists() and (folder / f"{name}.headers").exists()), (folder, name)
+                (folder / f"{name}.json").exists() and (folder / f"{name}.headers").exists()
+            ), (folder, name)
         ok = {name for name, case in meta["cases"].items() if case["expect"] == "ok"}
         plain = "chat_stream_stop" if folder == LLAMA else "chat_stream"  # llama.cpp's capture names it so
         assert {"chat_stream_usage", plain} <= ok, folder
@@ -302,13 +329,17 @@ def test_every_folder_lists_every_case_and_each_listed_file_exists() -> None:
 
 
 def _synthesized_streams() -> list[Path]:
-    return [folder / f"{name}.sse" for folder in FOLDERS
-            for name, case in read_metadata(folder)["cases"].items()
-            if case["how"] == "synthesized" and (folder / f"{name}.sse").exists()]
+    return [
+        folder / f"{name}.sse"
+        for folder in FOLDERS
+        for name, case in read_metadata(folder)["cases"].items()
+        if case["how"] == "synthesized" and (folder / f"{name}.sse").exists()
+    ]
 
 
-@pytest.mark.parametrize("path", _synthesized_streams(),
-                         ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize(
+    "path", _synthesized_streams(), ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.stem}"
+)
 def test_synthesized_streams_are_exact_sse(path: Path) -> None:
     data = path.read_bytes()
     events = split_events(data)
@@ -329,8 +360,11 @@ def test_replay_package_stands_alone() -> None:
         source = module.read_text()
         assert source.count("\n") < 300, module
         for node in ast.walk(ast.parse(source)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             for name in names:
                 assert not name.startswith("capyctl") or name.startswith("capyctl.replay"), (module, name)
 
@@ -438,7 +472,12 @@ def test_two_cases_with_the_same_request_are_refused(tmp_path: Path) -> None:
 
 def test_every_decision_folder_lists_every_case_and_vllm_is_the_real_capture() -> None:
     assert {f"{p.parent.name}/{p.name}" for p in DECISION_FOLDERS} == {
-        "vllm/0.32.0", "sglang/0.5.21", "sglang/0.5.22", "sglang/0.5.23", "llamacpp/0.6.0"}
+        "vllm/0.32.0",
+        "sglang/0.5.21",
+        "sglang/0.5.22",
+        "sglang/0.5.23",
+        "llamacpp/0.6.0",
+    }
     for folder in DECISION_FOLDERS:
         meta = json.loads((folder / "systemone" / "metadata.json").read_text())
         assert (meta["engine"], meta["version"]) == (folder.parent.name, folder.name)

@@ -52,6 +52,6 @@ def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
     with os.fdopen(read, "rb") as pipe:
         text = pipe.read().decode()
     os.waitpid(pid, 0)
-    child = [text[i:i + 26] for i in range(0, len(text), 26)]
+    child = [text[i : i + 26] for i in range(0, len(text), 26)]
     assert len(child) == 8
     assert not {c[10:] for c in child} & {p[10:] for p in parent}

@@ -58,7 +58,8 @@ async def test_the_task_writes_in_batches_by_itself_and_what_is_left_on_the_way_
 
 
 async def test_a_slow_store_never_makes_add_wait_past_the_bound_rows_are_dropped_counted_and_said(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = FakeRequestStore()
     records = RequestLog(store, FakeClock(), RecordSettings(buffer=10, flush_every=0.01))
     store.gate.clear()  # the disk hangs
@@ -80,7 +81,8 @@ async def test_a_slow_store_never_makes_add_wait_past_the_bound_rows_are_dropped
 
 
 async def test_a_failing_store_loses_that_batch_says_so_and_the_next_batch_is_written(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = FakeRequestStore()
     records = RequestLog(store, FakeClock())
     store.fail = True

@@ -46,10 +46,20 @@ async def test_a_waiter_cut_at_its_deadline_and_a_holder_whose_client_left_are_r
         holder.leave.set()
     (cut_waiter,) = await records.find(RowFilter(code="deadline_exceeded"))
     assert (cut_waiter.status, cut_waiter.instance, cut_waiter.cause, cut_waiter.settlement) == (
-        504, None, "deadline", None)  # no engine had it: nothing to settle
+        504,
+        None,
+        "deadline",
+        None,
+    )  # no engine had it: nothing to settle
     assert cut_waiter.queue_wait_ms is not None and 29_900 <= cut_waiter.queue_wait_ms <= 31_500
     assert cut_waiter.key is not None and cut_waiter.deployment == "m" and cut_waiter.stream is False
     (left,) = await records.find(RowFilter(code="client_gone"))
     assert (left.status, left.instance, left.stream, left.cause, left.settlement, left.queue_wait_ms) == (
-        200, 0, True, "client_gone", "engine_idle", 0.0)  # its answer had begun: the engine's idle report settles it
+        200,
+        0,
+        True,
+        "client_gone",
+        "engine_idle",
+        0.0,
+    )  # its answer had begun: the engine's idle report settles it
     assert left.total_ms is not None and left.total_ms >= 30_000 and left.at == pytest.approx(clock.wall(), abs=1)

@@ -15,15 +15,27 @@ def record(**fields: object) -> RequestRecord:
 def test_an_answer_gives_its_figures_tokens_and_a_wait_of_zero_when_it_was_granted_at_once() -> None:
     outcome = Outcome()
     outcome.code = "ok"
-    outcome.measured({"ttft_ms": {"value": 12.5, "source": "router"}, "queue_ms": {"value": 0.02, "source": "engine"},
-                      "decode_tokens_per_second": {"value": 490.48, "source": "engine"},
-                      "cached_tokens": {"value": 3, "source": "engine"}},
-                     {"prompt_tokens": 37, "completion_tokens": 4, "total_tokens": 41})
+    outcome.measured(
+        {
+            "ttft_ms": {"value": 12.5, "source": "router"},
+            "queue_ms": {"value": 0.02, "source": "engine"},
+            "decode_tokens_per_second": {"value": 490.48, "source": "engine"},
+            "cached_tokens": {"value": 3, "source": "engine"},
+        },
+        {"prompt_tokens": 37, "completion_tokens": 4, "total_tokens": 41},
+    )
     rec = record()
     rec.sent(0)
     got = finished_row(rec, outcome, "/v1/chat/completions", 5.0, 20.123)
     assert (got.id, got.at, got.api, got.code, got.status, got.key, got.instance) == (
-        "01REQ", 5.0, "chat", "ok", 200, "ci", 0)
+        "01REQ",
+        5.0,
+        "chat",
+        "ok",
+        200,
+        "ci",
+        0,
+    )
     assert (got.ttft_ms, got.queue_ms, got.decode_tokens_per_second, got.prefill_ms) == (12.5, 0.02, 490.48, None)
     assert (got.prompt_tokens, got.cached_tokens, got.completion_tokens) == (37, 3, 4)
     assert got.queue_wait_ms == 0.0 and got.total_ms == 20.12 and got.cause is None and got.settlement is None
@@ -34,7 +46,13 @@ def test_a_wait_in_line_is_in_milliseconds_and_a_refused_request_has_no_engine_f
     outcome.code = "queue_full"
     got = finished_row(record(waited=1.5), outcome, "/v1/systemone", 5.0, 1500.0)
     assert (got.api, got.status, got.queue_wait_ms, got.instance, got.ttft_ms, got.prompt_tokens) == (
-        "decisions", 429, 1500.0, None, None, None)
+        "decisions",
+        429,
+        1500.0,
+        None,
+        None,
+        None,
+    )
 
 
 def test_a_cut_names_its_cause_and_the_rule_that_settles_it() -> None:

@@ -24,8 +24,14 @@ NOW = 1_800_000_000.0
 
 
 def row(n: int, at: float = NOW, **fields: object) -> RequestRow:
-    return RequestRow(id=f"R{n:04d}", at=at, api="chat", code=fields.pop("code", "ok"),  # type: ignore[arg-type]
-                      deployment=fields.pop("deployment", "m"), **fields)  # type: ignore[arg-type]
+    return RequestRow(
+        id=f"R{n:04d}",
+        at=at,
+        api="chat",
+        code=fields.pop("code", "ok"),  # type: ignore[arg-type]
+        deployment=fields.pop("deployment", "m"),
+        **fields,
+    )  # type: ignore[arg-type]
 
 
 # --- retention -----------------------------------------------------------------------------------------------
@@ -55,9 +61,13 @@ def test_a_settlement_fills_in_the_rule_and_rounded_seconds() -> None:
 
 # --- filters -------------------------------------------------------------------------------------------------
 def test_a_filter_matches_every_field_it_sets_and_lists_newest_first() -> None:
-    rows = [row(0, NOW - 50, deployment="a", key="k1"), row(1, NOW - 40, deployment="b", key="k1"),
-            row(2, NOW - 30, deployment="a", key="k2", code="queue_full", status=429),
-            row(3, NOW - 20, deployment="a", key="k1", status=200), row(4, NOW - 10, deployment="a", key="k1")]
+    rows = [
+        row(0, NOW - 50, deployment="a", key="k1"),
+        row(1, NOW - 40, deployment="b", key="k1"),
+        row(2, NOW - 30, deployment="a", key="k2", code="queue_full", status=429),
+        row(3, NOW - 20, deployment="a", key="k1", status=200),
+        row(4, NOW - 10, deployment="a", key="k1"),
+    ]
     assert [r.id for r in pick(rows, RowFilter(deployment="a"))] == ["R0004", "R0003", "R0002", "R0000"]
     assert [r.id for r in pick(rows, RowFilter(deployment="a", key="k1"))] == ["R0004", "R0003", "R0000"]
     assert [r.id for r in pick(rows, RowFilter(code="queue_full"))] == ["R0002"]
@@ -67,26 +77,29 @@ def test_a_filter_matches_every_field_it_sets_and_lists_newest_first() -> None:
 
 
 def test_query_parameters_become_a_filter() -> None:
-    where = read_filter({"deployment": "m", "key": "ci", "code": "ok", "status": "200", "since": "10m",
-                         "limit": "5"}, NOW)
+    where = read_filter(
+        {"deployment": "m", "key": "ci", "code": "ok", "status": "200", "since": "10m", "limit": "5"}, NOW
+    )
     assert where == RowFilter(deployment="m", key="ci", code="ok", status=200, since=NOW - 600, limit=5)
     assert read_filter({}, NOW) == RowFilter()
     assert read_filter({"since": "90"}, NOW).since == NOW - 90  # a bare number is seconds
 
 
-@pytest.mark.parametrize(("params", "param", "words"), [
-    ({"since": "yesterday"}, "since", "duration"),
-    ({"since": "0s"}, "since", "more than zero"),
-    ({"status": "abc"}, "status", "HTTP status"),
-    ({"status": "700"}, "status", "HTTP status"),
-    ({"limit": "0"}, "limit", "1 to 1000"),
-    ({"limit": str(LIMIT_MOST + 1)}, "limit", "1 to 1000"),
-    ({"limit": "-3"}, "limit", "1 to 1000"),
-    ({"deployment": ""}, "deployment", "must not be empty"),
-    ({"model": "m"}, "model", "not a filter"),
-])
-def test_bad_query_parameters_are_refused_naming_the_parameter(params: dict[str, str], param: str,
-                                                                words: str) -> None:
+@pytest.mark.parametrize(
+    ("params", "param", "words"),
+    [
+        ({"since": "yesterday"}, "since", "duration"),
+        ({"since": "0s"}, "since", "more than zero"),
+        ({"status": "abc"}, "status", "HTTP status"),
+        ({"status": "700"}, "status", "HTTP status"),
+        ({"limit": "0"}, "limit", "1 to 1000"),
+        ({"limit": str(LIMIT_MOST + 1)}, "limit", "1 to 1000"),
+        ({"limit": "-3"}, "limit", "1 to 1000"),
+        ({"deployment": ""}, "deployment", "must not be empty"),
+        ({"model": "m"}, "model", "not a filter"),
+    ],
+)
+def test_bad_query_parameters_are_refused_naming_the_parameter(params: dict[str, str], param: str, words: str) -> None:
     with pytest.raises(InvalidRequest) as refused:
         read_filter(params, NOW)
     assert refused.value.extra["param"] == param and words in refused.value.message

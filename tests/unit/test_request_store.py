@@ -13,8 +13,15 @@ from capyctl.domain.request_rows import RequestRow, Retention, RowFilter, Settle
 
 
 def row(n: int, at: float, **fields: object) -> RequestRow:
-    return RequestRow(id=f"01R{n:05d}", at=at, api="chat", code=fields.pop("code", "ok"),  # type: ignore[arg-type]
-                      deployment=fields.pop("deployment", "m"), key="ci", **fields)  # type: ignore[arg-type]
+    return RequestRow(
+        id=f"01R{n:05d}",
+        at=at,
+        api="chat",
+        code=fields.pop("code", "ok"),  # type: ignore[arg-type]
+        deployment=fields.pop("deployment", "m"),
+        key="ci",
+        **fields,
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -26,16 +33,36 @@ def store(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_rows_come_back_whole_newest_first_and_by_each_filter(store: SqliteStore) -> None:
     now = time.time()
-    rows = [row(0, now - 50, ttft_ms=12.5, prompt_tokens=37, cached_tokens=0, completion_tokens=4,
-                decode_tokens_per_second=490.48, queue_wait_ms=0.0, instance=0, status=200, stream=True),
-            row(1, now - 40, deployment="b", code="model_not_found", status=404),
-            row(2, now - 30, code="queue_full", status=429),
-            row(3, now - 20)]
+    rows = [
+        row(
+            0,
+            now - 50,
+            ttft_ms=12.5,
+            prompt_tokens=37,
+            cached_tokens=0,
+            completion_tokens=4,
+            decode_tokens_per_second=490.48,
+            queue_wait_ms=0.0,
+            instance=0,
+            status=200,
+            stream=True,
+        ),
+        row(1, now - 40, deployment="b", code="model_not_found", status=404),
+        row(2, now - 30, code="queue_full", status=429),
+        row(3, now - 20),
+    ]
     store.add_requests(rows)
     assert store.list_requests(RowFilter()) == rows[::-1]
-    for where in [RowFilter(deployment="m"), RowFilter(deployment="b"), RowFilter(code="queue_full"),
-                  RowFilter(status=404), RowFilter(key="ci", limit=2), RowFilter(key="other"),
-                  RowFilter(since=now - 35), RowFilter(deployment="m", since=now - 45, limit=1)]:
+    for where in [
+        RowFilter(deployment="m"),
+        RowFilter(deployment="b"),
+        RowFilter(code="queue_full"),
+        RowFilter(status=404),
+        RowFilter(key="ci", limit=2),
+        RowFilter(key="other"),
+        RowFilter(since=now - 35),
+        RowFilter(deployment="m", since=now - 45, limit=1),
+    ]:
         assert store.list_requests(where) == pick(rows, where), where
     assert store.get_request("01R00000") == rows[0] and store.get_request("01R99999") is None
 
@@ -48,13 +75,16 @@ def test_a_settlement_updates_its_row_in_the_same_batch_or_a_later_one(store: Sq
     got = store.get_request("01R00001")
     assert got is not None and got.settled_s == 0.457 and got.settlement == "engine_idle"
     assert store.get_request("01R00002").settled_s is None  # type: ignore[union-attr]
-    store.add_requests([row(3, now, cause="client_gone", settlement="engine_idle"),
-                        Settle("01R00003", "engine_idle", 0.1)])
+    store.add_requests(
+        [row(3, now, cause="client_gone", settlement="engine_idle"), Settle("01R00003", "engine_idle", 0.1)]
+    )
     assert store.get_request("01R00003").settled_s == 0.1  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("retention", [Retention(max_count=3, max_age=3600), Retention(max_count=100, max_age=25),
-                                       Retention(max_count=2, max_age=45)])
+@pytest.mark.parametrize(
+    "retention",
+    [Retention(max_count=3, max_age=3600), Retention(max_count=100, max_age=25), Retention(max_count=2, max_age=45)],
+)
 def test_pruning_keeps_what_the_domain_rule_keeps(store: SqliteStore, retention: Retention) -> None:
     now = time.time()
     rows = [row(n, now - 60 + n * 10) for n in range(6)]  # ages 60, 50, 40, 30, 20, 10

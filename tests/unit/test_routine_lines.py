@@ -24,8 +24,16 @@ from capyctl.adapters.log_format import BatchedWriter, JsonFormatter, TextFormat
 
 NAME = "capyctl.test.routine"
 LOGGER = logging.getLogger(NAME)
-EXTRA = {"event": "router_selection", "capyctl_request_id": "01ABC", "caller_request_id": None,
-         "deployment": "m", "host": "local", "instance": 0, "key": "k", "_routine": True}
+EXTRA = {
+    "event": "router_selection",
+    "capyctl_request_id": "01ABC",
+    "caller_request_id": None,
+    "deployment": "m",
+    "host": "local",
+    "instance": 0,
+    "key": "k",
+    "_routine": True,
+}
 
 
 @contextlib.contextmanager
@@ -57,8 +65,9 @@ def line(message: str) -> tuple[object, tuple[object, ...]]:
 def test_a_routine_line_is_written_as_log_info_writes_it() -> None:
     with alone() as (writer, stream):
         assert writer.routine(LOGGER, *line("request 01ABC m -> local instance 0 key k"))
-        logging.getLogger(NAME).info("request %s %s -> %s instance %d key %s", "01ABC", "m", "local", 0, "k",
-                                     extra=dict(EXTRA))
+        logging.getLogger(NAME).info(
+            "request %s %s -> %s instance %d key %s", "01ABC", "m", "local", 0, "k", extra=dict(EXTRA)
+        )
         writer.flush()
     lane, usual = (msgspec.json.decode(line) for line in stream.getvalue().splitlines())
     assert lane.pop("time")[:16] == usual.pop("time")[:16]  # (the same minute: made a moment apart)
@@ -110,8 +119,9 @@ def test_due_wakes_the_writer_for_a_waiting_routine_line() -> None:
 
 
 @pytest.mark.parametrize("answer", ["json", "end"])
-async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(answer: str,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(
+    answer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     order: list[str] = []
     monkeypatch.setattr(log_format, "_active", SimpleNamespace(due=lambda: order.append("due")))
     exchange = _exchange(order)
@@ -124,8 +134,9 @@ async def test_an_answer_sends_the_routine_line_on_before_its_last_bytes(answer:
 
 
 def _exchange(order: list[str]) -> Exchange:
-    transport = SimpleNamespace(write=lambda data: order.append("last bytes"), close=lambda: None,
-                                is_closing=lambda: False)
+    transport = SimpleNamespace(
+        write=lambda data: order.append("last bytes"), close=lambda: None, is_closing=lambda: False
+    )
     connection = SimpleNamespace(transport=transport, write_paused=False, answered=lambda exchange: None)
     return Exchange(connection, "POST", "/v1/chat/completions", b"", [], b"", True)
 
@@ -189,8 +200,11 @@ def test_due_writes_the_waiting_lines_itself_to_a_pipe_that_takes_them() -> None
             logging.getLogger(NAME).info("request cut: engine connection closed")  # (this one woke no one)
             assert writer.routine(LOGGER, *line("request 01ABD"))
             writer.due()
-            assert _messages(_unread(read_fd)) == ["request 01ABC", "request cut: engine connection closed",
-                                                   "request 01ABD"]
+            assert _messages(_unread(read_fd)) == [
+                "request 01ABC",
+                "request cut: engine connection closed",
+                "request 01ABD",
+            ]
             writer.due()  # nothing waits any more
             assert _unread(read_fd) == ""
     finally:
@@ -255,14 +269,18 @@ def test_due_never_blocks_on_a_full_pipe_and_the_writer_sends_the_line_once_it_d
 
 
 @pytest.mark.parametrize("formatter", [JsonFormatter(), TextFormatter()], ids=["json", "text"])
-@pytest.mark.parametrize("message, args", [
-    ("request %s%s %s -> %s instance %d key %s", ("01ABC", " (caller c)", "m", "local", 0, "k")),
-    ("100% plain, no arguments", ()),
-    ("by name %(who)s", ({"who": "mapping"},)),
-])
+@pytest.mark.parametrize(
+    "message, args",
+    [
+        ("request %s%s %s -> %s instance %d key %s", ("01ABC", " (caller c)", "m", "local", 0, "k")),
+        ("100% plain, no arguments", ()),
+        ("by name %(who)s", ({"who": "mapping"},)),
+    ],
+)
 @pytest.mark.parametrize("created", [123.456, 1796177298.9999, 1796177299.0])
 def test_a_routine_line_is_formatted_without_a_record_exactly_as_its_record_would_be(
-        formatter: logging.Formatter, message: str, args: tuple[Any, ...], created: float) -> None:
+    formatter: logging.Formatter, message: str, args: tuple[Any, ...], created: float
+) -> None:
     made = formatter.routine(created, NAME, message, args, dict(EXTRA))  # type: ignore[attr-defined]
     assert made == formatter.format(_routine_record(created, NAME, message, args, dict(EXTRA)))
 

@@ -40,7 +40,6 @@ from capyctl.domain.relay_check import (
     Head,
     Refused,
     StreamCheck,
-    TEXT_KEYS,
     ToolCall,
 )
 from capyctl.domain.streams import Chunks, payloads_of, respell
@@ -56,8 +55,9 @@ def scan_run(body: bytes, objects: tuple[str, ...] = OBJECT_NAMES, delta_keys: t
 
 
 # (500 examples here; the deeper differential run is scripts/fuzz-c, 60 s under the sanitizers in .ci/run)
-SLOW = settings(max_examples=500, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SLOW = settings(
+    max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 _decode_head = msgspec.json.Decoder(Head).decode
 
 
@@ -75,8 +75,8 @@ def check_positions(body: bytes, facts: tuple[Any, ...]) -> None:
     at = array.array("I", positions).tolist()
     spans = payload_spans(body)
     assert len(at) == len(spans), body
-    for (begin, end), position in zip(spans, at):
-        assert begin < position < end and body[position - 8:position + len(model)] == b'"model":' + model, body
+    for (begin, end), position in zip(spans, at, strict=False):
+        assert begin < position < end and body[position - 8 : position + len(model)] == b'"model":' + model, body
         assert body[begin:end].count(b'"model":' + model) == 1, body
 
 
@@ -103,14 +103,18 @@ def test_the_scan_knows_the_structs_field_for_field() -> None:
     """Its field lists are the structs' (a field it does not know it refuses; one it knows wrongly it would
     pass), and the structs are what it assumes of them: the few fields it reads typed as it reads them, the
     rest Any; a delta's unknown keys forbidden, the head's and a choice's skipped, as the scan skips them."""
-    assert _scan.HEAD_FIELDS + OBJECT_NAMES == Head.__struct_fields__
-    assert _scan.CHOICE_FIELDS == Choice.__struct_fields__
+    assert Head.__struct_fields__ == _scan.HEAD_FIELDS + OBJECT_NAMES
+    assert Choice.__struct_fields__ == _scan.CHOICE_FIELDS
     assert Delta.__struct_fields__ == DELTA_KEYS == tuple(sorted(frozenset().union(*(r.delta for r in FIELD_TABLE))))
     assert not hasattr(_scan, "DELTA_FIELDS")  # the delta's keys are the field table's, passed in: no copy in C
-    assert _scan.TOOL_CALL_FIELDS == ToolCall.__struct_fields__
-    typed = {(Head, "choices"): "list[Choice] | None | UnsetType", (Choice, "index"): "Index | None",
-             (Choice, "delta"): "Delta | None", (Delta, "tool_calls"): "list[ToolCall] | None | UnsetType",
-             (ToolCall, "index"): "Index | None"}
+    assert ToolCall.__struct_fields__ == _scan.TOOL_CALL_FIELDS
+    typed = {
+        (Head, "choices"): "list[Choice] | None | UnsetType",
+        (Choice, "index"): "Index | None",
+        (Choice, "delta"): "Delta | None",
+        (Delta, "tool_calls"): "list[ToolCall] | None | UnsetType",
+        (ToolCall, "index"): "Index | None",
+    }
     for struct in (Head, Choice, Delta, ToolCall):
         assert struct.__struct_config__.forbid_unknown_fields == (struct is Delta)
         for name in struct.__struct_fields__:
@@ -126,8 +130,12 @@ def test_scan_run_takes_bytes_and_two_tuples_of_at_most_sixteen_ascii_names() ->
         for args in ((body, bad, DELTA_KEYS), (body, OBJECT_NAMES, bad)):
             with pytest.raises(TypeError):
                 _scan.scan_run(*args)
-    for args in ((body.decode(), OBJECT_NAMES, DELTA_KEYS), (body,), (body, OBJECT_NAMES), (body, OBJECT_NAMES,
-                                                                                              DELTA_KEYS, None)):
+    for args in (
+        (body.decode(), OBJECT_NAMES, DELTA_KEYS),
+        (body,),
+        (body, OBJECT_NAMES),
+        (body, OBJECT_NAMES, DELTA_KEYS, None),
+    ):
         with pytest.raises(TypeError):
             _scan.scan_run(*args)
     assert scan_run(body, tuple(f"o{i}" for i in range(16)))[6] == ()  # usage unread: skipped, as Head would
@@ -180,35 +188,60 @@ def test_every_recorded_read_is_scanned_as_the_decode_reads_it(path: Path) -> No
 
 CASES = [
     # (payload, whether the decode takes it) - the edges of strings, numbers, nesting and the structs
-    (b'{"id":"a\x7f","model":"m"}', True), (b'{"id":"a\x01","model":"m"}', False),
-    (b'{"id":"caf\xc3\xa9 \xf0\x9f\x98\x80","model":"m"}', True), (b'{"model":"m","usage":"\xed\xa0\x80"}', False),
-    (b'{"model":"m","usage":"\xc0\x80"}', False), (b'{"model":"m","usage":"\xf4\x90\x80\x80"}', False),
-    (b'{"model":"m","error":"\xe0\x9f\xbf","choices":[]}', False), (b'{"model":"m","usage":"\xc3"}', False),
-    (b'{"id":"\\u00e9\\n\\t\\"\\\\\\/","model":"m"}', True), (b'{"id":"\\x","model":"m"}', False),
-    (b'{"id":"\\ud83d\\ude00","model":"m"}', True), (b'{"id":"\\udc00","model":"m"}', False),
-    (b'{"model":"m","usage":1e400}', False), (b'{"id":1e99,"model":"m"}', True), (b'{"id":-0.0e-5,"model":"m"}', True),
-    (b'{"id":01,"model":"m"}', False), (b'{"id":1.,"model":"m"}', False), (b'{"id":-,"model":"m"}', False),
-    (b'{"id":' + b"9" * 41 + b',"model":"m"}', True), (b'{"id":tru,"model":"m"}', False),
-    (b'{"model":"m","choices":[{"index":-0}]}', True), (b'{"model":"m","choices":[{"index":1.0}]}', False),
+    (b'{"id":"a\x7f","model":"m"}', True),
+    (b'{"id":"a\x01","model":"m"}', False),
+    (b'{"id":"caf\xc3\xa9 \xf0\x9f\x98\x80","model":"m"}', True),
+    (b'{"model":"m","usage":"\xed\xa0\x80"}', False),
+    (b'{"model":"m","usage":"\xc0\x80"}', False),
+    (b'{"model":"m","usage":"\xf4\x90\x80\x80"}', False),
+    (b'{"model":"m","error":"\xe0\x9f\xbf","choices":[]}', False),
+    (b'{"model":"m","usage":"\xc3"}', False),
+    (b'{"id":"\\u00e9\\n\\t\\"\\\\\\/","model":"m"}', True),
+    (b'{"id":"\\x","model":"m"}', False),
+    (b'{"id":"\\ud83d\\ude00","model":"m"}', True),
+    (b'{"id":"\\udc00","model":"m"}', False),
+    (b'{"model":"m","usage":1e400}', False),
+    (b'{"id":1e99,"model":"m"}', True),
+    (b'{"id":-0.0e-5,"model":"m"}', True),
+    (b'{"id":01,"model":"m"}', False),
+    (b'{"id":1.,"model":"m"}', False),
+    (b'{"id":-,"model":"m"}', False),
+    (b'{"id":' + b"9" * 41 + b',"model":"m"}', True),
+    (b'{"id":tru,"model":"m"}', False),
+    (b'{"model":"m","choices":[{"index":-0}]}', True),
+    (b'{"model":"m","choices":[{"index":1.0}]}', False),
     (b'{"model":"m","choices":[{"index":' + b"9" * 18 + b"}]}", True),
     (b'{"model":"m","choices":[{"index":' + b"9" * 19 + b"}]}", True),
     (b'{"model":"m","choices":[{"index":' + b"9" * 40 + b"}]}", True),
-    (b'{"model":"m","choices":[{"index":-1}]}', False), (b'{"model":"m","choices":[{"index":true}]}', False),
-    (b'{"model":"m","model":"m"}', True), (b'{"model":"m","foo":1}', True), (b'{"mod\\u0065l":"m"}', True),
-    (b'{"model":"m","choices":[null]}', False), (b'{"model":"m","choices":{}}', False),
+    (b'{"model":"m","choices":[{"index":-1}]}', False),
+    (b'{"model":"m","choices":[{"index":true}]}', False),
+    (b'{"model":"m","model":"m"}', True),
+    (b'{"model":"m","foo":1}', True),
+    (b'{"mod\\u0065l":"m"}', True),
+    (b'{"model":"m","choices":[null]}', False),
+    (b'{"model":"m","choices":{}}', False),
     (b'{"model":"m","choices":[{"delta":{"content":"a","x":1}}]}', False),
     (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":3,"id":"c"}]}}]}', True),
     (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":9223372036854775807}]}}]}', True),
     (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":18446744073709551616}]}}]}', True),
     (b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":"1"}]}}]}', False),
     (b'{"model":"m","choices":[{"delta":{"tool_calls":{}}}]}', False),
-    (b'{"model":"m","error":{"message":"x"}}', True), (b'{"model":"m","error":1,"choices":[]}', True),
-    (b'{"model":"m","usage":' + b"[" * 70 + b"]" * 70 + b"}", True), (b'{"model":"m"}x', False),
-    (b'{"model":"m",}', False), (b'{"model" : "m" , "choices" : [ ] }\r', True), (b"{}", True),
+    (b'{"model":"m","error":{"message":"x"}}', True),
+    (b'{"model":"m","error":1,"choices":[]}', True),
+    (b'{"model":"m","usage":' + b"[" * 70 + b"]" * 70 + b"}", True),
+    (b'{"model":"m"}x', False),
+    (b'{"model":"m",}', False),
+    (b'{"model" : "m" , "choices" : [ ] }\r', True),
+    (b"{}", True),
     (b'{"model":"m","choices":[{"delta":{"reasoning_content":"x","tool_calls":[{"index":9}]}}],"choices":[]}', True),
-    (b'{"model":"m","usage":{"a":1},"usage":null}', True), (b'{"model":null}', True), (b'{"model":"m\\u0000"}', True),
-    (b'{"model":"m","choices":[{"delta":null}]}', True), (b'{"model":{"model":"m"}}', True), (b"[]", False),
-    (b'{"model":"m","choices":[{"index":0,"delta":{"content":"a"},"model":"m"}]}', True), (b"", False),
+    (b'{"model":"m","usage":{"a":1},"usage":null}', True),
+    (b'{"model":null}', True),
+    (b'{"model":"m\\u0000"}', True),
+    (b'{"model":"m","choices":[{"delta":null}]}', True),
+    (b'{"model":{"model":"m"}}', True),
+    (b"[]", False),
+    (b'{"model":"m","choices":[{"index":0,"delta":{"content":"a"},"model":"m"}]}', True),
+    (b"", False),
 ]
 
 
@@ -227,8 +260,7 @@ def test_the_scan_takes_no_chunk_the_decode_refuses(chunk: bytes, valid: bool) -
 
 @pytest.mark.parametrize("index", [0, 255, 10**17, 10**18 - 1, 10**18, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**40])
 @pytest.mark.parametrize("where", ["choice", "tool call"])
-def test_an_index_of_up_to_eighteen_digits_is_read_and_a_longer_one_left_to_the_decode(index: int,
-                                                                                       where: str) -> None:
+def test_an_index_of_up_to_eighteen_digits_is_read_and_a_longer_one_left_to_the_decode(index: int, where: str) -> None:
     """The scan reads an index into a 64-bit integer: it declines one past 18 digits before it could overflow
     (the decode reads any size); what the check makes of either is the decode's and the oracle's answer."""
     delta = b'{"content":"a"}' if where == "choice" else b'{"tool_calls":[{"index":%d}]}' % index
@@ -242,12 +274,19 @@ def test_an_index_of_up_to_eighteen_digits_is_read_and_a_longer_one_left_to_the_
     for way in ("c", "python", "oracle"):
         meter = Meter(lambda: 0.0)
         rules = ChunkRules(row_for("vllm", "0.32.0").row, "here")
-        check: Any = (OracleCheck(row_for("vllm", "0.32.0").row, "here", NAME) if way == "oracle"
-                      else StreamCheck(rules, meter, NAME, lambda: 1.0))
+        check: Any = (
+            OracleCheck(row_for("vllm", "0.32.0").row, "here", NAME)
+            if way == "oracle"
+            else StreamCheck(rules, meter, NAME, lambda: 1.0)
+        )
         try:
-            sent = (check.check(payloads_of(body), meter, 1.0) if way == "oracle"
-                    else check.check(Chunks(body, None, scan_run(body, OBJECT_NAMES) if way == "c" else None,
-                                            _scan.respell)))
+            sent = (
+                check.check(payloads_of(body), meter, 1.0)
+                if way == "oracle"
+                else check.check(
+                    Chunks(body, None, scan_run(body, OBJECT_NAMES) if way == "c" else None, _scan.respell)
+                )
+            )
         except Refused as refused:
             sent = (refused.sent, told(refused.error))
         outcomes.append((sent, meter.text_chunks))
@@ -257,10 +296,12 @@ def test_an_index_of_up_to_eighteen_digits_is_read_and_a_longer_one_left_to_the_
 
 
 def test_the_scan_reads_what_each_delta_sends() -> None:
-    chunks = [b'{"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}',
-              b'{"model":"m","choices":[{"index":0,"delta":{"reasoning":0.0}},{"delta":{"content":[0]}}]}',
-              b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":7},{"index":null}]}}],"usage":null}',
-              b'{"model":"m","choices":[{"delta":{"reasoning_content":null,"tool_calls":[]}}],"usage":{}}']
+    chunks = [
+        b'{"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}',
+        b'{"model":"m","choices":[{"index":0,"delta":{"reasoning":0.0}},{"delta":{"content":[0]}}]}',
+        b'{"model":"m","choices":[{"delta":{"tool_calls":[{"index":7},{"index":null}]}}],"usage":null}',
+        b'{"model":"m","choices":[{"delta":{"reasoning_content":null,"tool_calls":[]}}],"usage":{}}',
+    ]
     body = body_of(chunks)
     facts = check_against_decode(body)
     assert facts is not None and facts[:7] == (4, b'"m"', 0b11111, 7, 2, 1, payload_spans(body)[3])
@@ -269,24 +310,40 @@ def test_the_scan_reads_what_each_delta_sends() -> None:
 
 def test_the_scan_declines_what_the_check_must_decode() -> None:
     plain = b'{"model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}'
-    for odd in (b'{"error":{"message":"x"},"model":"m"}',  # the engine's error event
-                b'{"model":"n","choices":[]}', b'{"choices":[]}',  # another model, or none beside one
-                b'{"model":"\\u006d","choices":[]}',  # the same model, escaped
-                b'{"model":"m","choices":[],"choices":[]}', b'{"mod\\u0065l":"m","choices":[]}'):
+    for odd in (
+        b'{"error":{"message":"x"},"model":"m"}',  # the engine's error event
+        b'{"model":"n","choices":[]}',
+        b'{"choices":[]}',  # another model, or none beside one
+        b'{"model":"\\u006d","choices":[]}',  # the same model, escaped
+        b'{"model":"m","choices":[],"choices":[]}',
+        b'{"mod\\u0065l":"m","choices":[]}',
+    ):
         assert check_against_decode(body_of([plain, odd])) is None, odd
-    for not_plain in (b"data: {}\n\n: keep-alive\n\n", b"data: {}\r\n\r\n", b"data:{}\n\n", b"data: {}\n\n\n",
-                      b"data: {}\n", b'data: {"model":"m",\ndata: "choices":[]}\n\n', b"data: [DONE]\n\n"):
+    for not_plain in (
+        b"data: {}\n\n: keep-alive\n\n",
+        b"data: {}\r\n\r\n",
+        b"data:{}\n\n",
+        b"data: {}\n\n\n",
+        b"data: {}\n",
+        b'data: {"model":"m",\ndata: "choices":[]}\n\n',
+        b"data: [DONE]\n\n",
+    ):
         assert scan_run(body_of([plain]) + not_plain, OBJECT_NAMES) is None, not_plain
 
 
 def test_positions_are_given_where_the_model_pattern_is_each_chunks_model_field_alone() -> None:
     plain = b'{"model":"m","choices":[]}'
-    for chunk, spliceable in ((plain, True), (b'{"choices":[],"model":"m"}', True),
-                              (b'{"model" :"m","choices":[]}', False), (b'{"model": "m","choices":[]}', False),
-                              (b'{"choices":[{"logprobs":{"model":"m"}}],"model":"m"}', False),
-                              (b'{"choices":[{"delta":{"content":"\\"model\\":\\"m\\""}}],"model":"m"}', True),
-                              (b'{"usage":{"x":[{"model":1}]},"model":"m"}', False),
-                              (b'{"usage":{"xmodel":1},"model":"m"}', False), (b'{"xmodel":1,"model":"m"}', True)):
+    for chunk, spliceable in (
+        (plain, True),
+        (b'{"choices":[],"model":"m"}', True),
+        (b'{"model" :"m","choices":[]}', False),
+        (b'{"model": "m","choices":[]}', False),
+        (b'{"choices":[{"logprobs":{"model":"m"}}],"model":"m"}', False),
+        (b'{"choices":[{"delta":{"content":"\\"model\\":\\"m\\""}}],"model":"m"}', True),
+        (b'{"usage":{"x":[{"model":1}]},"model":"m"}', False),
+        (b'{"usage":{"xmodel":1},"model":"m"}', False),
+        (b'{"xmodel":1,"model":"m"}', True),
+    ):
         facts = check_against_decode(body_of([plain, chunk]))
         assert facts is not None and (facts[7] is not None) is spliceable, chunk
 
@@ -296,12 +353,20 @@ def test_respell_in_c_is_its_python_reference() -> None:
     facts = scan_run(body, OBJECT_NAMES)
     assert facts is not None and facts[7] is not None
     for new in (b'"my-model"', b'"x"', b'"ab"', b""):
-        assert _scan.respell(body, facts[7], b'"ab"', new) == respell(body, facts[7], b'"ab"', new) == body.replace(
-            b'"ab"', new)
+        assert (
+            _scan.respell(body, facts[7], b'"ab"', new)
+            == respell(body, facts[7], b'"ab"', new)
+            == body.replace(b'"ab"', new)
+        )
     assert _scan.respell(body, b"", b'"ab"', b'"x"') == respell(body, b"", b'"ab"', b'"x"') == body
-    wrong = [array.array("I", [8, 8]).tobytes(), array.array("I", [9]).tobytes(), b"\x01\x02\x03",
-             array.array("I", [len(body) - 2]).tobytes(), array.array("I", [2**32 - 1]).tobytes(),
-             array.array("I", reversed(array.array("I", facts[7]))).tobytes()]  # out of order
+    wrong = [
+        array.array("I", [8, 8]).tobytes(),
+        array.array("I", [9]).tobytes(),
+        b"\x01\x02\x03",
+        array.array("I", [len(body) - 2]).tobytes(),
+        array.array("I", [2**32 - 1]).tobytes(),
+        array.array("I", reversed(array.array("I", facts[7]))).tobytes(),
+    ]  # out of order
     for positions in wrong:
         for way in (_scan.respell, respell):
             with pytest.raises(ValueError):
@@ -311,10 +376,15 @@ def test_respell_in_c_is_its_python_reference() -> None:
 
 
 @SLOW
-@given(body=st.binary(max_size=200), positions=st.lists(st.integers(0, 220), max_size=4),
-       old=st.binary(min_size=1, max_size=3), new=st.binary(max_size=5))
-def test_respell_in_c_agrees_with_python_on_any_input(body: bytes, positions: list[int], old: bytes,
-                                                      new: bytes) -> None:
+@given(
+    body=st.binary(max_size=200),
+    positions=st.lists(st.integers(0, 220), max_size=4),
+    old=st.binary(min_size=1, max_size=3),
+    new=st.binary(max_size=5),
+)
+def test_respell_in_c_agrees_with_python_on_any_input(
+    body: bytes, positions: list[int], old: bytes, new: bytes
+) -> None:
     """(A token is a JSON string, never empty: an empty one at an offset past the end is refused in C, and
     taken by the Python reference, whose slice there is empty.)"""
     at = array.array("I", positions).tobytes()
@@ -327,8 +397,29 @@ def test_respell_in_c_agrees_with_python_on_any_input(body: bytes, positions: li
     assert answers[0] == answers[1]
 
 
-@pytest.mark.parametrize("value", [b'""', b'"a"', b'"\\u0000"', b"0", b"-0", b"7", b"0.0", b"0.5", b"-0.0e5", b"1e-5",
-                                   b"0e10", b"[]", b"[0]", b"{}", b'{"a":1}', b"true", b"false", b"null"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b'""',
+        b'"a"',
+        b'"\\u0000"',
+        b"0",
+        b"-0",
+        b"7",
+        b"0.0",
+        b"0.5",
+        b"-0.0e5",
+        b"1e-5",
+        b"0e10",
+        b"[]",
+        b"[0]",
+        b"{}",
+        b'{"a":1}',
+        b"true",
+        b"false",
+        b"null",
+    ],
+)
 def test_text_is_what_python_holds_true(value: bytes) -> None:
     chunk = b'{"model":"m","choices":[{"delta":{"content":%b}}]}' % value
     facts = check_against_decode(body_of([chunk, b'{"model":"m","choices":[]}']))
@@ -339,19 +430,25 @@ PAYLOADS = st.one_of(plain_chunks(), st.lists(payload(), min_size=1, max_size=6)
 
 
 @SLOW
-@given(payloads=PAYLOADS, cut=st.integers(0, 400), byte=st.integers(0, 255),
-       mode=st.sampled_from(["as is", "as is", "replace", "insert", "delete"]))
-def test_what_the_scan_accepts_the_decode_accepts_with_the_same_facts(payloads: list[bytes], cut: int, byte: int,
-                                                                      mode: str) -> None:
+@given(
+    payloads=PAYLOADS,
+    cut=st.integers(0, 400),
+    byte=st.integers(0, 255),
+    mode=st.sampled_from(["as is", "as is", "replace", "insert", "delete"]),
+)
+def test_what_the_scan_accepts_the_decode_accepts_with_the_same_facts(
+    payloads: list[bytes], cut: int, byte: int, mode: str
+) -> None:
     body = body_of(payloads)
     if mode != "as is":  # one byte changed anywhere: most such bodies are not plain, or not JSON
         at = 7 + cut % max(1, len(body) - 7)
-        body = body[:at] + (b"" if mode == "delete" else bytes([byte])) + body[at + (mode != "insert"):]
+        body = body[:at] + (b"" if mode == "delete" else bytes([byte])) + body[at + (mode != "insert") :]
     check_against_decode(body)
 
 
-def checked(body: bytes, facts: Any, respelling: Any, row: tuple[str, str], max_tool_calls: int,
-            name: str) -> tuple[Any, ...]:
+def checked(
+    body: bytes, facts: Any, respelling: Any, row: tuple[str, str], max_tool_calls: int, name: str
+) -> tuple[Any, ...]:
     """What one read's check sends, refuses, keeps and meters."""
     ticks = iter(range(100))
     meter = Meter(lambda: 0.0)
@@ -364,10 +461,15 @@ def checked(body: bytes, facts: Any, respelling: Any, row: tuple[str, str], max_
 
 
 @SLOW
-@given(payloads=PAYLOADS, row=st.sampled_from(ROWS), max_tool_calls=st.sampled_from([2, 256]),
-       name=st.sampled_from([NAME, "tiny-llama", "caf\u00e9"]))
+@given(
+    payloads=PAYLOADS,
+    row=st.sampled_from(ROWS),
+    max_tool_calls=st.sampled_from([2, 256]),
+    name=st.sampled_from([NAME, "tiny-llama", "caf\u00e9"]),
+)
 def test_the_check_over_the_scans_facts_is_the_check_over_the_decode_and_the_oracle(
-        payloads: list[bytes], row: tuple[str, str], max_tool_calls: int, name: str) -> None:
+    payloads: list[bytes], row: tuple[str, str], max_tool_calls: int, name: str
+) -> None:
     body = body_of(payloads)
     facts = scan_run(body, OBJECT_NAMES)
     decoded = checked(body, None, None, row, max_tool_calls, name)
@@ -380,16 +482,17 @@ def test_the_check_over_the_scans_facts_is_the_check_over_the_decode_and_the_ora
             sent: Any = oracle.check(payloads, meter, 0.0)
         except Refused as refused:
             sent = (refused.sent, told(refused.error))
-        assert (sent, oracle.failure, meter.text_chunks, meter.seen) == (decoded[0], decoded[1], decoded[4],
-                                                                         decoded[5])
+        assert (sent, oracle.failure, meter.text_chunks, meter.seen) == (decoded[0], decoded[1], decoded[4], decoded[5])
 
 
 @pytest.mark.parametrize("count", [255, 256, 257, 1100])
 def test_a_read_of_more_chunks_than_the_scan_keeps_on_its_stack_reads_the_same(count: int) -> None:
     """Past 256 chunks the scan moves its chunks to the heap (and doubles that room as it goes)."""
-    chunks = [b'{"model":"m","choices":[{"index":0,"delta":{"content":"%d"}}]%b}' % (i, b',"usage":{"n":%d}' % i
-                                                                                 if i % 300 == 299 else b"")
-              for i in range(count)]
+    chunks = [
+        b'{"model":"m","choices":[{"index":0,"delta":{"content":"%d"}}]%b}'
+        % (i, b',"usage":{"n":%d}' % i if i % 300 == 299 else b"")
+        for i in range(count)
+    ]
     body = body_of(chunks)
     facts = check_against_decode(body)
     assert facts is not None and facts[0] == count and len(facts[6]) == 2 * (count // 300)
@@ -402,10 +505,17 @@ def test_a_refused_chunk_in_a_scanned_read_is_told_by_the_decode_after_the_chunk
     refused = b'{"model":"tiny-llama","choices":[{"index":0,"delta":{"reasoning_content":"x"}}]}'
     (chunks,) = SseParser().feed(body_of([good, refused]))
     assert isinstance(chunks, Chunks) and chunks.facts is not None  # the scan reads it; the row refuses it
-    sent, failure, first_text_at, last_at, texts, seen = checked(chunks.sse, chunks.facts, chunks.respell,
-                                                                 ("vllm", "0.32.0"), 256, NAME)
-    assert sent == (body_of([good.replace(b"tiny-llama", NAME.encode())]),
-                    ("UnverifiedStream", "unverified_stream", sent[1][2])) and "'reasoning_content'" in sent[1][2]
+    sent, failure, first_text_at, last_at, texts, seen = checked(
+        chunks.sse, chunks.facts, chunks.respell, ("vllm", "0.32.0"), 256, NAME
+    )
+    assert (
+        sent
+        == (
+            body_of([good.replace(b"tiny-llama", NAME.encode())]),
+            ("UnverifiedStream", "unverified_stream", sent[1][2]),
+        )
+        and "'reasoning_content'" in sent[1][2]
+    )
     assert texts == 1 and failure is None
 
 

@@ -6,11 +6,19 @@ import anyio
 import pytest
 
 from capyctl.domain.deployments import InstanceState
-from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
+from capyctl.domain.errors import DeviceBusy, ModelLoading, Queued, QueueFull
 from capyctl.domain.requests import RequestRecord
-from capyctl.domain.scheduling import GRANTED, QUEUED, Admission, QueueLimits, Refused, loading_retry_after
+from capyctl.domain.scheduling import (
+    GRANTED,
+    QUEUED,
+    Admission,
+    Loading,
+    QueueLimits,
+    Refused,
+    Route,
+    loading_retry_after,
+)
 from capyctl.services.admission import AdmissionService
-from capyctl.domain.scheduling import Loading, Route
 from tests.fakes.ports import VirtualClock, virtual_time
 
 anyio_backend = pytest.fixture(virtual_time)  # the service's waits and timeouts run on virtual time

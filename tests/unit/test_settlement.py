@@ -58,8 +58,9 @@ class LoadEngine(FakeEngineAdapter):
 
 async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> None:
     store, engine = FakeStore(), LoadEngine()
-    settlement = Settlement("m", lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()),
-                            poll=0.005)
+    settlement = Settlement(
+        "m", lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
+    )
     async with anyio.create_task_group() as tg:
         settlement.bind(tg)
         settlement.cut(RequestRecord(id="01REQUESTID", deployment="m", stream=True, answered=True))
@@ -81,8 +82,9 @@ async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> 
 async def test_an_unanswered_cut_is_settled_only_by_the_engine_ending() -> None:
     store, engine = FakeStore(), LoadEngine()
     engine.now = (0, 0)
-    settlement = Settlement("m", lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()),
-                            poll=0.005)
+    settlement = Settlement(
+        "m", lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
+    )
     async with anyio.create_task_group() as tg:
         settlement.bind(tg)
         settlement.cut(RequestRecord(id="r", deployment="m", stream=False, answered=False))

@@ -26,16 +26,29 @@ from tests.oracle import facts_of
 
 _decode_head = msgspec.json.Decoder(Head).decode
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
-RECORDED = ["vllm/0.32.0/chat_stream_usage.sse", "vllm/0.32.0/chat_stream_tools.sse",
-            "llamacpp/0.6.0/adv_split_utf8.sse", "llamacpp/0.6.0/adv_error_midstream.sse",
-            "sglang/0.5.23/chat_stream_usage.sse"]
+RECORDED = [
+    "vllm/0.32.0/chat_stream_usage.sse",
+    "vllm/0.32.0/chat_stream_tools.sse",
+    "llamacpp/0.6.0/adv_split_utf8.sse",
+    "llamacpp/0.6.0/adv_error_midstream.sse",
+    "sglang/0.5.23/chat_stream_usage.sse",
+]
 SCANS = [pytest.param(True, id="scan"), pytest.param(False, id="no-scan")]
 # a stream with every kind of event: plain data, a comment, a payload of two lines, a data line without its
 # space, fields that are not data, a block with no data line, and [DONE]
-MIXED = (b'data: {"a":1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\n\ndata:{"c":"\xc3\xa9\xe2\x82\xac"}\n\n'
-         b'event: x\nid: 7\ndata: {"d":4}\n\nevent: ping\n\ndata: {"e":5}\n\ndata: [DONE]\n\n')
-MIXED_CARRIES = [("data", b'{"a":1}'), ("comment", b": keep-alive"), ("data", b'{"b":\n2}'),
-                 ("data", b'{"c":"\xc3\xa9\xe2\x82\xac"}'), ("data", b'{"d":4}'), ("data", b'{"e":5}'), ("done",)]
+MIXED = (
+    b'data: {"a":1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\n\ndata:{"c":"\xc3\xa9\xe2\x82\xac"}\n\n'
+    b'event: x\nid: 7\ndata: {"d":4}\n\nevent: ping\n\ndata: {"e":5}\n\ndata: [DONE]\n\n'
+)
+MIXED_CARRIES = [
+    ("data", b'{"a":1}'),
+    ("comment", b": keep-alive"),
+    ("data", b'{"b":\n2}'),
+    ("data", b'{"c":"\xc3\xa9\xe2\x82\xac"}'),
+    ("data", b'{"d":4}'),
+    ("data", b'{"e":5}'),
+    ("done",),
+]
 
 
 class GeneralOnly(SseParser):
@@ -74,8 +87,14 @@ def carried(events: list[StreamEvent]) -> list[tuple[Any, ...]]:
 
 def shape(events: list[StreamEvent]) -> list[tuple[Any, ...]]:
     """The events themselves, batching included (Chunks by their bytes and payloads, whatever facts they hold)."""
-    return [("chunks", e.sse, e.payload_list()) if isinstance(e, Chunks) else
-            ("comment", e.raw) if isinstance(e, Comment) else ("done",) for e in events]
+    return [
+        ("chunks", e.sse, e.payload_list())
+        if isinstance(e, Chunks)
+        else ("comment", e.raw)
+        if isinstance(e, Comment)
+        else ("done",)
+        for e in events
+    ]
 
 
 def cut(data: bytes, at: list[int]) -> list[bytes]:
@@ -84,7 +103,7 @@ def cut(data: bytes, at: list[int]) -> list[bytes]:
 
 
 def by_size(data: bytes, size: int) -> list[bytes]:
-    return [data[start:start + size] for start in range(0, len(data), size)]
+    return [data[start : start + size] for start in range(0, len(data), size)]
 
 
 def parse(reads: list[bytes], parser: SseParser | None = None) -> list[StreamEvent]:
@@ -141,8 +160,19 @@ def test_every_kind_of_event_cut_at_every_seam_carries_the_same(eol: bytes) -> N
 
 
 def test_random_streams_cut_at_random_carry_what_one_read_carries() -> None:
-    pieces = [b'data: {"a":1}', b": ping", b'data: {"b":\ndata: 2}', b"data: [DONE]", b"event: x",
-              b'data:{"c":"\xc3\xa9"}', b'id: 1\ndata: {"d":4}', b"data: ", b"data", b":", b'data: {"e":5}\n: c']
+    pieces = [
+        b'data: {"a":1}',
+        b": ping",
+        b'data: {"b":\ndata: 2}',
+        b"data: [DONE]",
+        b"event: x",
+        b'data:{"c":"\xc3\xa9"}',
+        b'id: 1\ndata: {"d":4}',
+        b"data: ",
+        b"data",
+        b":",
+        b'data: {"e":5}\n: c',
+    ]
     rng = random.Random(29)
     for _ in range(1500):
         eol = rng.choice([b"\n", b"\r\n", b"\r"])
@@ -180,7 +210,7 @@ def test_a_cr_that_ends_a_read_and_the_lf_that_begins_the_next_are_one_line_end(
         assert carried(lone.close()) == [("data", b'{"b":2}')]
         lines = SseParser(scan=scan)  # a CR LF cut inside a payload of two lines: one line end, not a blank line
         assert lines.feed(b'data: {"a":\r') == []
-        assert carried(lines.feed(b'\ndata: 1}\r\n\r\n')) == [("data", b'{"a":\n1}')]
+        assert carried(lines.feed(b"\ndata: 1}\r\n\r\n")) == [("data", b'{"a":\n1}')]
 
 
 def test_comments_come_in_order_between_the_payloads() -> None:
@@ -201,7 +231,10 @@ def test_a_payload_of_several_lines_comes_in_chunks_of_its_own() -> None:
         events = parse([data], parser)
         assert [type(e) for e in events] == [Chunks, Chunks, Chunks]
         assert [e.payload_list() for e in events if isinstance(e, Chunks)] == [
-            [b'{"x":0}'], [b'{"a":\n1}'], [b'{"y":2}']]
+            [b'{"x":0}'],
+            [b'{"a":\n1}'],
+            [b'{"y":2}'],
+        ]
 
 
 def test_fields_other_than_data_and_blocks_without_data_carry_nothing() -> None:
@@ -217,15 +250,18 @@ def test_the_engines_error_event_is_a_payload_like_any_other() -> None:
 # --- close ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tail, expected", [
-    (b'data: {"a":1}', [("data", b'{"a":1}')]),
-    (b'data: {"a":1}\n', [("data", b'{"a":1}')]),
-    (b'data: {"a":1}\r\n', [("data", b'{"a":1}')]),
-    (b'data: {"a":\ndata: 1}\n', [("data", b'{"a":\n1}')]),
-    (b": bye\n", [("comment", b": bye")]),
-    (b"data: [DONE]\n", [("done",)]),
-    (b"event: x\n", []),
-])
+@pytest.mark.parametrize(
+    "tail, expected",
+    [
+        (b'data: {"a":1}', [("data", b'{"a":1}')]),
+        (b'data: {"a":1}\n', [("data", b'{"a":1}')]),
+        (b'data: {"a":1}\r\n', [("data", b'{"a":1}')]),
+        (b'data: {"a":\ndata: 1}\n', [("data", b'{"a":\n1}')]),
+        (b": bye\n", [("comment", b": bye")]),
+        (b"data: [DONE]\n", [("done",)]),
+        (b"event: x\n", []),
+    ],
+)
 def test_close_gives_the_event_the_engine_did_not_end(tail: bytes, expected: list[tuple[Any, ...]]) -> None:
     for size in (1, 5, 10**9):
         parser = SseParser()
@@ -279,7 +315,8 @@ def test_one_byte_over_the_limit_is_refused_at_any_cut(eol: bytes) -> None:
 def test_a_payload_of_several_lines_counts_all_its_lines_against_the_limit() -> None:
     block = b'data: {"a":\ndata: "' + b"b" * 100 + b'"}'
     assert carried(parse([block + b"\n\n"], SseParser(max_event=len(block)))) == [
-        ("data", b'{"a":\n"' + b"b" * 100 + b'"}')]
+        ("data", b'{"a":\n"' + b"b" * 100 + b'"}')
+    ]
     with pytest.raises(EdgeError):
         parse([block + b"\n\n"], SseParser(max_event=len(block) - 1))
 
@@ -337,7 +374,7 @@ def test_the_fast_way_gives_what_the_general_way_gives(read: bytes) -> None:
     parsers = [SseParser(), SseParser(scan=False)]
     for parser in parsers:
         assert shape(parser.feed(read)) == expected
-    after = [b'data: {"n":1}\n\ndata: {"m"', b':2}\n\n', b'data: {"o":3}\n\n']  # and they all read on alike
+    after = [b'data: {"n":1}\n\ndata: {"m"', b":2}\n\n", b'data: {"o":3}\n\n']  # and they all read on alike
     for more in after:
         expected = shape(reference.feed(more))
         assert all(shape(parser.feed(more)) == expected for parser in parsers)

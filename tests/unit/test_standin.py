@@ -30,8 +30,8 @@ from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.domain.deployments import DeploymentSpec, EngineConfig
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.memory import Residency
 from capyctl.domain.fields import DeltaVerifier, row_for
+from capyctl.domain.memory import Residency
 from capyctl.domain.streams import DONE, Chunks
 from tests.fakes.answers import pump_all
 from tests.fakes.standin_engine import (
@@ -71,8 +71,16 @@ async def until(check: Callable[[], Awaitable[Any]], what: str, timeout: float =
 
 
 class Standin:
-    def __init__(self, adapter: Any, base: str, timeline: Path, log: Path, pid: int,
-                 returncode: Callable[[], int | None], argv: list[str]) -> None:
+    def __init__(
+        self,
+        adapter: Any,
+        base: str,
+        timeline: Path,
+        log: Path,
+        pid: int,
+        returncode: Callable[[], int | None],
+        argv: list[str],
+    ) -> None:
         self.adapter, self.base, self.timeline, self.log = adapter, base, timeline, log
         self.pid, self.returncode, self.argv = pid, returncode, argv
 
@@ -112,24 +120,42 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Standin]]]:
     counter = iter(range(1000))
     session = WireEngineSession()  # the adapters' probes go the way CapyCTL's do: its one engine client
 
-    async def start(family: str = "vllm", *, version: str | None = None, env: dict[str, str] | None = None,
-                    extra: list[str] | None = None, context: int | None = None, residency: str = "host_backed",
-                    name: str = "tiny", timeline: Path | None = None, via_capyctl: bool = False) -> Standin:
+    async def start(
+        family: str = "vllm",
+        *,
+        version: str | None = None,
+        env: dict[str, str] | None = None,
+        extra: list[str] | None = None,
+        context: int | None = None,
+        residency: str = "host_backed",
+        name: str = "tiny",
+        timeline: Path | None = None,
+        via_capyctl: bool = False,
+    ) -> Standin:
         n = next(counter)
         venv = make_standin_venv(tmp_path / f"venv-{family}-{n}", family, version)
         adapter = VllmEngine(session) if family == "vllm" else SglangEngine(session)
         assert adapter.recognises(venv)
         probed, _ = adapter.probe(venv)
-        engine = EngineInstall(name="standin", family=EngineFamily(family), path=str(venv), version=probed,
-                               version_text=probed)
-        spec = DeploymentSpec(name=name, engine="standin", model=f"/models/{name}", residency=Residency(residency),
-                              engine_config=EngineConfig(context_length=context, extra_args=extra or [],
-                                                         env=env or {}))
+        engine = EngineInstall(
+            name="standin", family=EngineFamily(family), path=str(venv), version=probed, version_text=probed
+        )
+        spec = DeploymentSpec(
+            name=name,
+            engine="standin",
+            model=f"/models/{name}",
+            residency=Residency(residency),
+            engine_config=EngineConfig(context_length=context, extra_args=extra or [], env=env or {}),
+        )
         port = free_port()
         argv = adapter.command(engine, spec, port)
         timeline = timeline or tmp_path / f"timeline-{n}.jsonl"
-        changes: dict[str, str | None] = {**adapter.environment(engine, spec), **FAST,
-                                          "STANDIN_TIMELINE": str(timeline), **spec.engine_config.env}
+        changes: dict[str, str | None] = {
+            **adapter.environment(engine, spec),
+            **FAST,
+            "STANDIN_TIMELINE": str(timeline),
+            **spec.engine_config.env,
+        }
         log = tmp_path / f"standin-{n}.log"
         if via_capyctl:
             handle = await PopenProcessControl().spawn(argv, log, changes)
@@ -142,8 +168,14 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Awaitable[Standin]]]:
                 else:
                     environment[key] = value
             with open(log, "ab") as out:
-                process = subprocess.Popen(argv, env=environment, stdout=out, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, start_new_session=True)
+                process = subprocess.Popen(
+                    argv,
+                    env=environment,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             pid, returncode = process.pid, process.poll
 
         def wait(timeout: float) -> None:
@@ -171,7 +203,7 @@ def events_of(raw: bytes) -> list[dict[str, Any]]:
     events = [event for event in raw.decode().split("\n\n") if event]
     assert events[-1] == "data: [DONE]", events[-3:]
     assert all(event.startswith("data: ") for event in events)
-    return [json.loads(event[len("data: "):]) for event in events[:-1]]
+    return [json.loads(event[len("data: ") :]) for event in events[:-1]]
 
 
 def text_of(chunks: list[dict[str, Any]]) -> str:
@@ -238,8 +270,9 @@ async def test_vllm_standin_starts_like_the_engine(launch: Any, client: httpx.As
     assert (last["state"], last["reason"]) == ("stopped", "sigterm")
 
 
-async def test_vllm_chat_is_deterministic_and_shaped_like_the_recordings(launch: Any,
-                                                                         client: httpx.AsyncClient) -> None:
+async def test_vllm_chat_is_deterministic_and_shaped_like_the_recordings(
+    launch: Any, client: httpx.AsyncClient
+) -> None:
     standin = await (await launch()).ready()
     usage_body = {**CHAT, "stream_options": {"include_usage": True}}
     first = await stream_chat(client, standin.base, usage_body)
@@ -254,8 +287,12 @@ async def test_vllm_chat_is_deterministic_and_shaped_like_the_recordings(launch:
     allowed = row_for("vllm", "0.32.0").row.delta
     assert all(set(chunk["choices"][0]["delta"]) <= allowed for chunk in first + plain if chunk["choices"])
     recorded = recording("vllm/0.32.0/chat_stream_length.sse")  # include_usage, finish length, metrics on
-    for ours, theirs in ((first[0], recorded[0]), (first[1], recorded[1]), (first[-2], recorded[-2]),
-                         (first[-1], recorded[-1])):
+    for ours, theirs in (
+        (first[0], recorded[0]),
+        (first[1], recorded[1]),
+        (first[-2], recorded[-2]),
+        (first[-1], recorded[-1]),
+    ):
         assert list(ours) == list(theirs)
         if ours["choices"]:
             assert list(ours["choices"][0]) == list(theirs["choices"][0])
@@ -273,8 +310,9 @@ async def test_vllm_chat_is_deterministic_and_shaped_like_the_recordings(launch:
 
 async def test_vllm_running_gauge_counts_a_slow_stream(launch: Any, client: httpx.AsyncClient) -> None:
     standin = await (await launch(env={"STANDIN_TOKEN_DELAY_MS": "10"})).ready()
-    async with client.stream("POST", standin.base + "/v1/chat/completions",
-                             json={**CHAT, "max_tokens": 60, "stream": True}) as answer:
+    async with client.stream(
+        "POST", standin.base + "/v1/chat/completions", json={**CHAT, "max_tokens": 60, "stream": True}
+    ) as answer:
         await until(load_is(standin, (1, 0)), "the running gauge to count the stream")
         raw = await answer.aread()
     assert text_of(events_of(raw)) == expected_text({**CHAT, "max_tokens": 60})
@@ -289,8 +327,9 @@ async def test_capyctl_wire_client_reads_the_standin(launch: Any, client: httpx.
     for _ in range(3):
         batches, ended = await pump_all(session, standin.base, body)
         events = [event for batch in batches for event in batch]
-        chunks = [json.loads(payload) for event in events if isinstance(event, Chunks)
-                  for payload in event.payload_list()]
+        chunks = [
+            json.loads(payload) for event in events if isinstance(event, Chunks) for payload in event.payload_list()
+        ]
         for chunk in chunks:
             verify.verify(chunk)  # every delta key one vLLM 0.32 sends
         assert ended and events[-1] is DONE and text_of(chunks) == expected_text(CHAT)
@@ -363,9 +402,15 @@ async def test_vllm_level2_sleep_needs_a_weight_reload(launch: Any, client: http
     assert await whole_chat(client, base, CHAT) == right
 
     assert calls(standin.lines()) == [
-        ("/sleep", "level=2&mode=wait"), ("/wake_up", ""), ("/sleep", "level=2&mode=wait"),
-        ("/collective_rpc", ""), ("/wake_up", "tags=weights"), ("/collective_rpc", ""),
-        ("/wake_up", "tags=kv_cache"), ("/reset_prefix_cache", "")]
+        ("/sleep", "level=2&mode=wait"),
+        ("/wake_up", ""),
+        ("/sleep", "level=2&mode=wait"),
+        ("/collective_rpc", ""),
+        ("/wake_up", "tags=weights"),
+        ("/collective_rpc", ""),
+        ("/wake_up", "tags=kv_cache"),
+        ("/reset_prefix_cache", ""),
+    ]
     events = [line["event"] for line in standin.lines()]
     tail = [event for event in events if event != "call"][-6:]
     assert tail == ["slept", "refused", "partly_woken", "weights_reloaded", "woken", "cache_reset"]
@@ -374,9 +419,11 @@ async def test_vllm_level2_sleep_needs_a_weight_reload(launch: Any, client: http
 
 async def test_vllm_default_sleep_mode_aborts_running_requests(launch: Any, client: httpx.AsyncClient) -> None:
     standin = await (await launch(env={"STANDIN_TOKEN_DELAY_MS": "10"})).ready()
-    async with client.stream("POST", standin.base + "/v1/chat/completions",
-                             json={**CHAT, "max_tokens": 300, "stream": True,
-                                   "stream_options": {"include_usage": True}}) as answer:
+    async with client.stream(
+        "POST",
+        standin.base + "/v1/chat/completions",
+        json={**CHAT, "max_tokens": 300, "stream": True, "stream_options": {"include_usage": True}},
+    ) as answer:
         await until(load_is(standin, (1, 0)), "the stream to run")
         assert (await post(client, standin.base + "/sleep?level=1")).json() == {"status": "sleeping", "level": 1}
         chunks = events_of(await answer.aread())
@@ -412,8 +459,13 @@ async def test_vllm_crash_on_wake(launch: Any, client: httpx.AsyncClient) -> Non
 async def test_vllm_sleep_routes_are_404_without_dev_mode(launch: Any, client: httpx.AsyncClient) -> None:
     standin = await (await launch(residency="restart_only")).ready()  # the adapter leaves VLLM_SERVER_DEV_MODE out
     assert "--enable-sleep-mode" not in standin.argv
-    for method, path in (("POST", "/sleep?level=1"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
-                         ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache")):
+    for method, path in (
+        ("POST", "/sleep?level=1"),
+        ("POST", "/wake_up"),
+        ("GET", "/is_sleeping"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/reset_prefix_cache"),
+    ):
         answer = await client.request(method, standin.base + path, json={"method": "reload_weights"})
         assert answer.status_code == 404, path
     assert await whole_chat(client, standin.base, CHAT) == expected_text(CHAT)
@@ -439,8 +491,13 @@ async def test_two_standins_share_one_timeline(launch: Any, client: httpx.AsyncC
     await post(client, second.base + "/wake_up")
     spans = intervals(read_timeline(shared))
     assert {(name, state) for name, _, state, _, _ in spans} == {
-        ("one", "loading"), ("one", "awake"), ("one", "asleep"), ("two", "loading"), ("two", "awake"),
-        ("two", "asleep")}
+        ("one", "loading"),
+        ("one", "awake"),
+        ("one", "asleep"),
+        ("two", "loading"),
+        ("two", "awake"),
+        ("two", "asleep"),
+    }
     awake_two = [span for span in spans if span[0] == "two" and span[2] == "awake"]
     assert len(awake_two) == 2 and awake_two[-1][4] is None
     pairs = overlaps(spans)  # both were awake together at first, and only then
@@ -472,8 +529,12 @@ async def test_sglang_release_and_resume(launch: Any, client: httpx.AsyncClient)
     allowed = row_for("sglang", "0.5.23").row.delta
     assert all(set(chunk["choices"][0]["delta"]) <= allowed for chunk in chunks if chunk["choices"])
     recorded = recording("sglang/0.5.23/chat_stream_usage.sse")
-    for ours, theirs in ((chunks[0], recorded[0]), (chunks[1], recorded[1]), (chunks[-2], recorded[-2]),
-                         (chunks[-1], recorded[-1])):
+    for ours, theirs in (
+        (chunks[0], recorded[0]),
+        (chunks[1], recorded[1]),
+        (chunks[-2], recorded[-2]),
+        (chunks[-1], recorded[-1]),
+    ):
         assert list(ours) == list(theirs)
         if ours["choices"]:
             assert list(ours["choices"][0]) == list(theirs["choices"][0])
@@ -499,16 +560,21 @@ async def test_sglang_release_and_resume(launch: Any, client: httpx.AsyncClient)
     assert await whole_chat(client, base, CHAT) == right
 
     lines = standin.lines()
-    assert [path for path, _ in calls(lines)] == ["/release_memory_occupation", "/release_memory_occupation",
-                                                   "/resume_memory_occupation", "/update_weights_from_disk"]
+    assert [path for path, _ in calls(lines)] == [
+        "/release_memory_occupation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/update_weights_from_disk",
+    ]
     slept = [line for line in lines if line["event"] == "slept"]
     assert [(line["tags"], line["weights_lost"]) for line in slept] == [(["kv_cache", "weights"], True)]
     assert [span[2] for span in intervals(lines)] == ["loading", "awake", "asleep", "awake"]
 
 
 # -- System One decisions (POST /v1/systemone) --------------------------------------------------------
-needs_captures = pytest.mark.skipif(not SYSTEMONE.is_dir(), reason=f"the vLLM System One captures ({SYSTEMONE}) "
-                                                                     "are not on this machine")
+needs_captures = pytest.mark.skipif(
+    not SYSTEMONE.is_dir(), reason=f"the vLLM System One captures ({SYSTEMONE}) are not on this machine"
+)
 DECIDER = "tiny-decider"  # the served name in the captures
 ERROR_CASES = ("bad_json", "bad_type", "choice_27_options", "no_questions", "score_11_levels", "wrong_model")
 
@@ -538,7 +604,7 @@ def shape(value: Any) -> Any:
 
 def check_answer(question: dict[str, Any], answer: dict[str, Any], mass: float | None) -> None:
     """Probabilities sum to 1; noul = P(yes), choice = the most likely option, score = the expected level."""
-    probabilities = answer["probabilities"] if "probabilities" in answer else None
+    probabilities = answer.get("probabilities")
     if probabilities is not None:
         assert math.fsum(probabilities.values()) == pytest.approx(1.0, abs=1e-12)
     if question["type"] == "noul" and probabilities is not None:
@@ -568,7 +634,8 @@ async def test_vllm_systemone_answers_shaped_like_the_capture(launch: Any, clien
         assert abs(ours["created"] - time.time()) < 60
         again = second.json()
         assert {key: again[key] for key in ("answers", "usage", "diagnostics")} == {
-            key: ours[key] for key in ("answers", "usage", "diagnostics")}  # same request, same answer
+            key: ours[key] for key in ("answers", "usage", "diagnostics")
+        }  # same request, same answer
         request = json.loads(body)
         assert ours["usage"]["output_tokens"] == len(request["questions"]) and ours["usage"]["input_tokens"] > 0
         for qid, question in request["questions"].items():
@@ -579,7 +646,8 @@ async def test_vllm_systemone_answers_shaped_like_the_capture(launch: Any, clien
     three = json.loads(captured("ok_three_types")[0])
     other = {**three, "state": "Where is my parcel?"}
     assert (await decide(client, standin.base, other)).json()["answers"] != (
-        await decide(client, standin.base, three)).json()["answers"]
+        await decide(client, standin.base, three)
+    ).json()["answers"]
 
 
 @needs_captures
@@ -600,8 +668,9 @@ async def test_vllm_systemone_errors_as_captured(launch: Any, client: httpx.Asyn
 
 
 @needs_captures
-async def test_vllm_systemone_ignores_unknown_top_fields_and_lists_the_keys(launch: Any,
-                                                                           client: httpx.AsyncClient) -> None:
+async def test_vllm_systemone_ignores_unknown_top_fields_and_lists_the_keys(
+    launch: Any, client: httpx.AsyncClient
+) -> None:
     standin = await (await launch(name=DECIDER)).ready()
     body, status, theirs = captured("unknown_top_field")
     answer = await decide(client, standin.base, body)
@@ -611,9 +680,11 @@ async def test_vllm_systemone_ignores_unknown_top_fields_and_lists_the_keys(laun
     extended = {**plain, "images": ["data:image/png;base64,AAAA"], "cache_salt": "s"}
     assert (await decide(client, standin.base, extended)).status_code == 200
     lines = [line for line in standin.lines() if line["event"] == "decision"]
-    assert [line["keys"] for line in lines] == [["model", "questions", "state", "temperature"],
-                                                ["model", "questions", "state"],
-                                                ["cache_salt", "images", "model", "questions", "state"]]
+    assert [line["keys"] for line in lines] == [
+        ["model", "questions", "state", "temperature"],
+        ["model", "questions", "state"],
+        ["cache_salt", "images", "model", "questions", "state"],
+    ]
     assert [line["questions"] for line in lines] == [1, 1, 1] and lines[0]["model"] == DECIDER
     done = [line for line in standin.lines() if line["event"] == "decision_done"]
     assert [line["request_id"] for line in done] == [line["request_id"] for line in lines]
@@ -625,19 +696,27 @@ async def hang_up_mid_decision(standin: Standin, body: dict[str, Any]) -> None:
     data = json.dumps(body).encode()
     host, port = standin.base.removeprefix("http://").rsplit(":", 1)
     stream = await anyio.connect_tcp(host, int(port))
-    await stream.send(b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                      b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    await stream.send(
+        b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+    )
     await until(load_is(standin, (1, 0)), "the decision to run")
     await stream.aclose()
 
 
-DECISION = {"model": DECIDER, "state": "I was charged twice.",
-            "questions": {"angry": {"type": "noul", "instructions": "Is the customer angry?"},
-                          "route": {"type": "choice", "criteria": {"billing": None, "shipping": None}}}}
+DECISION = {
+    "model": DECIDER,
+    "state": "I was charged twice.",
+    "questions": {
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "route": {"type": "choice", "criteria": {"billing": None, "shipping": None}},
+    },
+}
 
 
 async def test_vllm_decision_counts_as_running_and_stops_when_the_client_leaves(
-        launch: Any, client: httpx.AsyncClient) -> None:
+    launch: Any, client: httpx.AsyncClient
+) -> None:
     standin = await (await launch(name=DECIDER, env={"STANDIN_DECISION_DELAY_MS": "400"})).ready()
     await hang_up_mid_decision(standin, DECISION)
 
@@ -674,8 +753,10 @@ async def test_vllm_decisions_hung_up_together_are_all_cut(launch: Any) -> None:
     for round_ in range(1, 21):
         streams = [await anyio.connect_tcp(host, int(port)) for _ in range(12)]
         for stream in streams:
-            await stream.send(b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                              b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+            await stream.send(
+                b"POST /v1/systemone HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+            )
         await until(load_is(standin, (12, 0)), "the decisions to run")
         for i, stream in enumerate(streams):
             await stream.aclose()
@@ -712,52 +793,79 @@ async def test_vllm_decision_queues_while_asleep(launch: Any, client: httpx.Asyn
 async def test_sglang_systemone_shape_and_errors(launch: Any, client: httpx.AsyncClient) -> None:
     standin = await (await launch("sglang", name=DECIDER)).ready()
     assert await standin.adapter.probe_version(standin.base) == "0.5.23"
-    three = {"model": "any-alias", "state": "I was charged twice for my order last week.", "questions": {
-        "route": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "shipping": None,
-                                                                               "technical": None}},
-        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
-        "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["can wait", "this week", "today"]}}}
+    three = {
+        "model": "any-alias",
+        "state": "I was charged twice for my order last week.",
+        "questions": {
+            "route": {
+                "type": "choice",
+                "instructions": "Which team?",
+                "criteria": {"billing": "payments", "shipping": None, "technical": None},
+            },
+            "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+            "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["can wait", "this week", "today"]},
+        },
+    }
     first, second = await decide(client, standin.base, three), await decide(client, standin.base, three)
     assert first.status_code == 200 and first.json() == second.json()
     ours = first.json()
     assert list(ours) == ["model", "answers", "usage"] and ours["model"] == DECIDER  # the served name
     assert ours["usage"]["output_tokens"] == 0 and ours["usage"]["input_tokens"] > 0
-    keys = {"noul": ["type", "noul", "x_label_mass"],
-            "choice": ["type", "choice", "confidence", "probabilities", "x_label_mass"],
-            "score": ["type", "score", "confidence", "legend", "probabilities", "x_label_mass"]}
+    keys = {
+        "noul": ["type", "noul", "x_label_mass"],
+        "choice": ["type", "choice", "confidence", "probabilities", "x_label_mass"],
+        "score": ["type", "score", "confidence", "legend", "probabilities", "x_label_mass"],
+    }
     for qid, question in three["questions"].items():
         answer = ours["answers"][qid]
         assert list(answer) == keys[question["type"]]
         check_answer(question, answer, None)
         assert 0 <= answer.get("confidence", 0) <= 1 and 0 < answer["x_label_mass"] <= 1
         probabilities = decision_probabilities(three["state"], question)  # the same numbers as vLLM's
-        shown = [answer["noul"], 1 - answer["noul"]] if question["type"] == "noul" else list(
-            answer["probabilities"].values())
+        shown = (
+            [answer["noul"], 1 - answer["noul"]]
+            if question["type"] == "noul"
+            else list(answer["probabilities"].values())
+        )
         assert shown == pytest.approx(probabilities, abs=1e-15)
         assert answer == decision_answer("sglang", three["state"], question)[0]
     choice = ours["answers"]["route"]
     top = max(choice["probabilities"].values())
     assert choice["confidence"] == pytest.approx((3 * top - 1) / 2)
 
-    schema = {"bad type": {**three, "questions": {"q": {"type": "rank", "instructions": "x"}}},
-              "unknown question key": {**three, "questions": {"q": {"type": "noul", "instructions": "x", "foo": 1}}},
-              "no state": {key: value for key, value in three.items() if key != "state"},
-              "no questions": {**three, "questions": {}}}
+    schema = {
+        "bad type": {**three, "questions": {"q": {"type": "rank", "instructions": "x"}}},
+        "unknown question key": {**three, "questions": {"q": {"type": "noul", "instructions": "x", "foo": 1}}},
+        "no state": {key: value for key, value in three.items() if key != "state"},
+        "no questions": {**three, "questions": {}},
+    }
     for what, body in schema.items():
         answer = await decide(client, standin.base, body)
         assert answer.status_code == 422, (what, answer.text)
         assert list(answer.json()) == ["detail"] and all("input" not in item for item in answer.json()["detail"])
     bad_json = await decide(client, standin.base, b'{"model":')
-    assert bad_json.status_code == 422 and bad_json.json() == {"detail": [
-        {"type": "json_invalid", "loc": ["body", 9], "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}]}
+    assert bad_json.status_code == 422 and bad_json.json() == {
+        "detail": [
+            {
+                "type": "json_invalid",
+                "loc": ["body", 9],
+                "msg": "JSON decode error",
+                "ctx": {"error": "Expecting value"},
+            }
+        ]
+    }
     tag = (await decide(client, standin.base, schema["bad type"])).json()["detail"][0]
     assert (tag["type"], tag["loc"]) == ("union_tag_invalid", ["body", "questions", "q"])
 
-    semantic = {"temperature": {**three, "temperature": 0.5},  # refused on SGLang; vLLM 0.32 ignores it
-                "noul without instructions": {**three, "questions": {"q": {"type": "noul"}}},
-                "11 levels": {**three, "questions": {"q": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
-                "names equal but for case": {**three, "questions": {"q": {"type": "choice",
-                                                                          "criteria": {"A": None, "a": None}}}}}
+    semantic = {
+        "temperature": {**three, "temperature": 0.5},  # refused on SGLang; vLLM 0.32 ignores it
+        "noul without instructions": {**three, "questions": {"q": {"type": "noul"}}},
+        "11 levels": {**three, "questions": {"q": {"type": "score", "criteria": [str(i) for i in range(11)]}}},
+        "names equal but for case": {
+            **three,
+            "questions": {"q": {"type": "choice", "criteria": {"A": None, "a": None}}},
+        },
+    }
     for what, body in semantic.items():
         answer = await decide(client, standin.base, body)
         assert answer.status_code == 400, (what, answer.text)
@@ -767,8 +875,9 @@ async def test_sglang_systemone_shape_and_errors(launch: Any, client: httpx.Asyn
 
 
 async def test_sglang_decision_runs_on_after_the_client_leaves(launch: Any, client: httpx.AsyncClient) -> None:
-    standin = await (await launch("sglang", version="0.5.22", name=DECIDER,
-                                  env={"STANDIN_DECISION_DELAY_MS": "300"})).ready()
+    standin = await (
+        await launch("sglang", version="0.5.22", name=DECIDER, env={"STANDIN_DECISION_DELAY_MS": "300"})
+    ).ready()
     await hang_up_mid_decision(standin, DECISION)
 
     async def done() -> list[dict[str, Any]]:
@@ -792,14 +901,28 @@ def test_intervals_and_overlaps() -> None:
     def line(at: float, name: str, pid: int, state: str, event: str = "x") -> dict[str, Any]:
         return {"at": at, "pid": pid, "name": name, "state": state, "level": None, "event": event}
 
-    lines = [line(0, "a", 1, "loading"), line(1, "a", 1, "awake"), line(1.5, "a", 1, "awake", "call"),
-             line(2, "b", 2, "loading"), line(3, "a", 1, "asleep"), line(3.5, "b", 2, "awake"),
-             line(5, "a", 1, "stopped"), line(6, "b", 2, "stopped")]
+    lines = [
+        line(0, "a", 1, "loading"),
+        line(1, "a", 1, "awake"),
+        line(1.5, "a", 1, "awake", "call"),
+        line(2, "b", 2, "loading"),
+        line(3, "a", 1, "asleep"),
+        line(3.5, "b", 2, "awake"),
+        line(5, "a", 1, "stopped"),
+        line(6, "b", 2, "stopped"),
+    ]
     spans = intervals(lines)
-    assert spans == [("a", 1, "loading", 0, 1), ("a", 1, "awake", 1, 3), ("b", 2, "loading", 2, 3.5),
-                     ("a", 1, "asleep", 3, 5), ("b", 2, "awake", 3.5, 6)]
+    assert spans == [
+        ("a", 1, "loading", 0, 1),
+        ("a", 1, "awake", 1, 3),
+        ("b", 2, "loading", 2, 3.5),
+        ("a", 1, "asleep", 3, 5),
+        ("b", 2, "awake", 3.5, 6),
+    ]
     assert overlaps(spans) == []
     assert overlaps(spans, "loading") == []
     lines.append(line(2.5, "c", 3, "awake"))
-    assert overlaps(intervals(lines)) == [(("a", 1, "awake", 1, 3), ("c", 3, "awake", 2.5, None)),
-                                          (("c", 3, "awake", 2.5, None), ("b", 2, "awake", 3.5, 6))]
+    assert overlaps(intervals(lines)) == [
+        (("a", 1, "awake", 1, 3), ("c", 3, "awake", 2.5, None)),
+        (("c", 3, "awake", 2.5, None), ("b", 2, "awake", 3.5, 6)),
+    ]

@@ -27,8 +27,11 @@ def test_events_are_inserted_by_the_writer_thread_not_the_caller(tmp_path: Path,
     store = SqliteStore(tmp_path / "db")
     inserted_on: list[str] = []
     real_write = store._write
-    monkeypatch.setattr(store, "_write", lambda rows, uses: (inserted_on.append(threading.current_thread().name),
-                                                             real_write(rows, uses)))
+    monkeypatch.setattr(
+        store,
+        "_write",
+        lambda rows, uses: (inserted_on.append(threading.current_thread().name), real_write(rows, uses)),
+    )
     try:
         store.add_event(time.time(), "a", "state_changed", {})
         assert inserted_on == []  # add_event only queued it

@@ -114,5 +114,6 @@ def test_a_payload_of_several_lines_is_relayed_as_as_many_data_lines() -> None:
     assert relayed.startswith(b"data: ") and all(line.startswith(b"data: ") for line in relayed.split(b"\n") if line)
     (again,) = SseParser().feed(relayed)
     assert [msgspec.json.decode(p) for p in again.payload_list()] == [
-        {"model": "mine", "choices": [{"index": 0, "delta": {"content": "hi"}}]}]
+        {"model": "mine", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    ]
     assert payloads_of(relayed) == again.payload_list() and meter.text_chunks == 1

@@ -34,19 +34,33 @@ class World:
     def __init__(self, tmp_path: Path, capacity: float = 2.5, drain_timeout: float = 30.0) -> None:
         self.store = FakeStore()
         self.processes = CountingProcesses()
-        self.store.put_engine(EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0",
-                                            version_text=""))
+        self.store.put_engine(
+            EngineInstall(name="e", family=EngineFamily.LLAMACPP, path="/bin/e", version="0.6.0", version_text="")
+        )
         self.model = tmp_path / "m.gguf"
         self.model.write_bytes(b"GGUF")
         clock = VirtualClock()
         events = Events(self.store, clock)
         self.admission = AdmissionService(QueueLimits(), clock, 1800.0)
-        self.board = Switchboard([Device(name="gpu0", capacity=int(capacity * GiB))],
-                                 Switching(admission_window=2.0, drain_timeout=drain_timeout), self.admission, clock,
-                                 events)
+        self.board = Switchboard(
+            [Device(name="gpu0", capacity=int(capacity * GiB))],
+            Switching(admission_window=2.0, drain_timeout=drain_timeout),
+            self.admission,
+            clock,
+            events,
+        )
         ports = itertools.count(7000)
-        self.fleet = Fleet(self.store, {"llamacpp": FakeEngineAdapter()}, self.processes, clock, events,  # type: ignore[dict-item]
-                           lambda: next(ports), tmp_path / "logs", SETTINGS, self.board)
+        self.fleet = Fleet(
+            self.store,
+            {"llamacpp": FakeEngineAdapter()},
+            self.processes,
+            clock,
+            events,  # type: ignore[dict-item]
+            lambda: next(ports),
+            tmp_path / "logs",
+            SETTINGS,
+            self.board,
+        )
         self.board.bind(self.fleet.controllers)
         self.answered: list[str] = []
         self.refused: list[CapyError] = []
@@ -54,8 +68,9 @@ class World:
 
     async def deploy(self, *names: str, memory: str = "1GiB") -> None:
         for name in names:
-            await self.fleet.apply({"name": name, "engine": "e", "model": str(self.model),
-                                    "resources": {"memory": memory}}, activate=False)
+            await self.fleet.apply(
+                {"name": name, "engine": "e", "model": str(self.model), "resources": {"memory": memory}}, activate=False
+            )
 
     async def request(self, name: str, holds_for: float = 0.5) -> None:
         """One request the way the chat path sends it: a lease, the engine's URL, then the engine's time."""
@@ -227,8 +242,9 @@ async def test_idle_timers_park_or_stop_a_quiet_model_and_not_a_busy_one(tmp_pat
     async with anyio.create_task_group() as outer:
         await outer.start(w.fleet.run)
         await w.deploy("a", "b")
-        await w.fleet.apply({"name": "quick", "engine": "e", "model": str(w.model), "idle": {"stop_after": "5s"}},
-                            activate=False)
+        await w.fleet.apply(
+            {"name": "quick", "engine": "e", "model": str(w.model), "idle": {"stop_after": "5s"}}, activate=False
+        )
         async with anyio.create_task_group() as tg:
             tg.start_soon(w.request, "a", 60.0)  # busy for a minute: never idle meanwhile
             tg.start_soon(w.request, "b", 0.1)

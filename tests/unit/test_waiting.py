@@ -19,8 +19,6 @@ import trio
 
 from capyctl.adapters.http.chat import ChatEndpoint
 from capyctl.adapters.http.front import FrontDoor
-from tests.fakes.answers import ScriptedAnswer, chunks
-from tests.fakes.asgi_door import AsgiDoor
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
@@ -30,13 +28,20 @@ from capyctl.services.chat import ChatService, ChatSettings
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
+from tests.fakes.answers import ScriptedAnswer, chunks
+from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, keyring_with, virtual_time
 
 pytestmark = pytest.mark.anyio
 anyio_backend = pytest.fixture(virtual_time)
 KEY = "k" * 32
-CHUNK = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
-         "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}]}
+CHUNK = {
+    "id": "c",
+    "object": "chat.completion.chunk",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": None}],
+}
 
 
 class SilentAfterOneChunk:
@@ -85,8 +90,12 @@ class Client:
         async def send(message: dict[str, Any]) -> None:
             self.sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-                 "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": [(b"authorization", f"Bearer {KEY}".encode())],
+        }
         await app(scope, receive, send)
         self.done_at = trio.current_time()
 
@@ -99,11 +108,17 @@ def one_attached_vllm(clock: VirtualClock) -> tuple[Events, Any]:
     spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": "http://127.0.0.1:9", "engine_version": "0.32.0"})
     engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
     events = Events(FakeStore(), clock)
-    controller = AttachedController(Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events,
-                                    row_for(engine.family, engine.version))
+    controller = AttachedController(
+        Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events, row_for(engine.family, engine.version)
+    )
     controller.want(Desired.RUN)
-    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller, has=lambda name: True, get=lambda name: controller,
-                            names=lambda: ["m"], lost_host=lambda name: False)
+    fleet = SimpleNamespace(
+        resolve=lambda name, api="chat": controller,
+        has=lambda name: True,
+        get=lambda name: controller,
+        names=lambda: ["m"],
+        lost_host=lambda name: False,
+    )
     return events, fleet
 
 

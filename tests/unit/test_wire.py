@@ -89,7 +89,8 @@ async def until(check: Callable[[], Any], what: str, timeout: float = 5.0) -> An
 def replay() -> Iterator[str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "capyctl.replay", "--dialect", "vllm", "--recordings", str(RECORDING), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         line = process.stdout.readline().decode()  # type: ignore[union-attr]
@@ -155,6 +156,7 @@ async def test_a_cut_pump_delivers_nothing_more_and_closes_its_connection(replay
     before = disconnected(replay)
     delivered: list[int] = []
     with anyio.fail_after(10), anyio.CancelScope() as cut:
+
         def deliver(batch: list[StreamEvent]) -> Relayed:
             delivered.append(len(batch))
             cut.cancel()  # as the client's hang-up would
@@ -169,6 +171,7 @@ async def test_a_cut_pump_delivers_nothing_more_and_closes_its_connection(replay
 async def test_a_cut_connection_is_replaced_by_an_idle_one_that_the_next_request_goes_out_on(replay: str) -> None:
     session = WireEngineSession()
     with anyio.fail_after(10), anyio.CancelScope() as cut:
+
         def deliver(batch: list[StreamEvent]) -> Relayed:
             cut.cancel()  # the client hung up after the first batch: its request is cancelled
             return Relayed.MORE
@@ -278,31 +281,30 @@ async def test_a_full_client_pauses_reading_from_the_engine_until_it_has_drained
     session = WireEngineSession()
     batches: list[list[StreamEvent]] = []
     drained: list[str] = []
-    async with engine() as served:
-        async with session.chat_stream(served.url, b"{}") as answer:
-            peer = await served.peer()
-            conn = answer._conn  # type: ignore[attr-defined]
+    async with engine() as served, session.chat_stream(served.url, b"{}") as answer:
+        peer = await served.peer()
+        conn = answer._conn  # type: ignore[attr-defined]
 
-            def deliver(batch: list[StreamEvent]) -> Relayed:
-                batches.append(batch)
-                if len(batches) == 1:
-                    return Relayed.FULL  # the first batch fills the client
-                assert conn.transport.is_reading()  # reading went on once drain() returned
-                return Relayed.ENDED if batch[-1] is DONE else Relayed.MORE
+        def deliver(batch: list[StreamEvent]) -> Relayed:
+            batches.append(batch)
+            if len(batches) == 1:
+                return Relayed.FULL  # the first batch fills the client
+            assert conn.transport.is_reading()  # reading went on once drain() returned
+            return Relayed.ENDED if batch[-1] is DONE else Relayed.MORE
 
-            async def drain() -> None:
-                assert not conn.transport.is_reading()
-                await peer.send(chunk(event(2) + b"data: [DONE]\n\n") + END)  # the engine goes on meanwhile
-                # its bytes reach CapyCTL's socket (or, were reading not paused, CapyCTL itself) ...
-                await until(lambda: unread(conn) or conn.buffered, "the engine's bytes to reach CapyCTL")
-                for _ in range(5):  # ... and in the turns of the loop that would have read them, nothing is
-                    await asyncio.sleep(0)
-                assert conn.buffered == 0 and unread(conn) > 0 and len(batches) == 1
-                drained.append("drained")
+        async def drain() -> None:
+            assert not conn.transport.is_reading()
+            await peer.send(chunk(event(2) + b"data: [DONE]\n\n") + END)  # the engine goes on meanwhile
+            # its bytes reach CapyCTL's socket (or, were reading not paused, CapyCTL itself) ...
+            await until(lambda: unread(conn) or conn.buffered, "the engine's bytes to reach CapyCTL")
+            for _ in range(5):  # ... and in the turns of the loop that would have read them, nothing is
+                await asyncio.sleep(0)
+            assert conn.buffered == 0 and unread(conn) > 0 and len(batches) == 1
+            drained.append("drained")
 
-            await peer.send(chunk(event(1)))
-            with anyio.fail_after(10):
-                assert await answer.pump(deliver, drain) is True
+        await peer.send(chunk(event(1)))
+        with anyio.fail_after(10):
+            assert await answer.pump(deliver, drain) is True
     assert drained == ["drained"]
     assert [carried(batch) for batch in batches] == [[("data", b'{"n":1}')], [("data", b'{"n":2}'), ("done",)]]
 
@@ -337,8 +339,10 @@ async def test_an_answer_that_ends_without_done_returns_false_with_its_last_even
         return Relayed.MORE
 
     async with engine() as served:
-        for last, expected in ((b"", [("data", b'{"n":1}')]),
-                               (b'data: {"n":2}', [("data", b'{"n":1}'), ("data", b'{"n":2}')])):  # unended
+        for last, expected in (
+            (b"", [("data", b'{"n":1}')]),
+            (b'data: {"n":2}', [("data", b'{"n":1}'), ("data", b'{"n":2}')]),
+        ):  # unended
             delivered.clear()
             session = WireEngineSession()
             async with session.chat_stream(served.url, b"{}") as answer:
@@ -425,8 +429,13 @@ def framed(body: bytes, rng: random.Random) -> bytes:
     while start < len(body):
         size = min(rng.randint(1, 300), len(body) - start)
         hexa = b"%x" % size
-        out.append((hexa.upper() if rng.random() < 0.3 else hexa) + (b";x=y" if rng.random() < 0.1 else b"")
-                   + b"\r\n" + body[start:start + size] + b"\r\n")
+        out.append(
+            (hexa.upper() if rng.random() < 0.3 else hexa)
+            + (b";x=y" if rng.random() < 0.1 else b"")
+            + b"\r\n"
+            + body[start : start + size]
+            + b"\r\n"
+        )
         start += size
     return b"".join(out) + END
 
@@ -446,8 +455,9 @@ def test_a_chunked_answer_is_unframed_the_same_cut_anywhere() -> None:
         assert b"".join(unframed) == body, at[:1]
 
 
-async def written_in_pieces(session: WireEngineSession, served: Engine, wire: bytes, cuts: list[int]
-                            ) -> list[StreamEvent]:
+async def written_in_pieces(
+    session: WireEngineSession, served: Engine, wire: bytes, cuts: list[int]
+) -> list[StreamEvent]:
     """What the pump delivers of an answer the engine writes in pieces, ``wire`` cut at ``cuts``."""
     delivered: list[StreamEvent] = []
 
@@ -497,9 +507,11 @@ async def test_each_request_leaves_with_the_head_for_its_engine_address() -> Non
     prefix = f"Host: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
     assert heads == [
         f"POST /engine/v1/chat/completions HTTP/1.1\r\n{prefix}Accept: text/event-stream\r\n"
-        f"Content-Length: 7\r\n\r\n".encode() + b'{"a":1}',
+        f"Content-Length: 7\r\n\r\n".encode()
+        + b'{"a":1}',
         f"POST /engine/v1/chat/completions HTTP/1.1\r\n{prefix}Accept: text/event-stream\r\n"
-        f"Content-Length: 9\r\n\r\n".encode() + b'{"bb":22}',
-        f"POST /v1/systemone HTTP/1.1\r\n{prefix}Accept: application/json\r\n"
-        f"Content-Length: 7\r\n\r\n".encode() + b'{"q":1}',
+        f"Content-Length: 9\r\n\r\n".encode()
+        + b'{"bb":22}',
+        f"POST /v1/systemone HTTP/1.1\r\n{prefix}Accept: application/json\r\nContent-Length: 7\r\n\r\n".encode()
+        + b'{"q":1}',
     ]

@@ -28,8 +28,7 @@ from capyctl.domain.streams import Relayed, StreamEvent
 BODY = b'{"model":"x","stream":true,"messages":[]}'
 EVENTS = b'data: {"n":1}\n\ndata: [DONE]\n\n'
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%b" % (len(EVENTS), EVENTS)
-GATE_REFUSED = (b'{"error":{"message":"no open gate for this key","type":"invalid_request_error",'
-                b'"code":"gate_refused"}}')
+GATE_REFUSED = b'{"error":{"message":"no open gate for this key","type":"invalid_request_error","code":"gate_refused"}}'
 
 
 def pem_fingerprint(cert_pem: bytes) -> str:
@@ -68,8 +67,9 @@ class World:
         self.caller, caller_key = caller_certificate("capyctl-server")
         self.pins = {"gpu-a": pem_fingerprint(self.cert)}
         self.session = WireEngineSession()
-        self.session.trust(client_ssl_context(self.ca.cert_pem, self.caller, caller_key, names_checked=True),
-                           self.pins.get)
+        self.session.trust(
+            client_ssl_context(self.ca.cert_pem, self.caller, caller_key, names_checked=True), self.pins.get
+        )
 
     def another_certificate(self) -> tuple[bytes, bytes]:
         """What a revoked (or replaced) certificate of gpu-a is: the same CA, the same name, another key."""
@@ -142,8 +142,13 @@ async def test_an_ingress_that_cannot_be_reached_or_refuses_the_gate_is_said_in_
         await chat(world.session, port)  # connection refused
     assert unreachable.value.extra["reason"] == "unreachable" and "127.0.0.1" not in unreachable.value.message
     assert str(port) not in unreachable.value.message
-    refusing = Ingress(world.cert, world.key, world.caller, b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json"
-                       b"\r\nContent-Length: %d\r\n\r\n%b" % (len(GATE_REFUSED), GATE_REFUSED))
+    refusing = Ingress(
+        world.cert,
+        world.key,
+        world.caller,
+        b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%b" % (len(GATE_REFUSED), GATE_REFUSED),
+    )
     server, port = await serving(refusing)
     async with server:
         with pytest.raises(HostUnreachable) as gate:

@@ -38,8 +38,12 @@ class JsonFormatter(logging.Formatter):
 
 def _entry(created: float, msecs: float, level: str, name: str, message: str) -> dict[str, Any]:
     """A JSON line's first fields: its time (UTC, to the millisecond), level, logger and message."""
-    return {"time": f"{_utc_second(int(created))}.{int(msecs):03d}Z", "level": level, "logger": name,
-            "message": message}
+    return {
+        "time": f"{_utc_second(int(created))}.{int(msecs):03d}Z",
+        "level": level,
+        "logger": name,
+        "message": message,
+    }
 
 
 def _json_line(entry: dict[str, Any], fields: dict[str, Any], exception: str | None = None) -> str:
@@ -131,8 +135,12 @@ class BatchedWriter(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.handle(record)
 
-    def routine(self, logger: logging.Logger, line: Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]],
-                values: tuple[Any, ...]) -> bool:
+    def routine(
+        self,
+        logger: logging.Logger,
+        line: Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]],
+        values: tuple[Any, ...],
+    ) -> bool:
         """A routine INFO line of ``logger``, queued as ``line`` and its ``values`` without making anything
         now: the writer calls ``line(*values)`` (its format, arguments and fields) in its round and makes
         the record the logger would have made (time included). False, with nothing queued, when the line
@@ -249,12 +257,14 @@ def _takes_now(stream: TextIO) -> tuple[Callable[[], bool] | None, bool]:
     return (lambda: bool(poll.poll(0))), False
 
 
-def _routine_record(created: float, name: str, message: str, args: tuple[Any, ...],
-                    extra: dict[str, Any]) -> logging.LogRecord:
+def _routine_record(
+    created: float, name: str, message: str, args: tuple[Any, ...], extra: dict[str, Any]
+) -> logging.LogRecord:
     """The record ``logging`` would have made for a routine line at ``created`` (no caller's frame: see
     configure_logging)."""
-    record = logging.LogRecord(name, logging.INFO, "(unknown file)", 0, message, args or None, None,
-                               "(unknown function)")
+    record = logging.LogRecord(
+        name, logging.INFO, "(unknown file)", 0, message, args or None, None, "(unknown function)"
+    )
     record.relativeCreated -= (record.created - created) * 1000
     record.created = created
     record.msecs = int((created - int(created)) * 1000) + 0.0
@@ -265,8 +275,9 @@ def _routine_record(created: float, name: str, message: str, args: tuple[Any, ..
 _active: BatchedWriter | None = None
 
 
-def routine_line(logger: logging.Logger, line: Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]],
-                 values: tuple[Any, ...]) -> None:
+def routine_line(
+    logger: logging.Logger, line: Callable[..., tuple[str, tuple[Any, ...], dict[str, Any]]], values: tuple[Any, ...]
+) -> None:
     """A routine line to the writer ``configure_logging`` set up (``BatchedWriter.routine``), or the usual
     way where that writer is not the only way out for it."""
     if _active is None or not _active.routine(logger, line, values):

@@ -86,13 +86,17 @@ class CertificateAuthority:
         key_path, cert_path = directory / CA_KEY, directory / CA_CERT
         if not key_path.exists():
             if cert_path.exists():
-                raise InvalidConfig(f"{cert_path} is there but the CA's key {key_path} is missing; restore the key, "
-                                    "or move the directory away to make a new CA (every host must then join again)")
+                raise InvalidConfig(
+                    f"{cert_path} is there but the CA's key {key_path} is missing; restore the key, "
+                    "or move the directory away to make a new CA (every host must then join again)"
+                )
             write_private(key_path, _pem_key(ec.generate_private_key(ec.SECP256R1())))
         mode = stat.S_IMODE(key_path.stat().st_mode)
         if mode & 0o077:
-            raise InvalidConfig(f"the CA's key {key_path} may be read by others (mode {mode:04o}); "
-                                f"make it private with: chmod 600 {key_path}")
+            raise InvalidConfig(
+                f"the CA's key {key_path} may be read by others (mode {mode:04o}); "
+                f"make it private with: chmod 600 {key_path}"
+            )
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         if not isinstance(key, ec.EllipticCurvePrivateKey):
             raise InvalidConfig(f"{key_path} is not an EC key of a CapyCTL CA")
@@ -118,7 +122,8 @@ class CertificateAuthority:
         return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
     def sign_host(self, csr_pem: bytes, name: str, days: int = 365) -> bytes:
-        """The certificate (PEM) for host ``name``'s CSR (client of the control link, server of its ingress); InvalidRequest when the CSR is not ``name``'s.
+        """The certificate (PEM) for host ``name``'s CSR (client of the control link, server of its ingress);
+        InvalidRequest when the CSR is not ``name``'s.
 
         Only the CSR's key and common name are taken; whatever else it asks
         for is ignored, and the certificate says what the CA decides.
@@ -132,21 +137,34 @@ class CertificateAuthority:
             raise InvalidRequest("the join request's CSR is not signed by its own key", param="csr")
         names = [attr.value for attr in csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
         if names != [name]:
-            raise InvalidRequest(f"the join request's CSR names {names or 'no host'}, not host {name!r}; "
-                                 "the host must make its CSR for its own name", param="csr")
+            raise InvalidRequest(
+                f"the join request's CSR names {names or 'no host'}, not host {name!r}; "
+                "the host must make its CSR for its own name",
+                param="csr",
+            )
         public = csr.public_key()
         if not _acceptable(public):
-            raise InvalidRequest("the CSR's key is of a kind or size the control link does not accept "
-                                 "(take EC P-256/P-384, Ed25519 or RSA of 2048 bits or more)", param="csr")
+            raise InvalidRequest(
+                "the CSR's key is of a kind or size the control link does not accept "
+                "(take EC P-256/P-384, Ed25519 or RSA of 2048 bits or more)",
+                param="csr",
+            )
         if days < 1:
             raise InvalidRequest(f"a host certificate lasts at least 1 day; got {days}", param="days")
         # client (the control link) and server (the host's ingress, which the server reaches by the host's name)
-        cert = self._issue(public, name, [x509.DNSName(name)],
-                           [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH], days)
+        cert = self._issue(
+            public, name, [x509.DNSName(name)], [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH], days
+        )
         return cert.public_bytes(serialization.Encoding.PEM)
 
-    def _issue(self, public: x509.CertificatePublicKeyTypes, common_name: str, alt: list[x509.GeneralName],
-               usage: list[x509.ObjectIdentifier], days: int) -> x509.Certificate:
+    def _issue(
+        self,
+        public: x509.CertificatePublicKeyTypes,
+        common_name: str,
+        alt: list[x509.GeneralName],
+        usage: list[x509.ObjectIdentifier],
+        days: int,
+    ) -> x509.Certificate:
         ca_key_id = self.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
         return (
@@ -223,8 +241,13 @@ def server_ssl_context(cert_pem: bytes, key_pem: bytes, ca_pem: bytes, require_c
     return context
 
 
-def client_ssl_context(ca_pem: bytes, cert_pem: bytes | None = None, key_pem: bytes | None = None,
-                       server_name: str | None = None, names_checked: bool = False) -> ssl.SSLContext:
+def client_ssl_context(
+    ca_pem: bytes,
+    cert_pem: bytes | None = None,
+    key_pem: bytes | None = None,
+    server_name: str | None = None,
+    names_checked: bool = False,
+) -> ssl.SSLContext:
     """A dialling side's TLS: the server must show a certificate of ``ca_pem``; ours is shown when given.
 
     With ``server_name`` (or ``names_checked``, for a context that dials
@@ -257,10 +280,11 @@ def _load_chain(context: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> Non
         context.load_cert_chain(cert, key)
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public: x509.CertificatePublicKeyTypes, days: int
-             ) -> x509.CertificateBuilder:
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public: x509.CertificatePublicKeyTypes, days: int
+) -> x509.CertificateBuilder:
     """A certificate's common part: who, by whom, its key, a random serial, valid from a little in the past."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -287,9 +311,17 @@ def _self_signed(key: ec.EllipticCurvePrivateKey, name: str) -> x509.Certificate
 
 def _usage(*, signing: bool) -> x509.KeyUsage:
     """A leaf signs handshakes (digital signature); the CA signs certificates and revocation lists only."""
-    return x509.KeyUsage(digital_signature=signing, content_commitment=False, key_encipherment=False,
-                         data_encipherment=False, key_agreement=False, key_cert_sign=not signing,
-                         crl_sign=not signing, encipher_only=False, decipher_only=False)
+    return x509.KeyUsage(
+        digital_signature=signing,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=not signing,
+        crl_sign=not signing,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _acceptable(public: object) -> bool:
@@ -310,8 +342,9 @@ def _load(cert: bytes) -> x509.Certificate:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _public(key: x509.CertificatePublicKeyTypes) -> bytes:

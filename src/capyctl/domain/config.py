@@ -136,14 +136,17 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
     return Settings(
         default_model=pick("default_model", config.default_model),
         request_deadline=seconds(pick("queue.request_deadline", q.request_deadline), "queue.request_deadline"),
-        stream_idle_timeout=seconds(pick("queue.stream_idle_timeout", q.stream_idle_timeout),
-                                    "queue.stream_idle_timeout"),
+        stream_idle_timeout=seconds(
+            pick("queue.stream_idle_timeout", q.stream_idle_timeout), "queue.stream_idle_timeout"
+        ),
         limits=Limits(
             max_body=size(pick("limits.max_body", lim.max_body), "limits.max_body"),
-            header_timeout=seconds(pick("limits.client_header_timeout", lim.client_header_timeout),
-                                   "limits.client_header_timeout"),
-            body_timeout=seconds(pick("limits.client_body_timeout", lim.client_body_timeout),
-                                 "limits.client_body_timeout"),
+            header_timeout=seconds(
+                pick("limits.client_header_timeout", lim.client_header_timeout), "limits.client_header_timeout"
+            ),
+            body_timeout=seconds(
+                pick("limits.client_body_timeout", lim.client_body_timeout), "limits.client_body_timeout"
+            ),
             max_connections=int(pick("limits.max_connections", lim.max_connections)),
             max_event=size(pick("limits.max_event_size", lim.max_event_size), "limits.max_event_size"),
             max_tool_calls=int(pick("limits.max_tool_calls", lim.max_tool_calls)),
@@ -164,12 +167,15 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
             stop_after=None if config.idle.stop_after is None else seconds(config.idle.stop_after, "idle.stop_after"),
         ),
         records=RecordSettings(
-            retention=Retention(max_count=config.records.max_count,
-                                max_age=seconds(config.records.max_age, "records.max_age")),
+            retention=Retention(
+                max_count=config.records.max_count, max_age=seconds(config.records.max_age, "records.max_age")
+            ),
             buffer=config.records.buffer,
         ),
-        hosts=LinkTimings(suspend_after=seconds(config.hosts.suspend_after, "hosts.suspend_after"),
-                          lost_after=seconds(config.hosts.lost_after, "hosts.lost_after")),
+        hosts=LinkTimings(
+            suspend_after=seconds(config.hosts.suspend_after, "hosts.suspend_after"),
+            lost_after=seconds(config.hosts.lost_after, "hosts.lost_after"),
+        ),
     )
 
 
@@ -179,8 +185,11 @@ def devices(declared: list[DeviceConfig] | Literal["auto"]) -> tuple[Device, ...
     out = []
     for i, d in enumerate(declared):
         where = f"memory.devices[{i}]"
-        device = Device(name=d.name, capacity=size(d.capacity, f"{where}.capacity"),
-                        reserve=0 if d.reserve is None else size(d.reserve, f"{where}.reserve", zero=True))
+        device = Device(
+            name=d.name,
+            capacity=size(d.capacity, f"{where}.capacity"),
+            reserve=0 if d.reserve is None else size(d.reserve, f"{where}.reserve", zero=True),
+        )
         if device.reserve >= device.capacity:
             raise InvalidConfig(f"{where}.reserve must be smaller than its capacity")
         out.append(device)

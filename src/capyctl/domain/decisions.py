@@ -34,8 +34,9 @@ def read_decision(obj: dict[str, Any]) -> str:
             )
     model = obj.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required: the name of a decisions deployment (see GET /v1/models)",
-                             param="model")
+        raise InvalidRequest(
+            "'model' is required: the name of a decisions deployment (see GET /v1/models)", param="model"
+        )
     for key in ("state", "questions"):
         if key not in obj:
             raise InvalidRequest(f"'{key}' is required in a decision request", param=key)

@@ -98,8 +98,10 @@ class DeploymentSpec(Strict):
             raise InvalidConfig("engine_config.context_length must be a positive number of tokens")
         memory, parked = self.resources.memory_bytes, self.resources.parked_bytes  # refuses a bad size
         if parked and self.residency is Residency.RESTART_ONLY:
-            raise InvalidConfig("resources.parked_memory applies to a residency that parks (host_backed or deep); "
-                                "restart_only parks by stopping, which leaves nothing on the device")
+            raise InvalidConfig(
+                "resources.parked_memory applies to a residency that parks (host_backed or deep); "
+                "restart_only parks by stopping, which leaves nothing on the device"
+            )
         if parked and (memory is None or parked > memory):
             raise InvalidConfig("resources.parked_memory must be at most resources.memory")
         for key, value in (("idle.park_after", self.idle.park_after), ("idle.stop_after", self.idle.stop_after)):
@@ -116,16 +118,16 @@ class DeploymentSpec(Strict):
         if not URL_PATTERN.match(self.endpoint):
             raise InvalidConfig(f"endpoint {self.endpoint!r} is not an http(s)://host[:port] URL")
         if self.engine not in ENGINE_FAMILIES:
-            raise InvalidConfig(
-                f"with endpoint, engine names the engine's family: one of {', '.join(ENGINE_FAMILIES)}"
-            )
+            raise InvalidConfig(f"with endpoint, engine names the engine's family: one of {', '.join(ENGINE_FAMILIES)}")
         if self.host is not None:
             raise InvalidConfig("host does not apply to an attached engine: its endpoint says where it runs")
         if self.engine_config != EngineConfig():
             raise InvalidConfig("engine_config does not apply to an attached engine: CapyCTL does not start it")
         if self.residency is not Residency.RESTART_ONLY or self.resources != Resources() or self.idle != IdleConfig():
-            raise InvalidConfig("residency, resources and idle do not apply to an attached engine: "
-                                "CapyCTL neither starts, parks nor stops it")
+            raise InvalidConfig(
+                "residency, resources and idle do not apply to an attached engine: "
+                "CapyCTL neither starts, parks nor stops it"
+            )
 
     @property
     def attached(self) -> bool:

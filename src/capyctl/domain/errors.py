@@ -60,8 +60,12 @@ class DailyLimit(CapyError):
     code = "daily_limit"
 
     def __init__(self, name: str, limit: int, used: int, retry_after: int) -> None:
-        super().__init__(f"the key {name!r} has used its {limit} calls for today (UTC); "
-                         f"it may call again in {retry_after} s, after 00:00 UTC", limit=limit, used=used)
+        super().__init__(
+            f"the key {name!r} has used its {limit} calls for today (UTC); "
+            f"it may call again in {retry_after} s, after 00:00 UTC",
+            limit=limit,
+            used=used,
+        )
         self.retry_after = retry_after
 
 
@@ -89,8 +93,7 @@ class DeploymentStopped(CapyError):
     def __init__(self, name: str, while_serving: bool = False) -> None:
         when = " while it answered this request" if while_serving else ""
         super().__init__(
-            f"deployment {name!r} was stopped by an operator{when}; "
-            f"start it with: capyctl start deployment {name}",
+            f"deployment {name!r} was stopped by an operator{when}; start it with: capyctl start deployment {name}",
             model=name,
         )
 
@@ -116,8 +119,11 @@ class EngineNotFound(CapyError):
         if host is None:
             super().__init__(f"no engine named {name!r}; see: capyctl engine list")
         else:
-            super().__init__(f"host {host!r} has no engine named {name!r}; add one with: capyctl engine add PATH "
-                             f"--host {host} --name {name} (see: capyctl list hosts)", host=host)
+            super().__init__(
+                f"host {host!r} has no engine named {name!r}; add one with: capyctl engine add PATH "
+                f"--host {host} --name {name} (see: capyctl list hosts)",
+                host=host,
+            )
 
 
 class HostNotFound(CapyError):
@@ -133,9 +139,11 @@ class HostRevoked(CapyError):
     code = "host_revoked"
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"host {name!r} is revoked or its certificate was replaced; to bring the machine back, "
-                         f"invite it again (capyctl invite host {name}) and join with the new file",
-                         host=name)
+        super().__init__(
+            f"host {name!r} is revoked or its certificate was replaced; to bring the machine back, "
+            f"invite it again (capyctl invite host {name}) and join with the new file",
+            host=name,
+        )
 
 
 class DeviceOffline(CapyError):
@@ -145,9 +153,14 @@ class DeviceOffline(CapyError):
 
     def __init__(self, host: str, state: str, model: str | None = None, retry_after: int = 5) -> None:
         what = f"model {model!r} runs on host {host!r}, which" if model is not None else f"host {host!r}"
-        super().__init__(f"{what} is {state}, not online; retry in {retry_after} s, or see: capyctl list hosts",
-                         host=host, state=state, reason=state, retry_after_s=retry_after,
-                         **({"model": model} if model is not None else {}))
+        super().__init__(
+            f"{what} is {state}, not online; retry in {retry_after} s, or see: capyctl list hosts",
+            host=host,
+            state=state,
+            reason=state,
+            retry_after_s=retry_after,
+            **({"model": model} if model is not None else {}),
+        )
         self.retry_after = retry_after
 
 
@@ -157,8 +170,12 @@ class HostLost(CapyError):
     code = "device_offline"
 
     def __init__(self, model: str) -> None:
-        super().__init__(f"the host running {model!r} went silent for longer than hosts.lost_after while it "
-                         "answered; the answer is incomplete (see: capyctl list hosts)", model=model, reason="lost")
+        super().__init__(
+            f"the host running {model!r} went silent for longer than hosts.lost_after while it "
+            "answered; the answer is incomplete (see: capyctl list hosts)",
+            model=model,
+            reason="lost",
+        )
 
 
 class HostAnswerInvalid(CapyError):
@@ -203,8 +220,13 @@ class HostUnreachable(EngineUnavailable):
 
     def __init__(self, host: str, why: str, reason: str = "unreachable", model: str | None = None) -> None:
         what = f"model {model!r} runs on host {host!r}, which" if model is not None else f"host {host!r}"
-        super().__init__(f"{what} cannot be reached now: {why}; retry in 1 s, or see: capyctl list hosts",
-                         host=host, reason=reason, retry_after_s=1, **({"model": model} if model else {}))
+        super().__init__(
+            f"{what} cannot be reached now: {why}; retry in 1 s, or see: capyctl list hosts",
+            host=host,
+            reason=reason,
+            retry_after_s=1,
+            **({"model": model} if model else {}),
+        )
         self.host, self.why, self.reason, self.retry_after = host, why, reason, 1
 
     def of(self, model: str) -> HostUnreachable:
@@ -348,8 +370,12 @@ class QueueFull(CapyError):
     code = "queue_full"
 
     def __init__(self, model: str, reason: str, retry_after: int) -> None:
-        super().__init__(f"too many requests are waiting for {model!r} ({reason}); retry in {retry_after} s",
-                         model=model, reason=reason, retry_after_s=retry_after)
+        super().__init__(
+            f"too many requests are waiting for {model!r} ({reason}); retry in {retry_after} s",
+            model=model,
+            reason=reason,
+            retry_after_s=retry_after,
+        )
         self.retry_after = retry_after
 
 
@@ -359,9 +385,13 @@ class ModelLoading(CapyError):
     code = "model_loading"
 
     def __init__(self, model: str, state: str, retry_after: int) -> None:
-        super().__init__(f"model {model!r} is loading ({state}); retry in {retry_after} s, "
-                         "or send a larger X-LLM-Wait to wait for it", model=model, state=state,
-                         retry_after_s=retry_after)
+        super().__init__(
+            f"model {model!r} is loading ({state}); retry in {retry_after} s, "
+            "or send a larger X-LLM-Wait to wait for it",
+            model=model,
+            state=state,
+            retry_after_s=retry_after,
+        )
         self.retry_after = retry_after
 
 
@@ -371,9 +401,14 @@ class Queued(CapyError):
     code = "queued"
 
     def __init__(self, model: str, position: int, reason: str, retry_after: int) -> None:
-        super().__init__(f"model {model!r} is busy: this request would be number {position} in its queue "
-                         f"({reason}); retry in {retry_after} s, or send a larger X-LLM-Wait",
-                         model=model, position=position, reason=reason, retry_after_s=retry_after)
+        super().__init__(
+            f"model {model!r} is busy: this request would be number {position} in its queue "
+            f"({reason}); retry in {retry_after} s, or send a larger X-LLM-Wait",
+            model=model,
+            position=position,
+            reason=reason,
+            retry_after_s=retry_after,
+        )
         self.retry_after = retry_after
 
 
@@ -383,8 +418,11 @@ class DeviceBusy(CapyError):
     code = "device_busy"
 
     def __init__(self, limit: int, retry_after: int) -> None:
-        super().__init__(f"{limit} engine calls are open, the limit (queue.max_open); retry in {retry_after} s",
-                         limit=limit, retry_after_s=retry_after)
+        super().__init__(
+            f"{limit} engine calls are open, the limit (queue.max_open); retry in {retry_after} s",
+            limit=limit,
+            retry_after_s=retry_after,
+        )
         self.retry_after = retry_after
 
 
@@ -401,7 +439,8 @@ class LlmUnavailable(CapyError):
         super().__init__(
             f"the engine of {model!r} failed: {reason}{where}; after fixing it, start it with: "
             f"capyctl start deployment {model}",
-            model=model, reason=reason,
+            model=model,
+            reason=reason,
         )
 
 
@@ -411,8 +450,9 @@ class InsufficientMemory(CapyError):
     code = "insufficient_memory"
 
     def __init__(self, model: str, reason: str, retry_after: int) -> None:
-        super().__init__(f"model {model!r} does not fit: {reason}", model=model, reason=reason,
-                         retry_after_s=retry_after)
+        super().__init__(
+            f"model {model!r} does not fit: {reason}", model=model, reason=reason, retry_after_s=retry_after
+        )
         self.retry_after = retry_after
 
 
@@ -423,8 +463,12 @@ class GpuBusy(CapyError):
     code = "gpu-busy"
 
     def __init__(self, model: str, reason: str, retry_after: int) -> None:
-        super().__init__(f"model {model!r} could not be switched in: {reason}; retry in {retry_after} s",
-                         model=model, reason=reason, retry_after_s=retry_after)
+        super().__init__(
+            f"model {model!r} could not be switched in: {reason}; retry in {retry_after} s",
+            model=model,
+            reason=reason,
+            retry_after_s=retry_after,
+        )
         self.retry_after = retry_after
 
 
@@ -434,9 +478,12 @@ class StillServing(CapyError):
     code = "still_serving"
 
     def __init__(self, model: str, in_flight: int, timeout: float) -> None:
-        super().__init__(f"deployment {model!r} still had {in_flight} requests at its engine after "
-                         f"switching.drain_timeout ({timeout:.0f} s); it keeps serving: park it again later",
-                         model=model, in_flight=in_flight)
+        super().__init__(
+            f"deployment {model!r} still had {in_flight} requests at its engine after "
+            f"switching.drain_timeout ({timeout:.0f} s); it keeps serving: park it again later",
+            model=model,
+            in_flight=in_flight,
+        )
 
 
 class EngineRejected(CapyError):

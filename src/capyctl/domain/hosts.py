@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from capyctl.domain.engines import EngineInstall
 from capyctl.domain.deployments import Strict
+from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.link import Command, CommandResult, RunningInstance
 
@@ -48,6 +48,7 @@ class HostRecord(Strict, kw_only=True):
 
 
 # --- the link's state -------------------------------------------------------------------------------------
+
 
 class HostState(enum.StrEnum):
     JOINED = "joined"  # joined, but its agent has never linked (``capyctl start host`` was not run there yet)
@@ -111,6 +112,7 @@ def takes_requests(state: HostState) -> bool:
 
 # --- command fencing, on the host ---------------------------------------------------------------------------
 
+
 class Verdict(enum.StrEnum):
     APPLY = "apply"  # carry it out, then ``record`` its result
     REPLAY = "replay"  # done before: send ``result`` again, do nothing else
@@ -158,11 +160,18 @@ class CommandLedger:
             return Decision(Verdict.PENDING)
         newest = self._newest.get(command.instance)
         if newest is not None and command.generation < newest:
-            return Decision(Verdict.STALE, CommandResult(
-                id=command.id, generation=command.generation, ok=False, code=STALE_GENERATION,
-                message=f"command {command.id} ({command.action} {command.instance}) has generation "
-                        f"{command.generation}, older than generation {newest} already applied to the instance",
-                detail={"newest_generation": newest}))
+            return Decision(
+                Verdict.STALE,
+                CommandResult(
+                    id=command.id,
+                    generation=command.generation,
+                    ok=False,
+                    code=STALE_GENERATION,
+                    message=f"command {command.id} ({command.action} {command.instance}) has generation "
+                    f"{command.generation}, older than generation {newest} already applied to the instance",
+                    detail={"newest_generation": newest},
+                ),
+            )
         self._newest[command.instance] = command.generation
         self._pending.add(command.id)
         return Decision(Verdict.APPLY)
@@ -180,6 +189,7 @@ class CommandLedger:
 
 
 # --- adoption, on the server --------------------------------------------------------------------------------
+
 
 class ExpectedInstance(msgspec.Struct, frozen=True, kw_only=True):
     """An instance the server believes runs on a host; pid fields are None where the server never learnt them."""
@@ -228,14 +238,29 @@ def adoption(expected: Sequence[ExpectedInstance], running: Sequence[RunningInst
         why = "not expected on this host" if belief is None else _mismatch(belief, process)
         if why is None and process.instance not in kept:
             kept.add(process.instance)
-            steps.append(AdoptionStep(action=Adopt.KEEP, instance=process.instance, reason="the same process",
-                                      running=process, expected=belief))
+            steps.append(
+                AdoptionStep(
+                    action=Adopt.KEEP,
+                    instance=process.instance,
+                    reason="the same process",
+                    running=process,
+                    expected=belief,
+                )
+            )
         else:
-            steps.append(AdoptionStep(action=Adopt.STOP, instance=process.instance,
-                                      reason=why or "a second process for an instance already kept",
-                                      running=process))
-    steps += [AdoptionStep(action=Adopt.GONE, instance=name, reason="the host does not report it", expected=belief)
-              for name, belief in wanted.items() if name not in kept]
+            steps.append(
+                AdoptionStep(
+                    action=Adopt.STOP,
+                    instance=process.instance,
+                    reason=why or "a second process for an instance already kept",
+                    running=process,
+                )
+            )
+    steps += [
+        AdoptionStep(action=Adopt.GONE, instance=name, reason="the host does not report it", expected=belief)
+        for name, belief in wanted.items()
+        if name not in kept
+    ]
     return sorted(steps, key=_step_key)
 
 
@@ -252,8 +277,10 @@ def _mismatch(belief: ExpectedInstance, process: RunningInstance) -> str | None:
     if belief.pid is not None and process.pid != belief.pid:
         return f"pid {process.pid} is not the expected pid {belief.pid}"
     if belief.pid_start_time is not None and process.pid_start_time != belief.pid_start_time:
-        return (f"pid {process.pid} started at {process.pid_start_time:g}, not at {belief.pid_start_time:g}: "
-                "another process has the launched one's pid")
+        return (
+            f"pid {process.pid} started at {process.pid_start_time:g}, not at {belief.pid_start_time:g}: "
+            "another process has the launched one's pid"
+        )
     return None
 
 
@@ -267,6 +294,7 @@ def place(candidates: list[tuple[str, HostState, bool]]) -> str | None:
     its state, and whether the deployment's memory fits on its device now): online with room first, then
     online, then the others, each by name, so that the choice is the same each time; a revoked host never.
     None when there is none."""
-    usable = [(state != HostState.ONLINE, not fits, name) for name, state, fits in candidates
-              if state != HostState.REVOKED]
+    usable = [
+        (state != HostState.ONLINE, not fits, name) for name, state, fits in candidates if state != HostState.REVOKED
+    ]
     return min(usable)[2] if usable else None

@@ -93,8 +93,9 @@ def check_host_name(name: object) -> str:
     if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
         raise InvalidRequest(f"a host name must be {_HOST_RULE}; got {name!r}", param="name")
     if name == RESERVED_NAME:
-        raise InvalidRequest(f"{RESERVED_NAME!r} names the server's own certificate; pick another host name",
-                             param="name")
+        raise InvalidRequest(
+            f"{RESERVED_NAME!r} names the server's own certificate; pick another host name", param="name"
+        )
     return name
 
 
@@ -107,11 +108,14 @@ def invite_for(name: str, secret: bytes, now: float, ttl: float = DEFAULT_TTL) -
     """A fresh invitation for host ``name`` with ``secret``, good from ``now`` for ``ttl`` seconds."""
     check_host_name(name)
     if not 0 < ttl <= MAX_TTL:  # also refuses NaN
-        raise InvalidRequest(f"an invitation lasts more than 0 s and at most {MAX_TTL:g} s (1 h); "
-                             f"got {ttl:g} s", param="ttl_s")
+        raise InvalidRequest(
+            f"an invitation lasts more than 0 s and at most {MAX_TTL:g} s (1 h); got {ttl:g} s", param="ttl_s"
+        )
     if len(secret) < MIN_SECRET_BYTES:
-        raise InvalidRequest(f"an invitation's secret must be at least {MIN_SECRET_BYTES} bytes (128 bits); "
-                             f"got {len(secret)}", param="secret")
+        raise InvalidRequest(
+            f"an invitation's secret must be at least {MIN_SECRET_BYTES} bytes (128 bits); got {len(secret)}",
+            param="secret",
+        )
     return Invite(name=name, secret_hash=secret_hash(secret), created_at=now, expires_at=now + ttl)
 
 
@@ -128,18 +132,32 @@ def redeem(invite: Invite | None, name: str, secret: bytes, now: float) -> Invit
     expected = invite.secret_hash if invite is not None else _NO_INVITE
     same = hmac.compare_digest(secret_hash(secret).encode(), expected.encode())
     if invite is None or not same:
-        raise JoinRefused("unknown_secret", "the join file's secret matches no invitation of this server (it was "
-                          f"mistyped, forged, or made by another server); {_ASK_AGAIN.format(name=name)}",
-                          host=name)
+        raise JoinRefused(
+            "unknown_secret",
+            "the join file's secret matches no invitation of this server (it was "
+            f"mistyped, forged, or made by another server); {_ASK_AGAIN.format(name=name)}",
+            host=name,
+        )
     if invite.name != name:
-        raise JoinRefused("wrong_host", f"this invitation is for host {invite.name!r}, not {name!r}; join with "
-                          f"the join file's own host name, or {_ASK_AGAIN.format(name=name)}", host=name)
+        raise JoinRefused(
+            "wrong_host",
+            f"this invitation is for host {invite.name!r}, not {name!r}; join with "
+            f"the join file's own host name, or {_ASK_AGAIN.format(name=name)}",
+            host=name,
+        )
     if invite.used_at is not None:
-        raise JoinRefused("used", f"this invitation was already used (a host joined as {name!r} with it); "
-                          f"each works once: {_ASK_AGAIN.format(name=name)}", host=name)
+        raise JoinRefused(
+            "used",
+            f"this invitation was already used (a host joined as {name!r} with it); "
+            f"each works once: {_ASK_AGAIN.format(name=name)}",
+            host=name,
+        )
     if now >= invite.expires_at:
-        raise JoinRefused("expired", f"this invitation expired {now - invite.expires_at:.0f} s ago; "
-                          f"{_ASK_AGAIN.format(name=name)}", host=name)
+        raise JoinRefused(
+            "expired",
+            f"this invitation expired {now - invite.expires_at:.0f} s ago; {_ASK_AGAIN.format(name=name)}",
+            host=name,
+        )
     return msgspec.structs.replace(invite, used_at=now)
 
 
@@ -166,7 +184,9 @@ def decode_join_file(data: bytes) -> JoinFile:
     try:
         return _join_file.decode(data)
     except msgspec.ValidationError as exc:
-        raise InvalidConfig(f"not a CapyCTL join file of version {JOIN_FILE_VERSION}: {exc}; "
-                            "use the file `capyctl invite host NAME` wrote, unedited") from exc
+        raise InvalidConfig(
+            f"not a CapyCTL join file of version {JOIN_FILE_VERSION}: {exc}; "
+            "use the file `capyctl invite host NAME` wrote, unedited"
+        ) from exc
     except msgspec.DecodeError as exc:
         raise InvalidConfig(f"not a CapyCTL join file (not JSON): {exc}") from exc

@@ -92,7 +92,7 @@ def key_shape(token: str) -> tuple[str, str] | None:
     A keyring looks its keys up with it (an id it holds passed ``split_key`` when its key was made)."""
     if len(token) != _KEY_LENGTH or token[_ID_END] != "_" or not token.startswith(PREFIX):
         return None
-    return token[len(PREFIX):_ID_END], token[_ID_END + 1:]
+    return token[len(PREFIX) : _ID_END], token[_ID_END + 1 :]
 
 
 def split_key(token: str) -> tuple[str, str] | None:
@@ -139,7 +139,9 @@ def check_name(name: object) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidRequest(
             f"a key name must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit; "
-            f"got {name!r}", param="name")
+            f"got {name!r}",
+            param="name",
+        )
     return name
 
 
@@ -147,8 +149,9 @@ def check_limit(limit: object) -> int | None:
     if limit is None:
         return None
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise InvalidRequest(f"'daily_limit' must be a whole number of calls from 1, or absent; got {limit!r}",
-                             param="daily_limit")
+        raise InvalidRequest(
+            f"'daily_limit' must be a whole number of calls from 1, or absent; got {limit!r}", param="daily_limit"
+        )
     return limit
 
 
@@ -156,8 +159,9 @@ def check_models(models: object) -> tuple[str, ...] | None:
     if models is None:
         return None
     if not isinstance(models, list | tuple) or not models:
-        raise InvalidRequest("'models' must be a non-empty list of model names, or absent (every model)",
-                             param="models")
+        raise InvalidRequest(
+            "'models' must be a non-empty list of model names, or absent (every model)", param="models"
+        )
     for name in models:
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise InvalidRequest(f"'models' holds {name!r}, which is not a model name", param="models")
@@ -168,11 +172,17 @@ def check_key_salt(salt: object) -> str | None:
     """A salt to bind to a key: one that every engine honouring cache_salt accepts (SALT-1, vLLM 0.30+)."""
     if salt is None:
         return None
-    if (not isinstance(salt, str) or not salt or len(salt) > MAX_KEY_SALT
-            or any(char in _SALT_FORBIDDEN for char in salt)):
+    if (
+        not isinstance(salt, str)
+        or not salt
+        or len(salt) > MAX_KEY_SALT
+        or any(char in _SALT_FORBIDDEN for char in salt)
+    ):
         raise InvalidRequest(
             f"'cache_salt' must be a non-empty string of at most {MAX_KEY_SALT} characters without "
-            "'@', '/', '\\' or NUL (what vLLM accepts)", param="cache_salt")
+            "'@', '/', '\\' or NUL (what vLLM accepts)",
+            param="cache_salt",
+        )
     return salt
 
 
@@ -187,7 +197,9 @@ def bind_salt(key: ApiKey, obj: dict[str, object]) -> None:
     if given is not None and given != key.cache_salt:
         raise InvalidRequest(
             f"the key {key.name!r} is bound to a cache salt, and this request sent another one; "
-            "send no cache_salt (CapyCTL adds the key's own) or the key's own", param="cache_salt")
+            "send no cache_salt (CapyCTL adds the key's own) or the key's own",
+            param="cache_salt",
+        )
     obj["cache_salt"] = key.cache_salt
 
 

@@ -169,4 +169,4 @@ def wake_matches(reference: str | None, answer: str | None) -> bool:
 
 
 def keep_last(times: list[float], seconds: float, count: int = 20) -> list[float]:
-    return [*times[-(count - 1):], seconds]
+    return [*times[-(count - 1) :], seconds]

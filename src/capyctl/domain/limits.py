@@ -9,7 +9,6 @@ tool calls, past which its answer is refused as ``edge_error``).
 
 from __future__ import annotations
 
-
 import msgspec
 
 from capyctl.domain.errors import InvalidConfig

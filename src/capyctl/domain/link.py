@@ -34,8 +34,9 @@ from capyctl.domain.errors import InvalidRequest
 
 PROTOCOL_VERSION = 2  # raised whenever a message changes in a way the other side could not read
 
-Action = Literal["launch", "adopt", "stop", "park", "wake", "probe", "load", "open_gate", "close_gate",
-                 "inspect_engine"]
+Action = Literal[
+    "launch", "adopt", "stop", "park", "wake", "probe", "load", "open_gate", "close_gate", "inspect_engine"
+]
 
 
 class _Message(Strict, tag_field="type"):
@@ -168,8 +169,19 @@ class JoinAccepted(_Message, tag="join_accepted", kw_only=True):
     cert_pem: str  # the host's certificate, signed by the server's CA
 
 
-Message = (Hello | Inventory | LoadSample | ProcessExit | Command | CommandResult | Heartbeat | Goodbye
-           | Callers | JoinRequest | JoinAccepted)
+Message = (
+    Hello
+    | Inventory
+    | LoadSample
+    | ProcessExit
+    | Command
+    | CommandResult
+    | Heartbeat
+    | Goodbye
+    | Callers
+    | JoinRequest
+    | JoinAccepted
+)
 TYPES = tuple(sorted(str(kind.__struct_config__.tag) for kind in get_args(Message)))
 
 _encoder = msgspec.json.Encoder()

@@ -108,8 +108,11 @@ class SwitchPlan(msgspec.Struct, frozen=True, kw_only=True):
     victims: tuple[Victim, ...]
 
     def describe(self) -> dict[str, object]:
-        return {"target": self.target, "needed_bytes": self.needed,
-                "victims": [{"name": v.name, "action": v.action, "frees_bytes": v.frees} for v in self.victims]}
+        return {
+            "target": self.target,
+            "needed_bytes": self.needed,
+            "victims": [{"name": v.name, "action": v.action, "frees_bytes": v.frees} for v in self.victims],
+        }
 
 
 class NeverFits(msgspec.Struct, frozen=True):
@@ -145,8 +148,10 @@ def plan(device: Device, target: Resident, others: Sequence[Resident]) -> Fits |
     chosen = _smallest_lru_set(candidates, needed)
     if chosen is None:
         busy = [r.name for r in others if r.charged and not r.pinned and r not in candidates]
-        return NotNow(f"{target.name} needs {gib(needed)} more on {device.name}; what holds it cannot move now "
-                      f"({', '.join(busy)}: requests wait for them, or they are changing state)")
+        return NotNow(
+            f"{target.name} needs {gib(needed)} more on {device.name}; what holds it cannot move now "
+            f"({', '.join(busy)}: requests wait for them, or they are changing state)"
+        )
     return SwitchPlan(target=target.name, needed=needed, victims=_park_or_stop(chosen, needed))
 
 
@@ -238,7 +243,7 @@ class Idle(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def idle_step(idle: Idle, now: float, last_used: float, holding: Holding, busy: bool, can_park: bool) -> str | None:
-    """"park", "stop" or None for a model with no request at its engine or waiting (``busy`` False).
+    """ "park", "stop" or None for a model with no request at its engine or waiting (``busy`` False).
 
     A stop that is due wins over a park; a parked model stops after ``stop_after``.
     A model that cannot park (restart_only) stops when its park is due.

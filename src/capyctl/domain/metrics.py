@@ -102,26 +102,54 @@ F = EngineFamily
 CACHED = count("usage.prompt_tokens_details.cached_tokens")
 _COMPLETION_TOKENS = count("usage.completion_tokens")
 METRICS_TABLE: tuple[MetricsRow, ...] = (
-    MetricsRow(family=F.VLLM, low=(0, 29), high=(0, 33), note="vLLM per-request `metrics` (--enable-per-request-metrics)",
-               figures={"ttft_ms": (total("metrics.queue_time_ms", "metrics.time_to_first_token_ms"), True),
-                        "queue_ms": (field("metrics.queue_time_ms"), False),
-                        "prefill_ms": (field("metrics.time_to_first_token_ms"), False),
-                        "decode_tokens_per_second": (per_second("metrics.mean_itl_ms"), True),
-                        "cached_tokens": (CACHED, False)}),
-    MetricsRow(family=F.SGLANG, low=(0, 5, 18), high=(0, 5, 23), note="SGLang streams carry no timings",
-               figures={"ttft_ms": (ROUTER, True), "decode_tokens_per_second": (ROUTER, True),
-                        "cached_tokens": (CACHED, False)}),
-    MetricsRow(family=F.TENSORFOLD, low=(0, 6), high=(0, 6),
-               note="TensorFold `tensorfold` statistics on the finish chunk (0.6.x field names unverified)",
-               figures={"ttft_ms": (field("tensorfold.ttft_ms"), True),
-                        "prefill_ms": (field("tensorfold.prefill_ms"), False),
-                        "decode_tokens_per_second": (field("tensorfold.decode_tokens_per_second"), True),
-                        "cached_tokens": (CACHED, False)}),
-    MetricsRow(family=F.LLAMACPP, low=(0, 6, 0), high=(0, 6, 0), note="llama.cpp `timings` on the last chunk",
-               figures={"ttft_ms": (ROUTER, True),
-                        "prefill_ms": (field("timings.prompt_ms"), False),
-                        "decode_tokens_per_second": (field("timings.predicted_per_second"), True),
-                        "cached_tokens": (CACHED, False)}),
+    MetricsRow(
+        family=F.VLLM,
+        low=(0, 29),
+        high=(0, 33),
+        note="vLLM per-request `metrics` (--enable-per-request-metrics)",
+        figures={
+            "ttft_ms": (total("metrics.queue_time_ms", "metrics.time_to_first_token_ms"), True),
+            "queue_ms": (field("metrics.queue_time_ms"), False),
+            "prefill_ms": (field("metrics.time_to_first_token_ms"), False),
+            "decode_tokens_per_second": (per_second("metrics.mean_itl_ms"), True),
+            "cached_tokens": (CACHED, False),
+        },
+    ),
+    MetricsRow(
+        family=F.SGLANG,
+        low=(0, 5, 18),
+        high=(0, 5, 23),
+        note="SGLang streams carry no timings",
+        figures={
+            "ttft_ms": (ROUTER, True),
+            "decode_tokens_per_second": (ROUTER, True),
+            "cached_tokens": (CACHED, False),
+        },
+    ),
+    MetricsRow(
+        family=F.TENSORFOLD,
+        low=(0, 6),
+        high=(0, 6),
+        note="TensorFold `tensorfold` statistics on the finish chunk (0.6.x field names unverified)",
+        figures={
+            "ttft_ms": (field("tensorfold.ttft_ms"), True),
+            "prefill_ms": (field("tensorfold.prefill_ms"), False),
+            "decode_tokens_per_second": (field("tensorfold.decode_tokens_per_second"), True),
+            "cached_tokens": (CACHED, False),
+        },
+    ),
+    MetricsRow(
+        family=F.LLAMACPP,
+        low=(0, 6, 0),
+        high=(0, 6, 0),
+        note="llama.cpp `timings` on the last chunk",
+        figures={
+            "ttft_ms": (ROUTER, True),
+            "prefill_ms": (field("timings.prompt_ms"), False),
+            "decode_tokens_per_second": (field("timings.predicted_per_second"), True),
+            "cached_tokens": (CACHED, False),
+        },
+    ),
 )
 
 

@@ -201,8 +201,7 @@ class EngineEffects(Protocol):
 
 
 class EngineAnswer(Protocol):
-    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
-                   ) -> bool:
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]) -> bool:
         """Hand the answer's events to ``deliver`` in batches, one per network read, as each read arrives.
 
         ``deliver`` says what became of each batch (``Relayed``): MORE, FULL

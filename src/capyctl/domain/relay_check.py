@@ -54,7 +54,8 @@ _NO_OBJECTS = (None,) * len(OBJECT_NAMES)
 Delta = msgspec.defstruct(
     "Delta",
     [(key, list[ToolCall] | None | UnsetType if key == "tool_calls" else Any, UNSET) for key in DELTA_KEYS],
-    forbid_unknown_fields=True, gc=False,
+    forbid_unknown_fields=True,
+    gc=False,
 )
 
 
@@ -65,8 +66,12 @@ class Choice(msgspec.Struct, gc=False):
 
 Head = msgspec.defstruct(
     "Head",
-    [("model", Any, UNSET), ("choices", list[Choice] | None | UnsetType, UNSET), ("error", Any, UNSET),
-     *((name, Any, None) for name in OBJECT_NAMES)],
+    [
+        ("model", Any, UNSET),
+        ("choices", list[Choice] | None | UnsetType, UNSET),
+        ("error", Any, UNSET),
+        *((name, Any, None) for name in OBJECT_NAMES),
+    ],
     gc=False,
 )  # any chunk's head, every key the table knows allowed: what the C scan answers for
 _decode_head = msgspec.json.Decoder(Head).decode
@@ -75,15 +80,30 @@ _decode_head = msgspec.json.Decoder(Head).decode
 def _row_head(allowed: frozenset[str], max_tool_calls: int) -> Any:
     """The head of one row's chunks: its delta holds only the keys the row allows (any other fails the decode),
     its tool-call indexes are below ``max_tool_calls``."""
-    call = msgspec.defstruct("ToolCall", [("index", Annotated[int, msgspec.Meta(ge=0, lt=max_tool_calls)] | None,
-                                           None)], gc=False)
+    call = msgspec.defstruct(
+        "ToolCall", [("index", Annotated[int, msgspec.Meta(ge=0, lt=max_tool_calls)] | None, None)], gc=False
+    )
     delta = msgspec.defstruct(
-        "Delta", [(key, list[call] | None | UnsetType if key == "tool_calls" else Any, UNSET)  # type: ignore[valid-type]
-                  for key in DELTA_KEYS if key in allowed], forbid_unknown_fields=True, gc=False)
+        "Delta",
+        [
+            (key, list[call] | None | UnsetType if key == "tool_calls" else Any, UNSET)  # type: ignore[valid-type]
+            for key in DELTA_KEYS
+            if key in allowed
+        ],
+        forbid_unknown_fields=True,
+        gc=False,
+    )
     choice = msgspec.defstruct("Choice", [("index", Index | None, None), ("delta", delta | None, None)], gc=False)
     return msgspec.defstruct(
-        "Head", [("model", Any, UNSET), ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]
-                 ("error", Any, UNSET), *((name, Any, None) for name in OBJECT_NAMES)], gc=False)
+        "Head",
+        [
+            ("model", Any, UNSET),
+            ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]
+            ("error", Any, UNSET),
+            *((name, Any, None) for name in OBJECT_NAMES),
+        ],
+        gc=False,
+    )
 
 
 class ChunkRules:
@@ -100,7 +120,8 @@ class ChunkRules:
         self.decode, self.decode_lines = decoder.decode, decoder.decode_lines
         texts = [key for key in DELTA_KEYS if key in row.delta and key != "role"]  # text (or a call) when truthy
         self.texts: Callable[[Any], tuple[Any, ...]] = (
-            operator.attrgetter(*texts) if len(texts) > 1 else lambda delta: tuple(getattr(delta, k) for k in texts))
+            operator.attrgetter(*texts) if len(texts) > 1 else lambda delta: tuple(getattr(delta, k) for k in texts)
+        )
 
 
 class Refused(Exception):
@@ -170,10 +191,11 @@ class StreamCheck:
                 sse = chunks.respell(sse, positions, model, self._token)
             else:
                 sse = self._rename_alike(sse, b'"model":' + model, count) or self._rename(
-                    chunks.payload_list(), [rules.decode(p) for p in chunks.payload_list()])
+                    chunks.payload_list(), [rules.decode(p) for p in chunks.payload_list()]
+                )
         self._metered(text_count, first_text, count)
         for i in range(0, len(objects), 2):  # (begin, end) of each payload that carries an engine object
-            self._keep(_decode_head(chunks.sse[objects[i]:objects[i + 1]]))
+            self._keep(_decode_head(chunks.sse[objects[i] : objects[i + 1]]))
         return sse
 
     def _take(self, sse: bytes, payloads: list[bytes], heads: list[Any]) -> bytes:
@@ -277,7 +299,7 @@ class StreamCheck:
 
     def _keep(self, head: Any) -> None:
         seen = self._meter.seen
-        for name, value in zip(OBJECT_NAMES, _objects(head)):
+        for name, value in zip(OBJECT_NAMES, _objects(head), strict=False):
             if value is not None:
                 seen[name] = value
 
@@ -294,7 +316,7 @@ class StreamCheck:
             if sse[6:8] != b'{"' or not (sse[8:9].isalpha() or sse[8:9] == b"_"):
                 return None
             end = sse.find(pattern, 0, sse.find(b"\n"))
-            if end == -1 or sse.count(sse[:end + len(pattern)]) != count:
+            if end == -1 or sse.count(sse[: end + len(pattern)]) != count:
                 return None
         parts = sse.split(pattern)
         return self._replacement.join(parts) if len(parts) == count + 1 else None

@@ -73,8 +73,10 @@ def chart(rows: Iterable[RequestRow], window: Window, now: float) -> dict[str, l
         if slots is None:
             slots = grouped[row.deployment] = [[] for _ in starts]
         slots[int((row.at - first) // window.bucket)].append(row)
-    return {name: [_bucket(start, window.bucket, rows) for start, rows in zip(starts, slots, strict=True)]
-            for name, slots in sorted(grouped.items())}
+    return {
+        name: [_bucket(start, window.bucket, rows) for start, rows in zip(starts, slots, strict=True)]
+        for name, slots in sorted(grouped.items())
+    }
 
 
 def _bucket(start: float, width: int, rows: list[RequestRow]) -> Bucket:
@@ -82,11 +84,15 @@ def _bucket(start: float, width: int, rows: list[RequestRow]) -> Bucket:
     decode = [r.decode_tokens_per_second for r in rows if r.decode_tokens_per_second is not None]
     waits = [r.queue_wait_ms for r in rows if r.queue_wait_ms is not None]
     return Bucket(
-        start=start, requests=len(rows), requests_per_second=round(len(rows) / width, 4),
+        start=start,
+        requests=len(rows),
+        requests_per_second=round(len(rows) / width, 4),
         errors=sum(1 for r in rows if r.code != "ok"),
-        ttft_p50_ms=percentile(ttft, 0.5), ttft_p95_ms=percentile(ttft, 0.95),
+        ttft_p50_ms=percentile(ttft, 0.5),
+        ttft_p95_ms=percentile(ttft, 0.95),
         decode_tokens_per_second_p50=percentile(decode, 0.5),
-        queue_wait_p50_ms=percentile(waits, 0.5), queue_wait_p95_ms=percentile(waits, 0.95),
+        queue_wait_p50_ms=percentile(waits, 0.5),
+        queue_wait_p95_ms=percentile(waits, 0.95),
     )
 
 
@@ -108,8 +114,11 @@ def recent(rows: Iterable[RequestRow], now: float, seconds: float = RECENT_SECON
     for row in rows:
         if row.deployment is not None and now - seconds <= row.at <= now:
             grouped.setdefault(row.deployment, []).append(row)
-    return {name: Recent(len(found),
-                         percentile([r.ttft_ms for r in found if r.ttft_ms is not None], 0.5),
-                         percentile([r.decode_tokens_per_second for r in found
-                                     if r.decode_tokens_per_second is not None], 0.5))
-            for name, found in grouped.items()}
+    return {
+        name: Recent(
+            len(found),
+            percentile([r.ttft_ms for r in found if r.ttft_ms is not None], 0.5),
+            percentile([r.decode_tokens_per_second for r in found if r.decode_tokens_per_second is not None], 0.5),
+        )
+        for name, found in grouped.items()
+    }

@@ -124,7 +124,7 @@ class RecordSettings(msgspec.Struct, frozen=True, kw_only=True):
 def retained(rows: Sequence[RequestRow], now: float, retention: Retention) -> list[RequestRow]:
     """The rules of ``Retention`` over ``rows`` in the order they were written: what a store keeps."""
     young = [row for row in rows if row.at >= retention.oldest_kept(now)]
-    return young[-retention.max_count:] if len(young) > retention.max_count else young
+    return young[-retention.max_count :] if len(young) > retention.max_count else young
 
 
 def settled(row: RequestRow, settle: Settle) -> RequestRow:
@@ -142,16 +142,18 @@ class RowFilter(msgspec.Struct, frozen=True, kw_only=True):
     limit: int = LIMIT_DEFAULT
 
     def matches(self, row: RequestRow) -> bool:
-        return ((self.deployment is None or row.deployment == self.deployment)
-                and (self.key is None or row.key == self.key)
-                and (self.code is None or row.code == self.code)
-                and (self.status is None or row.status == self.status)
-                and (self.since is None or row.at >= self.since))
+        return (
+            (self.deployment is None or row.deployment == self.deployment)
+            and (self.key is None or row.key == self.key)
+            and (self.code is None or row.code == self.code)
+            and (self.status is None or row.status == self.status)
+            and (self.since is None or row.at >= self.since)
+        )
 
 
 def pick(rows: Iterable[RequestRow], where: RowFilter) -> list[RequestRow]:
     """``where`` applied to ``rows`` (in the order they were written): newest first, at most ``limit``."""
-    return [row for row in reversed(list(rows)) if where.matches(row)][:where.limit]
+    return [row for row in reversed(list(rows)) if where.matches(row)][: where.limit]
 
 
 _FILTER_PARAMS = ("deployment", "key", "code", "status", "since", "limit")
@@ -165,8 +167,7 @@ def read_filter(params: Mapping[str, str], now: float) -> RowFilter:
     """
     for name in params:
         if name not in _FILTER_PARAMS:
-            raise InvalidRequest(f"{name!r} is not a filter of requests; use {', '.join(_FILTER_PARAMS)}",
-                                 param=name)
+            raise InvalidRequest(f"{name!r} is not a filter of requests; use {', '.join(_FILTER_PARAMS)}", param=name)
     for name in ("deployment", "key", "code"):
         if name in params and not params[name]:
             raise InvalidRequest(f"'{name}' must not be empty", param=name)
@@ -178,8 +179,14 @@ def read_filter(params: Mapping[str, str], now: float) -> RowFilter:
             since = now - parse_duration(params["since"], "since")
         except InvalidConfig as error:
             raise InvalidRequest(f"{error.message} (how far back to look)", param="since") from None
-    return RowFilter(deployment=params.get("deployment"), key=params.get("key"), code=params.get("code"),
-                     status=status, since=since, limit=LIMIT_DEFAULT if limit is None else limit)
+    return RowFilter(
+        deployment=params.get("deployment"),
+        key=params.get("key"),
+        code=params.get("code"),
+        status=status,
+        since=since,
+        limit=LIMIT_DEFAULT if limit is None else limit,
+    )
 
 
 def _whole(params: Mapping[str, str], name: str, low: int, high: int, what: str) -> int | None:

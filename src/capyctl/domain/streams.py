@@ -70,8 +70,11 @@ def payloads_of(sse: bytes) -> list[bytes]:
         payloads = sse[6:-2].split(b"\n\ndata: ")
         if sse.count(b"\n") == 2 * len(payloads):  # no payload of several lines
             return payloads
-    return [block[6:].replace(b"\ndata: ", b"\n") for block in sse.split(b"\n\n")
-            if block.startswith(b"data: ") and block != b"data: [DONE]"]
+    return [
+        block[6:].replace(b"\ndata: ", b"\n")
+        for block in sse.split(b"\n\n")
+        if block.startswith(b"data: ") and block != b"data: [DONE]"
+    ]
 
 
 def respell(sse: bytes, positions: bytes, old: bytes, new: bytes) -> bytes:
@@ -82,7 +85,7 @@ def respell(sse: bytes, positions: bytes, old: bytes, new: bytes) -> bytes:
     parts: list[bytes] = []
     start = 0
     for at in memoryview(positions).cast("I"):
-        if at < start or sse[at:at + len(old)] != old:
+        if at < start or sse[at : at + len(old)] != old:
             raise ValueError(f"the token is not at offset {at}")
         parts += (sse[start:at], new)
         start = at + len(old)

@@ -44,25 +44,39 @@ MEANINGS = {
 
 # A bare number's bound is checked by ``seconds``/``size`` (whose message names the key and the units) rather
 # than by the decoder (whose message would be "Expected `int` >= 1"); the schema still states it.
-Duration = Annotated[str, msgspec.Meta(pattern=DURATION_PATTERN, description=MEANINGS[DURATION_PATTERN])] | Annotated[
-    float, msgspec.Meta(description="seconds, more than zero", extra_json_schema={"exclusiveMinimum": 0})
-]
-DurationOrZero = Annotated[
-    str, msgspec.Meta(pattern=DURATION_OR_ZERO_PATTERN, description=MEANINGS[DURATION_OR_ZERO_PATTERN])
-] | Annotated[float, msgspec.Meta(description="seconds, zero or more", extra_json_schema={"minimum": 0})]
-Size = Annotated[str, msgspec.Meta(pattern=SIZE_PATTERN, description=MEANINGS[SIZE_PATTERN])] | Annotated[
-    int, msgspec.Meta(description="bytes, more than zero", extra_json_schema={"exclusiveMinimum": 0})
-]
-SizeOrZero = Annotated[
-    str, msgspec.Meta(pattern=SIZE_OR_ZERO_PATTERN, description=MEANINGS[SIZE_OR_ZERO_PATTERN])
-] | Annotated[int, msgspec.Meta(description="bytes, zero or more", extra_json_schema={"minimum": 0})]
+Duration = (
+    Annotated[str, msgspec.Meta(pattern=DURATION_PATTERN, description=MEANINGS[DURATION_PATTERN])]
+    | Annotated[float, msgspec.Meta(description="seconds, more than zero", extra_json_schema={"exclusiveMinimum": 0})]
+)
+DurationOrZero = (
+    Annotated[str, msgspec.Meta(pattern=DURATION_OR_ZERO_PATTERN, description=MEANINGS[DURATION_OR_ZERO_PATTERN])]
+    | Annotated[float, msgspec.Meta(description="seconds, zero or more", extra_json_schema={"minimum": 0})]
+)
+Size = (
+    Annotated[str, msgspec.Meta(pattern=SIZE_PATTERN, description=MEANINGS[SIZE_PATTERN])]
+    | Annotated[int, msgspec.Meta(description="bytes, more than zero", extra_json_schema={"exclusiveMinimum": 0})]
+)
+SizeOrZero = (
+    Annotated[str, msgspec.Meta(pattern=SIZE_OR_ZERO_PATTERN, description=MEANINGS[SIZE_OR_ZERO_PATTERN])]
+    | Annotated[int, msgspec.Meta(description="bytes, zero or more", extra_json_schema={"minimum": 0})]
+)
 
 _DURATION = re.compile(_pattern(rf"({_NUMBER})", _DURATION_UNITS))
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _SIZE = re.compile(_pattern(rf"({_NUMBER})", _SIZE_UNITS))
 _KI = 1024
-_UNIT_BYTES = {None: 1, "B": 1, "KiB": _KI, "MiB": _KI**2, "GiB": _KI**3, "TiB": _KI**4,
-               "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+_UNIT_BYTES = {
+    None: 1,
+    "B": 1,
+    "KiB": _KI,
+    "MiB": _KI**2,
+    "GiB": _KI**3,
+    "TiB": _KI**4,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+}
 
 
 def _refused(what: str, value: object, pattern: str) -> InvalidConfig:

@@ -21,8 +21,8 @@ from capyctl.adapters.engines.sglang import SglangEngine
 from capyctl.adapters.engines.tensorfold import TensorfoldEngine
 from capyctl.adapters.engines.vllm import VllmEngine
 from capyctl.adapters.http.chat import ChatEndpoint
-from capyctl.adapters.http.front import FrontDoor
 from capyctl.adapters.http.decisions import DecisionEndpoint
+from capyctl.adapters.http.front import FrontDoor
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.log_format import routine_line
 from capyctl.adapters.process.children import PopenProcessControl
@@ -33,9 +33,9 @@ from capyctl.domain.request_rows import RecordSettings
 from capyctl.services.admission import AdmissionService
 from capyctl.services.canary import Canary
 from capyctl.services.chat import ChatService, ChatSettings
-from capyctl.services.events import Events
 from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
+from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
 from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
@@ -75,8 +75,9 @@ def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
     return fleet
 
 
-def host_registry(store: SqliteStore, clock: SystemClock, events: Events, timings: Any, several: bool
-                  ) -> HostRegistry | None:
+def host_registry(
+    store: SqliteStore, clock: SystemClock, events: Events, timings: Any, several: bool
+) -> HostRegistry | None:
     """The server's hosts (``start server``); None for a CapyCTL that runs alone."""
     return HostRegistry(store, clock, events, timings) if several else None
 
@@ -126,12 +127,18 @@ class Container(containers.DeclarativeContainer):
         AdmissionService, limits=config.queue_limits, clock=clock, ready_timeout=config.request_deadline
     )
     switchboard = providers.Singleton(
-        Switchboard, devices=config.devices, switching=config.switching, admission=admission, clock=clock,
-        events=events, idle=config.idle,
+        Switchboard,
+        devices=config.devices,
+        switching=config.switching,
+        admission=admission,
+        clock=clock,
+        events=events,
+        idle=config.idle,
     )
     canary = providers.Singleton(Canary, session=engine_session)
-    hosts = providers.Singleton(host_registry, store=store, clock=clock, events=events, timings=config.hosts,
-                                several=config.several)
+    hosts = providers.Singleton(
+        host_registry, store=store, clock=clock, events=events, timings=config.hosts, several=config.several
+    )
     fleet = providers.Singleton(
         make_fleet,
         room=switchboard,
@@ -148,16 +155,27 @@ class Container(containers.DeclarativeContainer):
     )
     keyring = providers.Singleton(open_keyring, store=store, clock=clock, events=events, state_dir=state_dir)
     chat_service = providers.Singleton(
-        ChatService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
-        admission=admission, keys=keyring,
+        ChatService,
+        fleet=fleet,
+        session=engine_session,
+        clock=clock,
+        events=events,
+        settings=chat_settings,
+        admission=admission,
+        keys=keyring,
     )
     request_stats = providers.Singleton(listening_stats, fleet=fleet, admission=admission, events=events)
     decision_service = providers.Singleton(
-        DecisionService, fleet=fleet, session=engine_session, clock=clock, events=events, settings=chat_settings,
-        admission=admission, keys=keyring,
+        DecisionService,
+        fleet=fleet,
+        session=engine_session,
+        clock=clock,
+        events=events,
+        settings=chat_settings,
+        admission=admission,
+        keys=keyring,
     )
-    request_log = providers.Singleton(request_records, store=store, clock=clock, settings=config.records,
-                                      events=events)
+    request_log = providers.Singleton(request_records, store=store, clock=clock, settings=config.records, events=events)
     chat_handler = providers.Singleton(
         FrontDoor,
         endpoints=providers.List(

@@ -24,8 +24,9 @@ from capyctl.services.fleet import inspect_install
 from capyctl.services.host_engines import HostEngines
 
 
-def host_commands(ingress: Ingress, engines: HostEngines | None = None
-                  ) -> Callable[[Command], Awaitable[CommandResult]]:
+def host_commands(
+    ingress: Ingress, engines: HostEngines | None = None
+) -> Callable[[Command], Awaitable[CommandResult]]:
     """What a host agent does with the server's commands: run its engines (``engines``), inspect an engine
     installation, open and close the ingress's gates."""
     session = WireEngineSession()
@@ -37,8 +38,7 @@ def host_commands(ingress: Ingress, engines: HostEngines | None = None
         if detail is not None:
             return CommandResult(id=command.id, generation=command.generation, ok=True, detail=detail)
         if command.action == "inspect_engine":
-            install = await inspect_install(adapters, str(args.get("path") or ""), args.get("name"),
-                                            args.get("family"))
+            install = await inspect_install(adapters, str(args.get("path") or ""), args.get("name"), args.get("family"))
             detail = msgspec.to_builtins(install)
         elif command.action == "open_gate":
             key, port = args.get("key"), args.get("port")
@@ -55,11 +55,16 @@ def host_commands(ingress: Ingress, engines: HostEngines | None = None
 
 
 def engine_adapters(session: WireEngineSession) -> dict[str, EngineAdapter]:
-    return {"llamacpp": LlamaCppEngine(client=session), "vllm": VllmEngine(client=session),
-            "sglang": SglangEngine(client=session), "tensorfold": TensorfoldEngine(client=session)}
+    return {
+        "llamacpp": LlamaCppEngine(client=session),
+        "vllm": VllmEngine(client=session),
+        "sglang": SglangEngine(client=session),
+        "tensorfold": TensorfoldEngine(client=session),
+    }
 
 
 def host_engines(ingress: Ingress, log_root: Path) -> HostEngines:
     """The host's engines as children of its agent, on free loopback ports, behind its ingress."""
-    return HostEngines(engine_adapters(WireEngineSession()), PopenProcessControl(), SystemClock(), free_port,
-                       log_root, ingress)
+    return HostEngines(
+        engine_adapters(WireEngineSession()), PopenProcessControl(), SystemClock(), free_port, log_root, ingress
+    )

@@ -1,5 +1,5 @@
-"""The server's role in several machines, composed (the host's is in ``host_role``): its CA, its control certificate, the registry of hosts,
-the control listener, invitations, and ``identity/server-credentials.json``."""
+"""The server's role in several machines, composed (the host's is in ``host_role``): its CA, its control
+certificate, the registry of hosts, the control listener, invitations, and ``identity/server-credentials.json``."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from capyctl.entrypoints.container import Container
 SERVER_CREDENTIALS = "identity/server-credentials.json"
 
 
-def server_role(state: StateDir, container: Container, control: tuple[str, int], advertised: str | None
-                ) -> tuple[Hosts, ControlListener]:
+def server_role(
+    state: StateDir, container: Container, control: tuple[str, int], advertised: str | None
+) -> tuple[Hosts, ControlListener]:
     authority = CertificateAuthority.load_or_create(state.root / "identity" / "ca")
     names = [SERVER_NAME] + ([control[0]] if control[0] not in ("0.0.0.0", "::", "") else [])
     cert_pem, key_pem = authority.server_certificate(names)
@@ -39,18 +40,27 @@ def server_role(state: StateDir, container: Container, control: tuple[str, int],
     # host over its link (no host's certificate, all of this CA's, opens an ingress)
     caller_pem, caller_key = caller_certificate(SERVER_NAME)
     container.engine_session().trust(
-        client_ssl_context(authority.cert_pem, caller_pem, caller_key, names_checked=True), registry.fingerprint)
+        client_ssl_context(authority.cert_pem, caller_pem, caller_key, names_checked=True), registry.fingerprint
+    )
     write_server_credentials(state)
 
     def invite(name: str, ttl: float, server: str | None) -> dict[str, Any]:
         address = server or advertised
         if address is None:
-            raise InvalidRequest("the server does not know the address hosts reach it at: give --server ADDR:PORT, "
-                                 "or start the server with --control-advertise ADDR:PORT", param="server")
+            raise InvalidRequest(
+                "the server does not know the address hosts reach it at: give --server ADDR:PORT, "
+                "or start the server with --control-advertise ADDR:PORT",
+                param="server",
+            )
         secret = secrets.token_bytes(SECRET_BYTES)
         made = registry.invite(name, secret, ttl)
-        join = JoinFile(host=name, server=address, ca_pem=authority.cert_pem.decode(),
-                        secret=secret_text(secret), expires_at=made.expires_at)
+        join = JoinFile(
+            host=name,
+            server=address,
+            ca_pem=authority.cert_pem.decode(),
+            secret=secret_text(secret),
+            expires_at=made.expires_at,
+        )
         return msgspec.to_builtins(join)
 
     return Hosts(registry, invite), ControlListener(registry, authority, tls, caller_pem)

@@ -20,12 +20,12 @@ import msgspec
 
 from capyctl import __version__
 from capyctl.adapters.dashboard import with_dashboard
+from capyctl.adapters.devices import read_devices
 from capyctl.adapters.http.inference import create_inference_app
 from capyctl.adapters.http.management import create_management_app
 from capyctl.adapters.http.server import HttpServer
 from capyctl.adapters.process.ports import listen_socket, parse_listen
 from capyctl.adapters.storage.state_dir import CREDENTIALS, StateDir
-from capyctl.adapters.devices import read_devices
 from capyctl.domain.config import ServerConfig, Settings, resolve
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import HOST_MAX_BODY, Limits, across_hosts
@@ -40,13 +40,22 @@ def build_container(state_dir: Path, settings: Settings = DEFAULTS, several: boo
     container = Container()
     limits = settings.limits
     container.config.from_dict(
-        {"state_dir": state_dir, "request_deadline": settings.request_deadline,
-         "stream_idle_timeout": settings.stream_idle_timeout, "default_model": settings.default_model,
-         "max_body": limits.max_body, "max_event": limits.max_event, "max_tool_calls": limits.max_tool_calls,
-         "queue_limits": settings.queue,
-         "devices": read_devices() if settings.devices == "auto" else settings.devices,
-         "switching": settings.switching, "idle": settings.idle, "records": settings.records,
-         "hosts": settings.hosts, "several": several}
+        {
+            "state_dir": state_dir,
+            "request_deadline": settings.request_deadline,
+            "stream_idle_timeout": settings.stream_idle_timeout,
+            "default_model": settings.default_model,
+            "max_body": limits.max_body,
+            "max_event": limits.max_event,
+            "max_tool_calls": limits.max_tool_calls,
+            "queue_limits": settings.queue,
+            "devices": read_devices() if settings.devices == "auto" else settings.devices,
+            "switching": settings.switching,
+            "idle": settings.idle,
+            "records": settings.records,
+            "hosts": settings.hosts,
+            "several": several,
+        }
     )
     return container
 
@@ -63,29 +72,39 @@ async def serve_standalone(state_dir: Path, listen: str, management: str, settin
         container.shutdown_resources()
 
 
-async def serve_server(state_dir: Path, listen: str, management: str, control_listen: str,
-                       control_advertise: str | None, settings: Settings = DEFAULTS) -> None:
+async def serve_server(
+    state_dir: Path,
+    listen: str,
+    management: str,
+    control_listen: str,
+    control_advertise: str | None,
+    settings: Settings = DEFAULTS,
+) -> None:
     """``start standalone``, and the control listener where hosts join and link (several machines)."""
     inference_addr = parse_listen(listen, "--listen")
     management_addr = parse_listen(management, "--management")
     control_addr = parse_listen(control_listen, "--control-listen")
     if (state_dir / "identity" / "host.json").exists():  # one directory, one role
-        raise InvalidConfig(f"{state_dir} holds a host's identity (identity/host.json): a server on this machine "
-                            "needs a state directory of its own (--state-dir DIR)")
+        raise InvalidConfig(
+            f"{state_dir} holds a host's identity (identity/host.json): a server on this machine "
+            "needs a state directory of its own (--state-dir DIR)"
+        )
     advertised = control_advertise or (None if control_addr[0] in ("0.0.0.0", "::", "") else control_listen)
     if control_advertise is not None:
         parse_listen(control_advertise, "--control-advertise")
     if HOST_MAX_BODY < settings.limits.max_body != Limits().max_body:  # set so, not the default: said once
-        log.warning("limits.max_body is %d bytes, but a server of several machines takes at most %d bytes "
-                    "(what a host's ingress takes): larger bodies get 413 too_large", settings.limits.max_body,
-                    HOST_MAX_BODY)
+        log.warning(
+            "limits.max_body is %d bytes, but a server of several machines takes at most %d bytes "
+            "(what a host's ingress takes): larger bodies get 413 too_large",
+            settings.limits.max_body,
+            HOST_MAX_BODY,
+        )
     settings = msgspec.structs.replace(settings, limits=across_hosts(settings.limits))
     raise_open_files_limit(settings.limits)
     container = build_container(state_dir, settings, several=True)
     container.init_resources()
     try:
-        await _serve(container, inference_addr, management_addr, settings.limits,
-                     control=(control_addr, advertised))
+        await _serve(container, inference_addr, management_addr, settings.limits, control=(control_addr, advertised))
     finally:
         container.shutdown_resources()
 
@@ -100,23 +119,39 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
 
     ingress_addr = parse_listen(ingress_listen, "--ingress-listen")
     devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
-    inventory = Inventory(devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve)
-                                   for d in devices], engines=[])
+    inventory = Inventory(
+        devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve) for d in devices], engines=[]
+    )
     _, cert, key = HostIdentity.load(state_dir)
-    ingress = Ingress(cert, key, header_timeout=settings.limits.header_timeout,  # whom it lets in, the server
-                      body_timeout=settings.limits.body_timeout)  # says over the link (``callers``)
+    ingress = Ingress(
+        cert,
+        key,
+        header_timeout=settings.limits.header_timeout,  # whom it lets in, the server
+        body_timeout=settings.limits.body_timeout,
+    )  # says over the link (``callers``)
     ingress_sock = listen_socket(*ingress_addr, "--ingress-listen")
     engines = host_engines(ingress, state_dir / "logs")
 
     async def leaving() -> None:  # asked to stop while linked: the server hears each engine's end, and why
         await engines.stop_all(agent.tell)
 
-    agent = HostAgent(state_dir, lambda: inventory, host_commands(ingress, engines),
-                      ingress_port=ingress_sock.getsockname()[1], running=engines.running,
-                      callers=ingress.trust_callers, leaving=leaving)
+    agent = HostAgent(
+        state_dir,
+        lambda: inventory,
+        host_commands(ingress, engines),
+        ingress_port=ingress_sock.getsockname()[1],
+        running=engines.running,
+        callers=ingress.trust_callers,
+        leaving=leaving,
+    )
     stopping = anyio.Event()
-    log.info("capyctl %s host %s: linking to the server at %s; ingress on %s:%s (HTTPS)", __version__, agent.name,
-             agent.server, *ingress_sock.getsockname()[:2])
+    log.info(
+        "capyctl %s host %s: linking to the server at %s; ingress on %s:%s (HTTPS)",
+        __version__,
+        agent.name,
+        agent.server,
+        *ingress_sock.getsockname()[:2],
+    )
     refused: LinkRefused | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(_stop_on_signal, stopping)
@@ -145,12 +180,17 @@ def raise_open_files_limit(limits: Limits) -> None:
     if soft != resource.RLIM_INFINITY and soft < 2 * limits.max_connections + 256:
         log.warning(
             "open-files limit %d is below what --max-connections %d may need (%d); raise it with ulimit -n",
-            soft, limits.max_connections, 2 * limits.max_connections + 256,
+            soft,
+            limits.max_connections,
+            2 * limits.max_connections + 256,
         )
 
 
 async def _serve(
-    container: Container, inference_addr: tuple[str, int], management_addr: tuple[str, int], limits: Limits,
+    container: Container,
+    inference_addr: tuple[str, int],
+    management_addr: tuple[str, int],
+    limits: Limits,
     control: tuple[tuple[str, int], str | None] | None = None,
 ) -> None:
     state: StateDir = container.state_dir()
@@ -162,22 +202,40 @@ async def _serve(
     door = container.chat_handler()
     inference = HttpServer(  # the door's own paths are its handlers; the rest goes to the ASGI app
         {path: door.serve for path in door.endpoints},
-        create_inference_app(fleet, container.clock(), keys, stats, container.admission()), limits, stats.client_cut)
+        create_inference_app(fleet, container.clock(), keys, stats, container.admission()),
+        limits,
+        stats.client_cut,
+    )
     records = container.request_log()
     hosts = listener = None
     if control is not None:  # before the fleet runs: its deployments on hosts reach them through the session
         hosts, listener = server_role(state, container, *control)
-    manager = HttpServer({}, create_management_app(fleet, container.clock(), admin_token, keys, records=records,
-                                                   hosts=hosts), limits, stats.client_cut)
+    manager = HttpServer(
+        {},
+        create_management_app(fleet, container.clock(), admin_token, keys, records=records, hosts=hosts),
+        limits,
+        stats.client_cut,
+    )
     stopping = anyio.Event()
     inference_sock = listen_socket(*inference_addr, "--listen")
     management_sock = listen_socket(*management_addr, "--management")
     control_sock = listen_socket(*control[0], "--control-listen") if control is not None else None
     management_url = "http://{}:{}".format(*management_sock.getsockname()[:2])
     manager.fallback = with_dashboard(  # the dashboard beside the management API, on its listener
-        manager.fallback, fleet=fleet, admission=container.admission(), keys=keys, store=container.store(),
-        events=container.events(), clock=container.clock(), admin_token=admin_token, log_root=state.root / "logs",
-        listening=management_sock.getsockname()[:2], stopping=stopping, records=records, hosts=hosts)
+        manager.fallback,
+        fleet=fleet,
+        admission=container.admission(),
+        keys=keys,
+        store=container.store(),
+        events=container.events(),
+        clock=container.clock(),
+        admin_token=admin_token,
+        log_root=state.root / "logs",
+        listening=management_sock.getsockname()[:2],
+        stopping=stopping,
+        records=records,
+        hosts=hosts,
+    )
     # The signal watcher outlives the engines' shutdown, so a second Ctrl-C
     # cannot kill CapyCTL halfway through stopping them.
     async with anyio.create_task_group() as watcher:
@@ -189,10 +247,14 @@ async def _serve(
                 await tg.start(hosts.registry.watch)
             state.write_management(management_url)
             host, port = inference_sock.getsockname()[:2]
-            where = (f"the key named default in {state.root / CREDENTIALS}" if state.read_api_key()
-                     else "the key named default was revoked; see: capyctl list keys")
-            log.info("capyctl %s serving http://%s:%s/v1 (%s); management %s",
-                     __version__, host, port, where, management_url)
+            where = (
+                f"the key named default in {state.root / CREDENTIALS}"
+                if state.read_api_key()
+                else "the key named default was revoked; see: capyctl list keys"
+            )
+            log.info(
+                "capyctl %s serving http://%s:%s/v1 (%s); management %s", __version__, host, port, where, management_url
+            )
             # What was made to start (modules, the apps, the fleet) lives as long as the server: out of the
             # collector's way, so that its passes over the young objects of requests stay short
             gc.collect()

@@ -22,10 +22,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recordings", required=True, type=Path, help="one <engine>/<version> recording folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", required=True, type=int, help="0: pick a free port (printed on start)")
-    p.add_argument("--pace", choices=("recorded", "fast"), default="fast",
-                   help="recorded: the folder's first_chunk_ms / interval_ms; fast: no waits (default)")
-    p.add_argument("--default-case", help="case served when a request names none "
-                   "(default: chat_stream_usage, else the first ok stream)")
+    p.add_argument(
+        "--pace",
+        choices=("recorded", "fast"),
+        default="fast",
+        help="recorded: the folder's first_chunk_ms / interval_ms; fast: no waits (default)",
+    )
+    p.add_argument(
+        "--default-case",
+        help="case served when a request names none (default: chat_stream_usage, else the first ok stream)",
+    )
     return p.parse_args(argv)
 
 
@@ -63,9 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     banner = f"replay: listening on http://{host}:{port} ({dialect}, {version}, {len(recording.cases)} cases)"
-    config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, backlog=4096,
-                            timeout_keep_alive=30, timeout_graceful_shutdown=1,
-                            server_header=dialect in ("vllm", "sglang", "tensorfold"))
+    config = uvicorn.Config(
+        app,
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=1,
+        server_header=dialect in ("vllm", "sglang", "tensorfold"),
+    )
     server = uvicorn.Server(config)
     try:
         with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:

@@ -45,8 +45,9 @@ _decode_request = msgspec.json.Decoder(ChatRequest).decode
 
 
 class ReplayApp:
-    def __init__(self, recording: Recording, dialect: str, version: str, pace: str = "fast",
-                 default_case: str | None = None):
+    def __init__(
+        self, recording: Recording, dialect: str, version: str, pace: str = "fast", default_case: str | None = None
+    ):
         self.recording = recording
         self.dialect = Dialect(dialect, version, recording.model)
         self.pace = pace
@@ -81,9 +82,15 @@ class ReplayApp:
             resolve(future)
 
     def stats(self) -> dict[str, Any]:
-        return {"running": self.running, "completed": self.completed, "disconnected": self.disconnected,
-                "requests": self.requests, "last_request": self.last_request, "idle_gaps_ms": list(self.idle_gaps_ms),
-                "decisions": self.decision_log.stats()}
+        return {
+            "running": self.running,
+            "completed": self.completed,
+            "disconnected": self.disconnected,
+            "requests": self.requests,
+            "last_request": self.last_request,
+            "idle_gaps_ms": list(self.idle_gaps_ms),
+            "decisions": self.decision_log.stats(),
+        }
 
     # -- ASGI -------------------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -201,8 +208,9 @@ class ReplayApp:
             self.waiting -= 1
             self._sleepers.discard(woken)
 
-    async def _stream(self, send: Any, case: Case, chunk: int | None, waits: tuple[float, float],
-                      client: Client) -> bool:
+    async def _stream(
+        self, send: Any, case: Case, chunk: int | None, waits: tuple[float, float], client: Client
+    ) -> bool:
         """Write the case's bytes; True if the client hung up before the last one."""
         await send({"type": "http.response.start", "status": 200, "headers": self._stream_headers})
         first, interval = waits

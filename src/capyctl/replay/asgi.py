@@ -73,8 +73,9 @@ async def read_body(receive: Any) -> bytes | None:
             return bytes(body)
 
 
-async def answer(send: Any, status: int, content_type: bytes | None, body: bytes,
-                 more: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def answer(
+    send: Any, status: int, content_type: bytes | None, body: bytes, more: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     headers = [(b"content-length", str(len(body)).encode())]
     if content_type is not None:
         headers.append((b"content-type", content_type))

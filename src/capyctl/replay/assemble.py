@@ -25,8 +25,9 @@ def _payloads(events: tuple[bytes, ...]):
 
 
 def _merge_tool(calls: dict[int, dict[str, Any]], piece: dict[str, Any]) -> None:
-    call = calls.setdefault(piece.get("index") or 0,
-                            {"id": None, "type": "function", "function": {"name": None, "arguments": ""}})
+    call = calls.setdefault(
+        piece.get("index") or 0, {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+    )
     if piece.get("id"):
         call["id"] = piece["id"]
     fn = piece.get("function") or {}
@@ -52,8 +53,9 @@ def assemble(events: tuple[bytes, ...]) -> tuple[int, bytes]:
         usage = obj.get("usage") or usage
         fingerprint = obj.get("system_fingerprint") or fingerprint
         for choice in obj.get("choices") or ():
-            st = choices.setdefault(choice.get("index") or 0,
-                                    {"content": [], "reasoning": [], "key": None, "tools": {}, "finish": None})
+            st = choices.setdefault(
+                choice.get("index") or 0, {"content": [], "reasoning": [], "key": None, "tools": {}, "finish": None}
+            )
             delta = choice.get("delta") or {}
             if isinstance(delta.get("content"), str):
                 st["content"].append(delta["content"])
@@ -74,8 +76,13 @@ def assemble(events: tuple[bytes, ...]) -> tuple[int, bytes]:
         if st["tools"]:
             message["tool_calls"] = [st["tools"][i] for i in sorted(st["tools"])]
         out_choices.append({"index": index, "message": message, "finish_reason": st["finish"]})
-    answer: dict[str, Any] = {"id": head.get("id"), "object": "chat.completion", "created": head.get("created"),
-                              "model": head.get("model"), "choices": out_choices}
+    answer: dict[str, Any] = {
+        "id": head.get("id"),
+        "object": "chat.completion",
+        "created": head.get("created"),
+        "model": head.get("model"),
+        "choices": out_choices,
+    }
     if fingerprint:
         answer["system_fingerprint"] = fingerprint
     if usage:

@@ -108,8 +108,15 @@ def load_decisions(folder: Path) -> Decisions:
         if key in by_request:  # the same request cannot have two recorded answers
             raise ValueError(f"{where}: cases {by_request[key]} and {name} record the same request")
         by_request[key] = name
-        cases[name] = Decision(name, request, status, kept, response.read_bytes(),
-                               expect=info.get("expect", "ok" if status == 200 else "engine_rejected"), meta=info)
+        cases[name] = Decision(
+            name,
+            request,
+            status,
+            kept,
+            response.read_bytes(),
+            expect=info.get("expect", "ok" if status == 200 else "engine_rejected"),
+            meta=info,
+        )
     return Decisions(meta, cases, by_request)
 
 
@@ -122,10 +129,14 @@ class DecisionLog:
 
     def add(self, headers: list[tuple[bytes, bytes]], body: bytes, case: str | None, status: int) -> None:
         self.requests += 1
-        self.entries.append({
-            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers],
-            "body": body.decode("utf-8", "replace"), "case": case, "status": status,
-        })
+        self.entries.append(
+            {
+                "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers],
+                "body": body.decode("utf-8", "replace"),
+                "case": case,
+                "status": status,
+            }
+        )
 
     def stats(self) -> dict[str, Any]:
         return {"requests": self.requests, "log": list(self.entries)}

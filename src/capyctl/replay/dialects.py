@@ -77,33 +77,50 @@ class Dialect:
         if self.name == "vllm":
             lab = f'{{engine="0",model_name="{self.model}"}}'
             asleep = 1.0 if state.sleeping else 0.0
-            body = _gauges([
-                ("vllm:num_requests_running", "Number of requests in model execution batches.", lab, float(run)),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab, float(wait)),
-            ]) + (
-                "# HELP vllm:engine_sleep_state Engine sleep state\n# TYPE vllm:engine_sleep_state gauge\n"
-                f'vllm:engine_sleep_state{{engine="0",model_name="{self.model}",sleep_state="awake"}} {1.0 - asleep}\n'
-                f'vllm:engine_sleep_state{{engine="0",model_name="{self.model}",sleep_state="weights_offloaded"}} '
-                f"{asleep}\n"
-            ).encode()
+            body = (
+                _gauges(
+                    [
+                        (
+                            "vllm:num_requests_running",
+                            "Number of requests in model execution batches.",
+                            lab,
+                            float(run),
+                        ),
+                        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lab, float(wait)),
+                    ]
+                )
+                + (
+                    "# HELP vllm:engine_sleep_state Engine sleep state\n# TYPE vllm:engine_sleep_state gauge\n"
+                    f'vllm:engine_sleep_state{{engine="0",model_name="{self.model}",sleep_state="awake"}} '
+                    f"{1.0 - asleep}\n"
+                    f'vllm:engine_sleep_state{{engine="0",model_name="{self.model}",sleep_state="weights_offloaded"}} '
+                    f"{asleep}\n"
+                ).encode()
+            )
             return b"text/plain; version=1.0.0; charset=utf-8", body
         if self.name == "sglang":
             lab = f'{{model_name="{self.model}",engine_type="unified",tp_rank="0",pp_rank="0",moe_ep_rank="0"}}'
-            return b"text/plain; version=0.0.4; charset=utf-8", _gauges([
-                ("sglang:num_running_reqs", "The number of running requests.", lab, float(run)),
-                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lab, float(wait)),
-            ])
+            return b"text/plain; version=0.0.4; charset=utf-8", _gauges(
+                [
+                    ("sglang:num_running_reqs", "The number of running requests.", lab, float(run)),
+                    ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lab, float(wait)),
+                ]
+            )
         if self.name == "llamacpp":
-            return b"text/plain; version=0.0.4", _gauges([
-                ("llamacpp:requests_processing", "Number of requests processing", "", run),
-                ("llamacpp:requests_deferred", "Number of requests deferred", "", wait),
-            ])
-        return b"text/plain; version=0.0.4; charset=utf-8", _gauges([
-            ("tensorfold:requests_running", "Requests generating.", "", run),
-            ("tensorfold:requests_waiting", "Requests queued.", "", wait),
-            ("tensorfold:num_requests_running", "Requests generating (vLLM name).", "", run),
-            ("tensorfold:num_requests_waiting", "Requests queued (vLLM name).", "", wait),
-        ])
+            return b"text/plain; version=0.0.4", _gauges(
+                [
+                    ("llamacpp:requests_processing", "Number of requests processing", "", run),
+                    ("llamacpp:requests_deferred", "Number of requests deferred", "", wait),
+                ]
+            )
+        return b"text/plain; version=0.0.4; charset=utf-8", _gauges(
+            [
+                ("tensorfold:requests_running", "Requests generating.", "", run),
+                ("tensorfold:requests_waiting", "Requests queued.", "", wait),
+                ("tensorfold:num_requests_running", "Requests generating (vLLM name).", "", run),
+                ("tensorfold:num_requests_waiting", "Requests queued (vLLM name).", "", wait),
+            ]
+        )
 
     # -- side routes ----------------------------------------------------------------------------------
     def route(self, method: str, path: str, query: bytes, state: State) -> Answer | None:
@@ -148,8 +165,11 @@ class Dialect:
         if path == "/ready" and method == "GET" and self.key >= (0, 5, 20):
             return 200, None, b""
         if path in ("/get_server_info", "/server_info") and method == "GET":
-            return 200, JSON, _encode({"version": self.version, "model_path": self.model,
-                                       "served_model_name": self.model})
+            return (
+                200,
+                JSON,
+                _encode({"version": self.version, "model_path": self.model, "served_model_name": self.model}),
+            )
         if path in ("/release_memory_occupation", "/resume_memory_occupation") and method in ("GET", "POST"):
             state.sleep(1) if path.startswith("/release") else state.wake()
             return 200, JSON, b"null"
@@ -159,12 +179,27 @@ class Dialect:
         if path in ("/health", "/v1/health") and method == "GET":
             return 200, b"application/json; charset=utf-8", b'{"status":"ok"}'
         if path == "/props" and method == "GET":
-            return 200, b"application/json; charset=utf-8", _encode({
-                "total_slots": 2, "model_alias": self.model, "build_info": "b0-unknown", "is_sleeping": False})
+            return (
+                200,
+                b"application/json; charset=utf-8",
+                _encode(
+                    {"total_slots": 2, "model_alias": self.model, "build_info": "b0-unknown", "is_sleeping": False}
+                ),
+            )
         return None
 
     def _tensorfold(self, method: str, path: str, query: bytes, state: State) -> Answer | None:
         if path in ("/health", "/v1/health") and method == "GET":
-            return 200, JSON, _encode({"status": "ok", "version": self.version, "busy": state.running > 0,
-                                       "requests_running": state.running})
+            return (
+                200,
+                JSON,
+                _encode(
+                    {
+                        "status": "ok",
+                        "version": self.version,
+                        "busy": state.running > 0,
+                        "requests_running": state.running,
+                    }
+                ),
+            )
         return None

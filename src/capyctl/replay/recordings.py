@@ -118,11 +118,20 @@ def load(folder: Path) -> Recording:
             cases[name] = Case(name, "stream", body, events, expect=info.get("expect", "ok"), meta=info)
         else:
             status, ctype = _parse_headers(path.with_suffix(".headers").read_bytes())
-            cases[name] = Case(name, "error", body, status=status, content_type=ctype,
-                               expect=info.get("expect", "engine_error"), meta=info)
+            cases[name] = Case(
+                name,
+                "error",
+                body,
+                status=status,
+                content_type=ctype,
+                expect=info.get("expect", "engine_error"),
+                meta=info,
+            )
     pace = meta.get("pace") or {}
     return Recording(
-        path=folder, meta=meta, cases=cases,
+        path=folder,
+        meta=meta,
+        cases=cases,
         first_chunk_s=float(pace.get("first_chunk_ms") or 0) / 1000,
         interval_s=float(pace.get("interval_ms") or 0) / 1000,
         model=model or "replay",

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import anyio
 
-from capyctl.domain.errors import DeviceBusy, ModelLoading, QueueFull, Queued
+from capyctl.domain.errors import DeviceBusy, ModelLoading, Queued, QueueFull
 from capyctl.domain.ports import Clock
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import GRANTED, Admission, Loading, QueueLimits, Refused, Route, loading_retry_after
@@ -173,8 +173,14 @@ class Lease:
 
     __slots__ = ("_service", "_runner", "_record", "_wait", "_began")
 
-    def __init__(self, service: AdmissionService, runner: Schedulable, record: RequestRecord,
-                 wait: float | None, began: float | None = None) -> None:
+    def __init__(
+        self,
+        service: AdmissionService,
+        runner: Schedulable,
+        record: RequestRecord,
+        wait: float | None,
+        began: float | None = None,
+    ) -> None:
         self._service, self._runner, self._record, self._wait = service, runner, record, wait
         self._began = began  # when it was granted; None until then
 

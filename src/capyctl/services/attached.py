@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
@@ -30,7 +32,12 @@ class AttachedController(ControllerBase):
     attach_wait = 10.0  # seconds a request waits for an attached engine that does not answer
 
     def __init__(
-        self, deployment: Deployment, engine: EngineInstall, adapter: EngineAdapter, clock: Clock, events: Events,
+        self,
+        deployment: Deployment,
+        engine: EngineInstall,
+        adapter: EngineAdapter,
+        clock: Clock,
+        events: Events,
         fields: RowChoice,
     ) -> None:
         super().__init__(deployment, engine, adapter, clock, events, fields)
@@ -73,10 +80,9 @@ class AttachedController(ControllerBase):
         self.want(Desired.STOP)
 
     async def _check(self) -> None:
-        try:
+        # stays UNAVAILABLE (or stopped) when it fails; the next request checks again
+        with contextlib.suppress(EngineUnavailable, DeploymentStopped):
             await self.route(self.attach_wait)
-        except (EngineUnavailable, DeploymentStopped):
-            pass  # stays UNAVAILABLE (or stopped); the next request checks again
 
     def route_now(self) -> Route | None:
         return Route(self.base_url, self.launch) if self.status.state is S.READY else None

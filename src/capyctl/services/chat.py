@@ -15,9 +15,10 @@ from typing import Any
 import anyio
 import msgspec
 
+from capyctl.domain.engines import EngineFamily
 from capyctl.domain.errors import (
-    CapyError,
     CacheSaltUnsupported,
+    CapyError,
     EdgeError,
     EngineError,
     EngineUnavailable,
@@ -25,13 +26,12 @@ from capyctl.domain.errors import (
     InvalidRequest,
     engine_code,
 )
-from capyctl.domain.engines import EngineFamily
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineAnswer, EngineSession, EngineStream
 from capyctl.domain.relay_check import ChunkRules, Refused, StreamCheck
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord
-from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Assembler, Chunks, Comment, Relayed, StreamEvent, payloads_of
 from capyctl.domain.scheduling import QueueLimits, Route
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Assembler, Chunks, Comment, Relayed, StreamEvent, payloads_of
 from capyctl.services.admission import AdmissionService, Lease
 from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
@@ -63,8 +63,7 @@ def read_target(obj: dict[str, Any], default_model: str | None = None) -> tuple[
         model = default_model
     if not isinstance(model, str) or not model:
         hint = "" if default_model else "; this server has no default_model"
-        raise InvalidRequest(f"'model' is required: the name of a deployment (see GET /v1/models){hint}",
-                             param="model")
+        raise InvalidRequest(f"'model' is required: the name of a deployment (see GET /v1/models){hint}", param="model")
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be true or false", param="stream")
@@ -96,8 +95,14 @@ class RequestService:
     settlement of cut requests."""
 
     def __init__(
-        self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
-        admission: AdmissionService | None = None, keys: Keyring | None = None,
+        self,
+        fleet: Fleet,
+        session: EngineSession,
+        clock: Clock,
+        events: Events,
+        settings: ChatSettings,
+        admission: AdmissionService | None = None,
+        keys: Keyring | None = None,
     ) -> None:
         self._fleet = fleet
         self._keys = keys
@@ -158,14 +163,19 @@ class RequestService:
 
     def _selected(self, record: RequestRecord, controller: Serving) -> None:
         record.sent(instance=0)
-        self._events.selection(record.id, record.deployment, controller.host or self._settings.host_name, 0,
-                               record.key)
+        self._events.selection(record.id, record.deployment, controller.host or self._settings.host_name, 0, record.key)
 
 
 class ChatService(RequestService):
     def __init__(
-        self, fleet: Fleet, session: EngineSession, clock: Clock, events: Events, settings: ChatSettings,
-        admission: AdmissionService | None = None, keys: Keyring | None = None,
+        self,
+        fleet: Fleet,
+        session: EngineSession,
+        clock: Clock,
+        events: Events,
+        settings: ChatSettings,
+        admission: AdmissionService | None = None,
+        keys: Keyring | None = None,
     ) -> None:
         super().__init__(fleet, session, clock, events, settings, admission, keys)
         self._rules: dict[tuple[str, str], tuple[ChunkRules, MetricsRow]] = {}  # per engine version
@@ -200,8 +210,9 @@ class ChatService(RequestService):
         return started
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
-                   started: Started | None = None) -> AsyncIterator[EngineCall]:
+    async def open(
+        self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None, started: Started | None = None
+    ) -> AsyncIterator[EngineCall]:
         """Yield the engine call answering ``obj``: its relayed events, and its metrics at the end.
 
         Raises domain errors before anything is yielded (unknown model, engine refusal ...). Leaving the
@@ -220,7 +231,9 @@ class ChatService(RequestService):
             async with lease:
                 if route is None:
                     route = await controller.route(self._settings.request_deadline)  # granted: ready, unless it fell
-                if stream is None:  # (the session may write the request at once: the rest is done while the engine works)
+                if (
+                    stream is None
+                ):  # (the session may write the request at once: the rest is done while the engine works)
                     stream = self._session.chat_stream(route.url, body)
                 try:
                     self._selected(record, controller)
@@ -239,8 +252,9 @@ class ChatService(RequestService):
                     if gone is not None:
                         raise gone from exc
                     if streaming:  # the engine is still there, but its answer broke off
-                        raise EdgeError("the engine's connection broke before the end of its stream "
-                                        f"({exc.message})") from exc
+                        raise EdgeError(
+                            f"the engine's connection broke before the end of its stream ({exc.message})"
+                        ) from exc
                     raise
                 finally:
                     self._meters.pop(record.id, None)
@@ -253,15 +267,17 @@ class ChatService(RequestService):
         made = self._rules.get((engine.family, engine.version))
         if made is None:
             made = self._rules[(engine.family, engine.version)] = (
-                ChunkRules(controller.fields.row, f"{engine.family} {engine.version}",
-                           self._settings.max_tool_calls),
-                metrics_row_for(engine.family, engine.version))
+                ChunkRules(controller.fields.row, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
+                metrics_row_for(engine.family, engine.version),
+            )
         rules, row = made
-        return EngineCall(answer, StreamCheck(rules, meter, record.deployment, self._clock.monotonic), meter, row,
-                          record)
+        return EngineCall(
+            answer, StreamCheck(rules, meter, record.deployment, self._clock.monotonic), meter, row, record
+        )
 
-    async def complete(self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None,
-                       started: Started | None = None) -> dict[str, Any]:
+    async def complete(
+        self, record: RequestRecord, obj: dict[str, Any], wait: float | None = None, started: Started | None = None
+    ) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream as the relay checked it, with
         ``capyctl.metrics``."""
         parts: list[bytes] = []
@@ -317,8 +333,9 @@ class EngineCall:
 
     __slots__ = ("_answer", "_check", "_meter", "_row", "_record", "last")
 
-    def __init__(self, answer: EngineAnswer, check: StreamCheck, meter: Meter, row: MetricsRow,
-                 record: RequestRecord) -> None:
+    def __init__(
+        self, answer: EngineAnswer, check: StreamCheck, meter: Meter, row: MetricsRow, record: RequestRecord
+    ) -> None:
         self._answer = answer
         self._check = check
         self._meter = meter
@@ -340,6 +357,7 @@ class EngineCall:
         Raises as the check refuses a chunk (after writing the chunks before it), ``EdgeError`` when the
         answer ends without ``[DONE]`` (unless it ended on the engine's own error event), and as the
         engine's connection breaks."""
+
         def deliver(batch: list[StreamEvent]) -> Relayed:
             try:
                 data = self.frame(batch)

@@ -109,7 +109,12 @@ class ControllerBase:
     desired: Desired
 
     def __init__(
-        self, deployment: Deployment, engine: EngineInstall, adapter: EngineAdapter, clock: Clock, events: Events,
+        self,
+        deployment: Deployment,
+        engine: EngineInstall,
+        adapter: EngineAdapter,
+        clock: Clock,
+        events: Events,
         fields: RowChoice,
     ) -> None:
         self.deployment = deployment

@@ -13,8 +13,15 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.decisions import decision_metrics, read_decision, refuse_dropped
-from capyctl.domain.errors import CacheSaltUnsupported, EdgeError, EngineError, EngineRejected, EngineUnavailable, InvalidJson
 from capyctl.domain.engines import EngineFamily
+from capyctl.domain.errors import (
+    CacheSaltUnsupported,
+    EdgeError,
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    InvalidJson,
+)
 from capyctl.domain.requests import Phase, RequestRecord
 from capyctl.services.chat import RequestService
 from capyctl.services.controllers import Serving
@@ -31,8 +38,9 @@ class DecisionService(RequestService):
         """The model named, and False: a decision is never streamed."""
         return read_decision(obj), False
 
-    async def decide(self, record: RequestRecord, obj: dict[str, Any], received_at: float,
-                     wait: float | None = None) -> dict[str, Any]:
+    async def decide(
+        self, record: RequestRecord, obj: dict[str, Any], received_at: float, wait: float | None = None
+    ) -> dict[str, Any]:
         controller: Serving = self._fleet.resolve(record.deployment, "decisions")
         engine = controller.engine
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes

@@ -38,10 +38,18 @@ ENDED_BY = {  # the words for ``EngineEffects.ended_by``'s causes
     "not_on_host": "its host came back without it (its agent was restarted, or killed)",
 }
 
+
 class EngineTask:
     def __init__(
-        self, occupant: Occupant, state: ManagedState, effects: EngineEffects, room: Room, clock: Clock,
-        events: Events, settings: ControllerSettings, settlement: Settlement,
+        self,
+        occupant: Occupant,
+        state: ManagedState,
+        effects: EngineEffects,
+        room: Room,
+        clock: Clock,
+        events: Events,
+        settings: ControllerSettings,
+        settlement: Settlement,
     ) -> None:
         self._occupant = occupant  # the controller, as its room on its device is claimed for
         self._state = state
@@ -136,8 +144,13 @@ class EngineTask:
         state.base_url, state.engine = engine.url, engine
         state.status.port, state.status.log_path, state.status.pid = engine.port, engine.log_path, engine.pid
         state.status.ingress_port = engine.ingress_port
-        self._events.emit(self._name, "engine_adopted" if engine.adopted else "engine_started", instance=0,
-                          pid=engine.pid, port=engine.port)
+        self._events.emit(
+            self._name,
+            "engine_adopted" if engine.adopted else "engine_started",
+            instance=0,
+            pid=engine.pid,
+            port=engine.port,
+        )
         cancelled = False
         try:
             if not await self._until_ready(engine):
@@ -195,10 +208,18 @@ class EngineTask:
         while self._clock.monotonic() < deadline:
             if (code := self._effects.exited(engine)) is not None:
                 cause = self._ended(engine)
-                status.last_error = (f"engine exited with status {code} while starting" if cause is None
-                                     else f"engine ended while starting: {ENDED_BY.get(cause, cause)}")
-                self._events.emit(self._name, "engine_start_failed", instance=0, status=code,
-                                  **({"cause": cause} if cause is not None else {}))
+                status.last_error = (
+                    f"engine exited with status {code} while starting"
+                    if cause is None
+                    else f"engine ended while starting: {ENDED_BY.get(cause, cause)}"
+                )
+                self._events.emit(
+                    self._name,
+                    "engine_start_failed",
+                    instance=0,
+                    status=code,
+                    **({"cause": cause} if cause is not None else {}),
+                )
                 return False
             if await self._effects.ready(engine):
                 return True
@@ -242,8 +263,13 @@ class EngineTask:
             self._give_up(error)
             return
         self._state.set(S.PARKED)
-        self._events.emit(self._name, "parked", instance=0, residency=str(self._occupant.spec.residency),
-                          seconds=round(self._clock.monotonic() - began, 3))
+        self._events.emit(
+            self._name,
+            "parked",
+            instance=0,
+            residency=str(self._occupant.spec.residency),
+            seconds=round(self._clock.monotonic() - began, 3),
+        )
 
     async def _wake(self, engine: Launched) -> None:
         """Room for the awake footprint, the engine's wake, then the canary: a woken engine must answer its
@@ -268,8 +294,10 @@ class EngineTask:
             return
         if not wake_matches(self._reference, answer):
             self._events.emit(self._name, "wake_mismatch", instance=0, expected=self._reference, got=answer)
-            self._give_up(f"wake_mismatch: after its wake the engine answered {answer!r} to the canary, "
-                          f"not {self._reference!r} as before it parked")
+            self._give_up(
+                f"wake_mismatch: after its wake the engine answered {answer!r} to the canary, "
+                f"not {self._reference!r} as before it parked"
+            )
             return
         state.wake_granted = False
         seconds = self._clock.monotonic() - began
@@ -296,5 +324,6 @@ class EngineTask:
             with anyio.fail_after(CANARY_WAIT):
                 return await self._effects.canary(engine)
         except TimeoutError as exc:
-            raise EngineUnavailable(f"the canary request got no answer within {CANARY_WAIT:.0f} s",
-                                    model=self._name) from exc
+            raise EngineUnavailable(
+                f"the canary request got no answer within {CANARY_WAIT:.0f} s", model=self._name
+            ) from exc

@@ -28,8 +28,9 @@ class Events:
     way (``usual_line``); ``log_format.routine_line`` hands them to the log writer, which makes the line in
     its own round, when it is the only way out for it."""
 
-    def __init__(self, store: Store, clock: Clock,
-                 routine: Callable[[logging.Logger, Line, tuple[Any, ...]], None] = usual_line) -> None:
+    def __init__(
+        self, store: Store, clock: Clock, routine: Callable[[logging.Logger, Line, tuple[Any, ...]], None] = usual_line
+    ) -> None:
         self._store = store
         self._clock = clock
         self._routine = routine
@@ -54,8 +55,9 @@ class Events:
         for listener in self._listeners:
             listener(deployment, kind, detail)
         described = "".join(f" {k}={v}" for k, v in detail.items())  # nothing, not a lone space, without fields
-        log.info("%s %s%s", kind, deployment or "-", described,
-                 extra={"event": kind, "deployment": deployment, **detail})
+        log.info(
+            "%s %s%s", kind, deployment or "-", described, extra={"event": kind, "deployment": deployment, **detail}
+        )
 
     def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None) -> None:
         """A request routed to an instance: stored without the caller's ID, logged with it; both name the
@@ -65,7 +67,9 @@ class Events:
         on the request it is about to be sent: that does not delay the request.
         """
         self._store.add_event(
-            self._clock.wall(), deployment, "router_selection",
+            self._clock.wall(),
+            deployment,
+            "router_selection",
             {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key},
         )
         values = (request_id, caller_request_id.get(), deployment, host, instance, key)
@@ -75,13 +79,21 @@ class Events:
             self._routine(log, selection_line, values)
 
 
-def selection_line(request_id: str, caller: str | None, deployment: str, host: str, instance: int,
-                   key: str | None) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+def selection_line(
+    request_id: str, caller: str | None, deployment: str, host: str, instance: int, key: str | None
+) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
     """The request line of a routed request: its format, arguments and fields."""
     args = (request_id, f" (caller {caller})" if caller else "", deployment, host, instance, key or "-")
-    extra = {"event": "router_selection", "capyctl_request_id": request_id, "caller_request_id": caller,
-             "deployment": deployment, "host": host, "instance": instance, "key": key,
-             "_routine": True}  # a line per request: written with the log writer's next round
+    extra = {
+        "event": "router_selection",
+        "capyctl_request_id": request_id,
+        "caller_request_id": caller,
+        "deployment": deployment,
+        "host": host,
+        "instance": instance,
+        "key": key,
+        "_routine": True,
+    }  # a line per request: written with the log writer's next round
     return _SELECTION, args, extra
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from capyctl.domain.decisions import serves_decisions
 from capyctl.domain.deployments import (
     Deployment,
     DeploymentSpec,
@@ -23,11 +24,7 @@ from capyctl.domain.deployments import (
     check_env,
     check_extra_args,
 )
-from capyctl.domain.decisions import serves_decisions
-from capyctl.domain.hosts import HostState, place
-from capyctl.domain.memory import Device, Residency
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.fields import row_for
 from capyctl.domain.errors import (
     AlreadyExists,
     ApiMismatch,
@@ -40,15 +37,17 @@ from capyctl.domain.errors import (
     InvalidEngine,
     ModelNotFound,
 )
+from capyctl.domain.fields import row_for
+from capyctl.domain.hosts import HostState, place
+from capyctl.domain.link import RunningInstance
+from capyctl.domain.memory import Device, Residency
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
-from capyctl.domain.link import RunningInstance
 from capyctl.services.hosts import HostRegistry
 from capyctl.services.local_engines import LocalEngineEffects
 from capyctl.services.remote_engines import RemoteEngineEffects
 from capyctl.services.switching import NoSwitchboard, Switchboard
-
 
 # The residency tiers each engine family can park with (LIFE-2); restart_only parks by stopping.
 PARKING: dict[str, tuple[Residency, ...]] = {
@@ -102,14 +101,16 @@ def recognise(adapters: Mapping[str, EngineAdapter], path: Path, family: str | N
     )
 
 
-async def inspect_install(adapters: Mapping[str, EngineAdapter], path: str, name: str | None,
-                          family: str | None) -> EngineInstall:
+async def inspect_install(
+    adapters: Mapping[str, EngineAdapter], path: str, name: str | None, family: str | None
+) -> EngineInstall:
     """The engine installed at ``path`` on this machine, its version read there (nothing is stored)."""
     resolved = local_path(path, "engine path", InvalidEngine).resolve()
     adapter = recognise(adapters, resolved, family)
     version, text = await anyio.to_thread.run_sync(adapter.probe, resolved)
-    return EngineInstall(name=name or resolved.name, family=adapter.family, path=str(resolved), version=version,
-                         version_text=text)
+    return EngineInstall(
+        name=name or resolved.name, family=adapter.family, path=str(resolved), version=version, version_text=text
+    )
 
 
 class Fleet:
@@ -174,8 +175,9 @@ class Fleet:
                 continue
             if version != engine.version:
                 self._store.put_engine(msgspec.structs.replace(engine, version=version, version_text=text))
-                self._events.emit(None, "engine_version_changed", engine=engine.name, previous=engine.version,
-                                  version=version)
+                self._events.emit(
+                    None, "engine_version_changed", engine=engine.name, previous=engine.version, version=version
+                )
 
     def _adopt(self, host: str, running: list[RunningInstance]) -> None:
         """A host linked, running engines of deployments here that run none (a server before this one
@@ -183,13 +185,16 @@ class Fleet:
         Those it kept running while it was away serve again once a probe finds them ready."""
         for instance in running:
             controller = self._controllers.get(instance.deployment)
-            if (isinstance(controller, ManagedController) and controller.host == host
-                    and controller.status.pid is None):
+            if isinstance(controller, ManagedController) and controller.host == host and controller.status.pid is None:
                 controller.ask()
         for name, effects in self._remote.items():  # what it kept running while away: ready again?
             controller = self._controllers.get(name)
-            if effects.host == host and self._task_group is not None and controller is not None \
-                    and controller.status.pid is not None:
+            if (
+                effects.host == host
+                and self._task_group is not None
+                and controller is not None
+                and controller.status.pid is not None
+            ):
                 self._task_group.start_soon(effects.reprove)
 
     def leave_hosts(self) -> None:
@@ -211,8 +216,11 @@ class Fleet:
             version = spec.engine_version or deployment.probed_version or "unknown"
             how = "declared in the deployment file" if spec.engine_version else "reported by the engine"
             return EngineInstall(
-                name=f"{spec.engine}@{spec.endpoint}", family=EngineFamily(spec.engine),
-                path=str(spec.endpoint), version=version, version_text=how,
+                name=f"{spec.engine}@{spec.endpoint}",
+                family=EngineFamily(spec.engine),
+                path=str(spec.endpoint),
+                version=version,
+                version_text=how,
             )
         if deployment.host is not None:
             return self._host_engine(deployment.host, spec.engine)
@@ -223,8 +231,9 @@ class Fleet:
 
     def _registry(self) -> HostRegistry:
         if self._hosts is None:
-            raise InvalidConfig("this CapyCTL runs alone (start standalone): deployments run on hosts with "
-                                "capyctl start server")
+            raise InvalidConfig(
+                "this CapyCTL runs alone (start standalone): deployments run on hosts with capyctl start server"
+            )
         return self._hosts
 
     def _host_engine(self, host: str, name: str) -> EngineInstall:
@@ -244,18 +253,41 @@ class Fleet:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
         elif deployment.host is not None and self._hosts is not None:
             effects = self._remote[deployment.spec.name] = RemoteEngineEffects(
-                deployment.spec, engine, deployment.host, self._hosts, self._clock, self._canary)
+                deployment.spec, engine, deployment.host, self._hosts, self._clock, self._canary
+            )
             controller = ManagedController(  # charged on its host's device: the same switchboard
-                deployment, engine, adapter, effects, self._clock, self._events, self._settings, fields, self._room,
+                deployment,
+                engine,
+                adapter,
+                effects,
+                self._clock,
+                self._events,
+                self._settings,
+                fields,
+                self._room,
                 self._keep,
             )
         else:
             effects = LocalEngineEffects(
-                deployment.spec, engine, adapter, self._processes, self._clock, self._pick_port,
-                self._log_root / deployment.spec.name, self._canary,
+                deployment.spec,
+                engine,
+                adapter,
+                self._processes,
+                self._clock,
+                self._pick_port,
+                self._log_root / deployment.spec.name,
+                self._canary,
             )
             controller = ManagedController(
-                deployment, engine, adapter, effects, self._clock, self._events, self._settings, fields, self._room,
+                deployment,
+                engine,
+                adapter,
+                effects,
+                self._clock,
+                self._events,
+                self._settings,
+                fields,
+                self._room,
                 self._keep,
             )
         assert self._task_group is not None
@@ -345,8 +377,10 @@ class Fleet:
         check_extra_args(spec.engine_config.extra_args, adapter.owned_options)
         check_env(spec.engine_config.env, adapter.owned_env)
         if host is None and not local_path(str(spec.model), "model", InvalidConfig).exists():
-            raise InvalidConfig(f"model {spec.model!r} does not exist on this machine; set model to the path of "
-                                f"the model file or directory for {engine.name} to load")
+            raise InvalidConfig(
+                f"model {spec.model!r} does not exist on this machine; set model to the path of "
+                f"the model file or directory for {engine.name} to load"
+            )
         return None
 
     def _check_device(self, spec: DeploymentSpec, devices: Mapping[str, Device], where: str) -> None:
@@ -443,8 +477,10 @@ class Fleet:
             if controller.desired is Desired.STOP:
                 raise DeploymentStopped(name)
             if not isinstance(controller, ManagedController):
-                raise InvalidConfig(f"deployment {name!r} is attached: CapyCTL does not run its engine, so it "
-                                    "cannot park it; stop routing to it with capyctl stop deployment")
+                raise InvalidConfig(
+                    f"deployment {name!r} is attached: CapyCTL does not run its engine, so it "
+                    "cannot park it; stop routing to it with capyctl stop deployment"
+                )
             self._events.emit(name, "operator_park")
             await self._room.park(controller)
         return controller

@@ -46,8 +46,15 @@ class _Running:
 
 
 class HostEngines:
-    def __init__(self, adapters: Mapping[str, EngineAdapter], processes: ProcessControl, clock: Clock,
-                 pick_port: Callable[[], int], log_root: Path, gates: Gates) -> None:
+    def __init__(
+        self,
+        adapters: Mapping[str, EngineAdapter],
+        processes: ProcessControl,
+        clock: Clock,
+        pick_port: Callable[[], int],
+        log_root: Path,
+        gates: Gates,
+    ) -> None:
         self._adapters = adapters
         self._processes = processes
         self._clock = clock
@@ -113,8 +120,9 @@ class HostEngines:
         effects = LocalEngineEffects(spec, engine, adapter, self._processes, self._clock, self._pick_port, log_dir)
         launched = await effects.launch(command.generation)
         self._gates.open_gate(gate, launched.port or 0)
-        running = self._running[command.instance] = _Running(effects, launched, gate, uuid.uuid4().hex,
-                                                             command.generation, self._clock.wall())
+        running = self._running[command.instance] = _Running(
+            effects, launched, gate, uuid.uuid4().hex, command.generation, self._clock.wall()
+        )
         return self._described(running)
 
     @staticmethod
@@ -123,10 +131,19 @@ class HostEngines:
         return {"pid": engine.pid, "port": engine.port, "log_path": engine.log_path, "launch_id": running.launch_id}
 
     def running(self) -> list[RunningInstance]:
-        return [RunningInstance(instance=name, deployment=name, number=r.generation, generation=r.generation,
-                                pid=r.launched.pid or 0, pid_start_time=r.started, port=r.launched.port or 0,
-                                launch_id=r.launch_id)
-                for name, r in sorted(self._running.items())]
+        return [
+            RunningInstance(
+                instance=name,
+                deployment=name,
+                number=r.generation,
+                generation=r.generation,
+                pid=r.launched.pid or 0,
+                pid_start_time=r.started,
+                port=r.launched.port or 0,
+                launch_id=r.launch_id,
+            )
+            for name, r in sorted(self._running.items())
+        ]
 
     async def watch(self, tell: Callable[[Message], Awaitable[None]]) -> None:
         """Tells the server of each engine that exited (its gate closed first); never returns."""
@@ -136,21 +153,31 @@ class HostEngines:
                 if status is not None and not running.ending:
                     self._gates.close_gate(running.gate)
                     del self._running[name]
-                    await tell(ProcessExit(instance=name, pid=running.launched.pid or 0, returncode=status,
-                                           at=self._clock.wall()))
+                    await tell(
+                        ProcessExit(
+                            instance=name, pid=running.launched.pid or 0, returncode=status, at=self._clock.wall()
+                        )
+                    )
             await anyio.sleep(WATCH_EVERY)
-
 
     async def stop_all(self, tell: Callable[[Message], Awaitable[None]] | None = None, grace: float = 10.0) -> None:
         """Every engine ended, each end told (cause ``agent_stopped``) while the link is up: the agent is
         stopping, and its engines do not outlive it."""
+
         async def end(name: str, running: _Running) -> None:
             status = await running.effects.stop(running.launched, grace)
             self._gates.close_gate(running.gate)
             self._running.pop(name, None)
             if tell is not None:
-                await tell(ProcessExit(instance=name, pid=running.launched.pid or 0, returncode=status,
-                                       at=self._clock.wall(), cause="agent_stopped"))
+                await tell(
+                    ProcessExit(
+                        instance=name,
+                        pid=running.launched.pid or 0,
+                        returncode=status,
+                        at=self._clock.wall(),
+                        cause="agent_stopped",
+                    )
+                )
 
         async with anyio.create_task_group() as ending:  # side by side: each has its own grace, not the sum
             for name, running in list(self._running.items()):

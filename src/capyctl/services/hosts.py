@@ -11,8 +11,8 @@ into events.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,6 @@ import msgspec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import AlreadyExists, CapyError, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
 from capyctl.domain.hosts import HostRecord, HostState, LinkFacts, LinkTimings, link_state
-from capyctl.domain.memory import Device
 from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
 from capyctl.domain.link import (
     Action,
@@ -36,6 +35,7 @@ from capyctl.domain.link import (
     ProcessExit,
     RunningInstance,
 )
+from capyctl.domain.memory import Device
 from capyctl.domain.ports import Clock, HostStore
 from capyctl.services.events import Events
 
@@ -98,8 +98,13 @@ class HostRegistry:
         revoked = list(old.revoked) if old is not None else []
         if old is not None and old.fingerprint not in revoked:
             revoked.append(old.fingerprint)
-        record = HostRecord(name=name, fingerprint=fingerprint, joined_at=self._clock.wall(), revoked=revoked,
-                            engines=old.engines if old is not None else [])
+        record = HostRecord(
+            name=name,
+            fingerprint=fingerprint,
+            joined_at=self._clock.wall(),
+            revoked=revoked,
+            engines=old.engines if old is not None else [],
+        )
         self._put(record)
         self._events.emit(None, "host_joined", host=name, fingerprint=fingerprint)
 
@@ -112,9 +117,14 @@ class HostRegistry:
         if record.revoked_at is not None or record.fingerprint != fingerprint:
             raise HostRevoked(name)
 
-    def connected(self, name: str, address: str, hello: Hello, close: Callable[[str], Awaitable[None]],
-                  send: Callable[[Message], Awaitable[None]] | None = None,
-                  ) -> tuple[int, Callable[[str], Awaitable[None]] | None]:
+    def connected(
+        self,
+        name: str,
+        address: str,
+        hello: Hello,
+        close: Callable[[str], Awaitable[None]],
+        send: Callable[[Message], Awaitable[None]] | None = None,
+    ) -> tuple[int, Callable[[str], Awaitable[None]] | None]:
         """The host's link is up (its hello read); returns the session, which later calls name, and how to
         close the link this one replaces (None when there was none)."""
         self._sessions += 1
@@ -179,8 +189,15 @@ class HostRegistry:
         link.last_heard, link.last_heard_wall = self._clock.monotonic(), self._clock.wall()
 
     # --- commands -----------------------------------------------------------------------------------
-    async def command(self, name: str, action: Action, args: dict[str, Any], instance: str = "",
-                      generation: int = 0, timeout: float = COMMAND_TIMEOUT) -> CommandResult:
+    async def command(
+        self,
+        name: str,
+        action: Action,
+        args: dict[str, Any],
+        instance: str = "",
+        generation: int = 0,
+        timeout: float = COMMAND_TIMEOUT,
+    ) -> CommandResult:
         """``action`` run by host ``name``, its result; ``DeviceOffline`` when the host is not online, its link
         closes first, or it does not answer within ``timeout`` s."""
         state = self.state(name)
@@ -200,8 +217,15 @@ class HostRegistry:
             raise DeviceOffline(name, self.state(name).value if done.is_set() else "not answering")
         return answer[0]
 
-    async def run(self, name: str, action: Action, args: dict[str, Any], instance: str = "", generation: int = 0,
-                  timeout: float = COMMAND_TIMEOUT) -> dict[str, Any]:
+    async def run(
+        self,
+        name: str,
+        action: Action,
+        args: dict[str, Any],
+        instance: str = "",
+        generation: int = 0,
+        timeout: float = COMMAND_TIMEOUT,
+    ) -> dict[str, Any]:
         """``command``, and the detail of its result; a refusal by the host is raised with the host's own code
         (``invalid_engine``: no engine at that path ...)."""
         result = await self.command(name, action, args, instance, generation, timeout)
@@ -237,8 +261,9 @@ class HostRegistry:
             raise AlreadyExists(f"host {name!r} has an engine named {install.name!r} already; pick another --name")
         record = msgspec.structs.replace(record, engines=[*record.engines, install])
         self._put(record)
-        self._events.emit(None, "engine_added", engine=install.name, family=str(install.family),
-                          version=install.version, host=name)
+        self._events.emit(
+            None, "engine_added", engine=install.name, family=str(install.family), version=install.version, host=name
+        )
         return install
 
     # --- what the server's deployments on hosts read -----------------------------------------------
@@ -258,8 +283,11 @@ class HostRegistry:
 
     def hosts_with(self, engine: str) -> list[tuple[str, HostState]]:
         """Each host that has an engine named ``engine``, and its state."""
-        return [(name, self.state(name)) for name, record in sorted(self._records.items())
-                if any(e.name == engine for e in record.engines)]
+        return [
+            (name, self.state(name))
+            for name, record in sorted(self._records.items())
+            if any(e.name == engine for e in record.engines)
+        ]
 
     def ingress(self, name: str) -> tuple[str, int]:
         """Where host ``name``'s ingress answers: its address on the link, the port its hello named."""
@@ -275,8 +303,9 @@ class HostRegistry:
             return None
         # a closed link is dialled again at once (an agent restarting takes a second or so); silence takes longer
         soon = state in (HostState.DISCONNECTED, HostState.JOINED)
-        return DeviceOffline(name, state.value, model=model,
-                             retry_after=1 if soon else max(1, round(self.timings.suspend_after)))
+        return DeviceOffline(
+            name, state.value, model=model, retry_after=1 if soon else max(1, round(self.timings.suspend_after))
+        )
 
     def fingerprint(self, name: str) -> str | None:
         """The SHA-256 of the certificate host ``name`` holds now; None when it is revoked or unknown: what the
@@ -311,9 +340,13 @@ class HostRegistry:
         if record is None:
             raise HostNotFound(name)
         link = self._links.get(name)
-        facts = LinkFacts(revoked=record.revoked_at is not None, ever_linked=record.linked_at is not None,
-                          linked=link is not None and link.connected and not link.leaving,
-                          last_heard=link.last_heard if link is not None else None, since=self._since)
+        facts = LinkFacts(
+            revoked=record.revoked_at is not None,
+            ever_linked=record.linked_at is not None,
+            linked=link is not None and link.connected and not link.leaving,
+            last_heard=link.last_heard if link is not None else None,
+            since=self._since,
+        )
         return link_state(facts, self._clock.monotonic(), self.timings)
 
     def _tell(self, name: str, link: _Link) -> None:
@@ -321,8 +354,9 @@ class HostRegistry:
         state = self.state(name)
         if state != link.state:
             before, link.state = link.state, state
-            self._events.emit(None, "host_state", host=name, state=state.value,
-                              before=before.value if before is not None else None)
+            self._events.emit(
+                None, "host_state", host=name, state=state.value, before=before.value if before is not None else None
+            )
 
     async def watch(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Tells each host's state changes as time passes (a silent host is suspended, then lost)."""
@@ -366,14 +400,22 @@ class HostRegistry:
             "last_heartbeat": link.last_heard_wall,
             "silent_s": None if heard is None else round(self._clock.monotonic() - heard, 3),
             "version": hello.version if hello else None,
-            "ingress": f"{link.address}:{hello.ingress_port}" if hello and hello.ingress_port and link.address else None,
-            "devices": [{"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve}
-                        for d in inventory.devices] if inventory else [],
-            "engines": [{"name": e.name, "family": str(e.family), "version": e.version, "path": e.path}
-                        for e in record.engines],
+            "ingress": f"{link.address}:{hello.ingress_port}"
+            if hello and hello.ingress_port and link.address
+            else None,
+            "devices": [
+                {"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve} for d in inventory.devices
+            ]
+            if inventory
+            else [],
+            "engines": [
+                {"name": e.name, "family": str(e.family), "version": e.version, "path": e.path} for e in record.engines
+            ],
             "instances": [i.instance for i in hello.running] if hello else [],
-            "exits": [{"instance": e.instance, "pid": e.pid, "returncode": e.returncode, "at": e.at, "cause": e.cause}
-                      for e in link.exits[-8:]],
+            "exits": [
+                {"instance": e.instance, "pid": e.pid, "returncode": e.returncode, "at": e.at, "cause": e.cause}
+                for e in link.exits[-8:]
+            ],
             "joined_at": record.joined_at,
             "revoked_at": record.revoked_at,
         }

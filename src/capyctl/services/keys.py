@@ -49,9 +49,14 @@ def new_key_parts() -> tuple[str, str]:
 
 
 class Keyring:
-    def __init__(self, store: KeyStore, clock: Clock, events: Events,
-                 new_parts: Callable[[], tuple[str, str]] = new_key_parts,
-                 forget_default: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        store: KeyStore,
+        clock: Clock,
+        events: Events,
+        new_parts: Callable[[], tuple[str, str]] = new_key_parts,
+        forget_default: Callable[[], None] = lambda: None,
+    ) -> None:
         self._store = store
         self._clock = clock
         self._events = events
@@ -86,8 +91,13 @@ class Keyring:
         if existing:
             parts = split_key(existing)
             key_id = parts[0] if parts else self._fresh_id()
-            key = ApiKey(id=key_id, name=DEFAULT_NAME, digest=digest(parts[1] if parts else existing),
-                         created=self._clock.wall(), legacy=parts is None)
+            key = ApiKey(
+                id=key_id,
+                name=DEFAULT_NAME,
+                digest=digest(parts[1] if parts else existing),
+                created=self._clock.wall(),
+                legacy=parts is None,
+            )
         else:
             key_id, secret = self._new_id_and_secret()
             write(format_key(key_id, secret))  # before it is stored: a crash in between imports it next time
@@ -153,22 +163,35 @@ class Keyring:
         return usage
 
     # --- what operators do ------------------------------------------------------------------------
-    def create(self, name: object, daily_limit: object = None, models: object = None,
-               cache_salt: object = None) -> tuple[ApiKey, str]:
+    def create(
+        self, name: object, daily_limit: object = None, models: object = None, cache_salt: object = None
+    ) -> tuple[ApiKey, str]:
         """A new key and its secret (shown once, never stored)."""
         key_name = check_name(name)
         if key_name in self._by_name:
             raise AlreadyExists(f"a key named {key_name!r} exists; revoke it first with: capyctl revoke key {key_name}")
         key_id, secret = self._new_id_and_secret()
-        key = ApiKey(id=key_id, name=key_name, digest=digest(secret), created=self._clock.wall(),
-                     daily_limit=check_limit(daily_limit), models=check_models(models),
-                     cache_salt=check_key_salt(cache_salt))
+        key = ApiKey(
+            id=key_id,
+            name=key_name,
+            digest=digest(secret),
+            created=self._clock.wall(),
+            daily_limit=check_limit(daily_limit),
+            models=check_models(models),
+            cache_salt=check_key_salt(cache_salt),
+        )
         self._store.add_key(key)
         self._hold(key)
         self._usage[key.id] = Usage(day=utc_day(self._clock.wall()))
-        self._events.emit(None, "key_created", key=key.name, key_id=key.id, daily_limit=key.daily_limit,
-                          models=list(key.models) if key.models is not None else None,
-                          cache_salt=key.cache_salt is not None)
+        self._events.emit(
+            None,
+            "key_created",
+            key=key.name,
+            key_id=key.id,
+            daily_limit=key.daily_limit,
+            models=list(key.models) if key.models is not None else None,
+            cache_salt=key.cache_salt is not None,
+        )
         return key, format_key(key_id, secret)
 
     def revoke(self, name: str) -> ApiKey:
@@ -185,7 +208,7 @@ class Keyring:
         self._events.emit(None, "key_revoked", key=key.name, key_id=key.id)
         return key
 
-    def keys(self) -> list[tuple[ApiKey, Usage]]:
+    def with_usage(self) -> list[tuple[ApiKey, Usage]]:
         """Every key, by name, with its use today."""
         wall = self._clock.wall()
         return [(key, self._today(key.id, wall)) for _, key in sorted(self._by_name.items())]
@@ -204,4 +227,3 @@ class Keyring:
             key_id, secret = self._new_parts()
             if key_id not in self._by_id:
                 return key_id, secret
-

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from capyctl.domain.deployments import DeploymentSpec
-from capyctl.domain.errors import CapyError
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.errors import CapyError
 from capyctl.domain.lifecycle import Launched
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, ProcessHandle
 
@@ -53,8 +53,9 @@ class LocalEngineEffects(EngineEffects):
         # only engines that may still run are kept: a controller runs one at a time
         self._handles = {n: h for n, h in self._handles.items() if h.returncode() is None}
         self._handles[number] = process
-        return Launched(number=number, url=f"http://127.0.0.1:{port}", pid=process.pid, port=port,
-                        log_path=str(log_path))
+        return Launched(
+            number=number, url=f"http://127.0.0.1:{port}", pid=process.pid, port=port, log_path=str(log_path)
+        )
 
     def exited(self, engine: Launched) -> int | None:
         return self._handles[engine.number].returncode()

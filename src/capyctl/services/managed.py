@@ -61,8 +61,9 @@ class ManagedController(ControllerBase):
         super().__init__(deployment, engine, adapter, clock, events, fields)
         self._state = ManagedState(deployment, clock, events, keep)
         self._effects = effects
-        self._task = EngineTask(self, self._state, effects, room or NoSwitchboard(), clock, events, settings,
-                                self.settlement)
+        self._task = EngineTask(
+            self, self._state, effects, room or NoSwitchboard(), clock, events, settings, self.settlement
+        )
         self._task_scope: anyio.CancelScope | None = None
 
     @property
@@ -222,7 +223,8 @@ class ManagedController(ControllerBase):
             return DeploymentStopped(self.name, while_serving=True)
         if state.ended_by is not None and state.ended_by[0] == route.launch and self.host is not None:  # its host's
             return self._effects.offline() or DeviceOffline(  # doing, not the engine's: said so
-                self.host, "reconnecting", model=self.name, retry_after=1)
+                self.host, "reconnecting", model=self.name, retry_after=1
+            )
         return EngineRestarted(self.name, str(state.status.last_error))
 
     def loading(self) -> Loading:

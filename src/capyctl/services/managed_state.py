@@ -24,7 +24,11 @@ S = InstanceState
 
 class ManagedState:
     def __init__(
-        self, deployment: Deployment, clock: Clock, events: Events, keep: Callable[[Deployment], None],
+        self,
+        deployment: Deployment,
+        clock: Clock,
+        events: Events,
+        keep: Callable[[Deployment], None],
     ) -> None:
         self.deployment = deployment
         self._clock = clock

@@ -60,8 +60,15 @@ class _Launch:
 
 
 class RemoteEngineEffects(EngineEffects):
-    def __init__(self, spec: DeploymentSpec, engine: EngineInstall, host: str, hosts: HostRegistry, clock: Clock,
-                 canary: Canary | None = None) -> None:
+    def __init__(
+        self,
+        spec: DeploymentSpec,
+        engine: EngineInstall,
+        host: str,
+        hosts: HostRegistry,
+        clock: Clock,
+        canary: Canary | None = None,
+    ) -> None:
         self._spec = spec
         self._engine = engine
         self.host = host
@@ -91,17 +98,29 @@ class RemoteEngineEffects(EngineEffects):
             detail = await self._run("adopt", None, gate=gate)
         else:
             self._generation = max(int(self._clock.wall() * 1000), self._generation + 1)
-            detail = await self._run("launch", None, gate=gate, spec=msgspec.to_builtins(self._spec),
-                                     engine=msgspec.to_builtins(self._engine))
+            detail = await self._run(
+                "launch",
+                None,
+                gate=gate,
+                spec=msgspec.to_builtins(self._spec),
+                engine=msgspec.to_builtins(self._engine),
+            )
         address, port = self._hosts.ingress(self.host)
         pid = int(detail.get("pid") or 0)
-        self._launches[number] = self._current = _Launch(self._generation, self._hosts.session(self.host), pid,
-                                                         str(detail.get("launch_id") or ""))
+        self._launches[number] = self._current = _Launch(
+            self._generation, self._hosts.session(self.host), pid, str(detail.get("launch_id") or "")
+        )
         self._proven = self._current.session
         engine_port = detail.get("port")
-        return Launched(number=number, url=f"https://{self.host}:{gate}@{address}:{port}", pid=pid,
-                        port=int(engine_port) if engine_port else None, ingress_port=port,
-                        log_path=f"{self.host}:{detail.get('log_path')}", adopted=running is not None)
+        return Launched(
+            number=number,
+            url=f"https://{self.host}:{gate}@{address}:{port}",
+            pid=pid,
+            port=int(engine_port) if engine_port else None,
+            ingress_port=port,
+            log_path=f"{self.host}:{detail.get('log_path')}",
+            adopted=running is not None,
+        )
 
     def _adoptable(self) -> RunningInstance | None:
         proof = self._hosts.proven(self.host)
@@ -114,10 +133,16 @@ class RemoteEngineEffects(EngineEffects):
             launch.cause = "agent_stopped" if told.cause == "agent_stopped" else None
         if launch.code is None and self._hosts.state(self.host) == HostState.REVOKED:
             launch.gone("host_revoked")  # its agent is cut off and ends its engines; nothing more will be heard
-        if launch.code is None and (proof := self._hosts.proven(self.host)) is not None and proof[0] > launch.session:
-            if not any(r.instance == self._instance and r.pid == launch.pid and r.launch_id == launch.launch_id
-                       for r in proof[1]):
-                launch.gone("not_on_host")  # the host came back and said it no longer runs (a reused pid is not it)
+        proof = self._hosts.proven(self.host) if launch.code is None else None
+        if (
+            proof is not None
+            and proof[0] > launch.session
+            and not any(
+                r.instance == self._instance and r.pid == launch.pid and r.launch_id == launch.launch_id
+                for r in proof[1]
+            )
+        ):
+            launch.gone("not_on_host")  # the host came back and said it no longer runs (a reused pid is not it)
         return launch.code
 
     def ended_by(self, engine: Launched) -> str | None:
@@ -194,8 +219,12 @@ class RemoteEngineEffects(EngineEffects):
     def offline(self) -> CapyError | None:
         refusal = self._hosts.offline(self.host, self._spec.name)
         launch = self._current
-        if refusal is None and launch is not None and launch.code is None and self._proven < self._hosts.session(
-                self.host):
+        if (
+            refusal is None
+            and launch is not None
+            and launch.code is None
+            and self._proven < self._hosts.session(self.host)
+        ):
             return DeviceOffline(self.host, "reconnecting", model=self._spec.name, retry_after=1)  # until reproved
         return refusal
 

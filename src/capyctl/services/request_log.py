@@ -20,10 +20,11 @@ import logging
 
 import anyio
 import anyio.abc
+
+from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.ports import Clock, RequestStore
 from capyctl.domain.request_charts import RECENT_SECONDS, WINDOWS, Bucket, Recent, chart, recent
 from capyctl.domain.request_rows import RecordSettings, RequestRow, RowBuffer, RowFilter, Settle
-from capyctl.domain.errors import InvalidRequest
 
 log = logging.getLogger("capyctl.records")
 RECENT_BOUND = 20_000  # rows the Fleet cards' figures are read from at most (the newest)
@@ -83,28 +84,33 @@ class RequestLog:
                     self._recent.extend(row for row in batch if isinstance(row, RequestRow))
                 except Exception:
                     self.lost += len(batch)
-                    log.exception("could not store %d request records (%d lost since the start)",
-                                  len(batch), self.lost)
+                    log.exception("could not store %d request records (%d lost since the start)", len(batch), self.lost)
                     break
             now = self._clock.monotonic()
             if now - self._pruned_at >= self._settings.prune_every:
                 self._pruned_at = now
                 try:
-                    await anyio.to_thread.run_sync(self._store.prune_requests, self._settings.retention,
-                                                   self._clock.wall())
+                    await anyio.to_thread.run_sync(
+                        self._store.prune_requests, self._settings.retention, self._clock.wall()
+                    )
                 except Exception:
                     log.exception("could not prune the request records")
         if self.dropped != self._dropped_told:
-            log.warning("dropped %d request records: the buffer of %d was full (the store is slow or failing); "
-                        "%d dropped since the start", self.dropped - self._dropped_told, self._settings.buffer,
-                        self.dropped)
+            log.warning(
+                "dropped %d request records: the buffer of %d was full (the store is slow or failing); "
+                "%d dropped since the start",
+                self.dropped - self._dropped_told,
+                self._settings.buffer,
+                self.dropped,
+            )
             self._dropped_told = self.dropped
 
     async def _seed(self) -> None:
         """The last minutes' rows from the store, so the Fleet cards' figures survive a restart."""
         try:
-            rows = await anyio.to_thread.run_sync(self._store.list_requests, RowFilter(
-                since=self._clock.wall() - RECENT_SECONDS, limit=RECENT_BOUND))  # the newest, as the window keeps
+            rows = await anyio.to_thread.run_sync(
+                self._store.list_requests, RowFilter(since=self._clock.wall() - RECENT_SECONDS, limit=RECENT_BOUND)
+            )  # the newest, as the window keeps
         except Exception:
             log.exception("could not read the last minutes' request records")
             return
@@ -134,8 +140,9 @@ class RequestLog:
             raise InvalidRequest(f"'window' must be one of {', '.join(WINDOWS)}, not {window!r}", param="window")
         now = self._clock.wall()
         span = WINDOWS[window]
-        where = RowFilter(deployment=deployment, since=now - span.seconds - span.bucket,
-                          limit=self._settings.retention.max_count)
+        where = RowFilter(
+            deployment=deployment, since=now - span.seconds - span.bucket, limit=self._settings.retention.max_count
+        )
         await self.flush()
         # read and bucketed on a worker thread: a day of records is too much work for the requests' loop
         return await anyio.to_thread.run_sync(lambda: chart(self._store.list_requests(where), span, now))

@@ -22,7 +22,11 @@ from capyctl.services.events import Events
 
 class Settlement:
     def __init__(
-        self, name: str, read_load: Callable[[], Awaitable[tuple[int, int] | None]], clock: Clock, events: Events,
+        self,
+        name: str,
+        read_load: Callable[[], Awaitable[tuple[int, int] | None]],
+        clock: Clock,
+        events: Events,
         poll: float = 0.1,
     ) -> None:
         self.ledger = Ledger()
@@ -63,6 +67,7 @@ class Settlement:
 
     def _report(self, settled: list[Settled]) -> None:
         for entry in settled:
-            self._events.emit(self._name, "request_settled", instance=0, rule=entry.rule,
-                              seconds=round(entry.seconds, 3))
+            self._events.emit(
+                self._name, "request_settled", instance=0, rule=entry.rule, seconds=round(entry.seconds, 3)
+            )
             self._events.settled(entry.request, entry.rule, entry.seconds)

@@ -48,8 +48,8 @@ from capyctl.domain.memory import (
     next_in_line,
     plan,
 )
-from capyctl.domain.units import seconds
 from capyctl.domain.ports import Clock
+from capyctl.domain.units import seconds
 from capyctl.services.admission import AdmissionService
 from capyctl.services.events import Events
 
@@ -84,8 +84,13 @@ class Occupant(Protocol):
 
 class Switchboard:
     def __init__(
-        self, devices: Sequence[Device], switching: Switching, admission: AdmissionService, clock: Clock,
-        events: Events, idle: Idle | None = None,
+        self,
+        devices: Sequence[Device],
+        switching: Switching,
+        admission: AdmissionService,
+        clock: Clock,
+        events: Events,
+        idle: Idle | None = None,
     ) -> None:
         self.devices = {d.name: d for d in devices}
         self._idle = idle or Idle()
@@ -110,8 +115,10 @@ class Switchboard:
 
     def host_devices(self, host: str) -> dict[str, Device]:
         """Host ``host``'s devices by their name on the host, each named ``<host>/<name>`` here."""
-        return {d.name: Device(name=f"{host}/{d.name}", capacity=d.capacity, reserve=d.reserve)
-                for d in self._host_devices(host)}
+        return {
+            d.name: Device(name=f"{host}/{d.name}", capacity=d.capacity, reserve=d.reserve)
+            for d in self._host_devices(host)
+        }
 
     def every_device(self) -> list[Device]:
         """The server's devices, then the devices of each host a deployment runs on."""
@@ -127,8 +134,9 @@ class Switchboard:
             began = self._clock.monotonic()
             while self._admission.state.in_flight(occupant.name):
                 if self._clock.monotonic() - began >= self._switching.drain_timeout:
-                    raise StillServing(occupant.name, self._admission.state.in_flight(occupant.name),
-                                       self._switching.drain_timeout)
+                    raise StillServing(
+                        occupant.name, self._admission.state.in_flight(occupant.name), self._switching.drain_timeout
+                    )
                 await anyio.sleep(LOOK_AGAIN)
             await occupant.give_way(park=True, why="operator_park")
         finally:
@@ -158,8 +166,14 @@ class Switchboard:
         state = self._admission.state
         busy = bool(state.in_flight(name) or state.waiting(name))
         resident = self.resident(occupant)
-        return idle_step(idle, self._clock.monotonic(), self._admission.last_used.get(name, 0.0),
-                         resident.holding, busy, resident.can_park)
+        return idle_step(
+            idle,
+            self._clock.monotonic(),
+            self._admission.last_used.get(name, 0.0),
+            resident.holding,
+            busy,
+            resident.can_park,
+        )
 
     async def _idle_away(self, occupant: Occupant, step: str) -> None:
         self._admission.hold(occupant.name)  # nothing new slips in while it goes
@@ -212,7 +226,8 @@ class Switchboard:
             movable=occupant.movable,
             waiting=self._admission.state.waiting(name),
             # a model with requests at its engine is in use now
-            last_used=self._clock.monotonic() if self._admission.state.in_flight(name)
+            last_used=self._clock.monotonic()
+            if self._admission.state.in_flight(name)
             else self._admission.last_used.get(name, 0.0),
             unsettled_before_output=occupant.unsettled_before_output(),
         )
@@ -280,8 +295,10 @@ class Switchboard:
             for victim in victims:  # they keep serving: nothing of theirs was cut
                 self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]
             slow = [name for name, outcome in outcomes.items() if outcome is Gate.TIMED_OUT]
-            reason = (f"{', '.join(slow)} did not finish its requests within switching.drain_timeout "
-                      f"({self._switching.drain_timeout:.0f} s); it keeps serving")
+            reason = (
+                f"{', '.join(slow)} did not finish its requests within switching.drain_timeout "
+                f"({self._switching.drain_timeout:.0f} s); it keeps serving"
+            )
             self.last_switch[device.name] = {**described, "outcome": "failed", "reason": reason}
             self._events.emit(switch.target, "switch_failed", device=device.name, reason=reason, **described)
             raise GpuBusy(switch.target, reason, self._retry_after(slow[0]))
@@ -300,8 +317,11 @@ class Switchboard:
         self._events.emit(switch.target, "switch_completed", device=device.name, seconds=seconds, **described)
 
     async def _drain(self, victim: Occupant, began: float, outcomes: dict[str, Gate]) -> None:
-        window = Window(planned_at=began, admission_window=self._switching.admission_window,
-                        drain_timeout=self._switching.drain_timeout)
+        window = Window(
+            planned_at=began,
+            admission_window=self._switching.admission_window,
+            drain_timeout=self._switching.drain_timeout,
+        )
         while True:
             phase, window = gate(window, self._clock.monotonic(), self._admission.state.in_flight(victim.name))
             if phase is not Gate.ADMIT:

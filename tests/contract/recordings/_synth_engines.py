@@ -60,8 +60,9 @@ class VLLM:
 
     def first(self, cid: str, t: int, model: str, usage: J | None = None) -> J:
         c = self._base(cid, t, model)
-        c["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]
+        c["choices"] = [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ]
         if usage is not None:
             c["usage"] = usage
         c["prompt_token_ids"] = None
@@ -77,11 +78,26 @@ class VLLM:
             c["kv_transfer_params"] = None
         return c
 
-    def finish(self, cid: str, t: int, model: str, delta: J, reason: str, stop_reason: Any,
-               include_usage: bool, usage: J | None = None) -> J:
+    def finish(
+        self,
+        cid: str,
+        t: int,
+        model: str,
+        delta: J,
+        reason: str,
+        stop_reason: Any,
+        include_usage: bool,
+        usage: J | None = None,
+    ) -> J:
         c = self._base(cid, t, model)
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
-                  "stop_reason": stop_reason, "token_ids": None}
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+            "token_ids": None,
+        }
         if self.v33:
             choice["weight_versions"] = None
         c["choices"] = [choice]
@@ -102,8 +118,18 @@ class VLLM:
             c["metrics"] = metrics
         return c
 
-    def plain(self, cid: str, t: int, model: str, pieces: list[str], reason: str, stop_reason: Any,
-              include_usage: bool, usage: J | None = None, metrics: J | None = None) -> bytes:
+    def plain(
+        self,
+        cid: str,
+        t: int,
+        model: str,
+        pieces: list[str],
+        reason: str,
+        stop_reason: Any,
+        include_usage: bool,
+        usage: J | None = None,
+        metrics: J | None = None,
+    ) -> bytes:
         ev = [self.first(cid, t, model)]
         ev += [self.token(cid, t, model, {"content": p}) for p in pieces[:-1]]
         ev.append(self.finish(cid, t, model, {"content": pieces[-1]}, reason, stop_reason, include_usage))
@@ -112,17 +138,25 @@ class VLLM:
         return sse(ev)
 
     def tools(self, cid: str, t: int, model: str, tool_id: str, usage: J, metrics: J) -> bytes:
-        ev = [self.first(cid, t, model),
-              self.token(cid, t, model, {"tool_calls": [{"id": tool_id, "type": "function", "index": 0,
-                                                         "function": {"name": "get_weather"}}]})]
-        ev += [self.token(cid, t, model, {"tool_calls": [{"index": 0, "function": {"arguments": p}}]})
-               for p in ARG_PIECES]
+        ev = [
+            self.first(cid, t, model),
+            self.token(
+                cid,
+                t,
+                model,
+                {"tool_calls": [{"id": tool_id, "type": "function", "index": 0, "function": {"name": "get_weather"}}]},
+            ),
+        ]
+        ev += [
+            self.token(cid, t, model, {"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in ARG_PIECES
+        ]
         ev.append(self.finish(cid, t, model, {}, "tool_calls", None, True))
         ev.append(self.usage_chunk(cid, t, model, usage, metrics))
         return sse(ev)
 
-    def reasoning(self, cid: str, t: int, model: str, thinking: list[str], answer: list[str], usage: J,
-                  metrics: J) -> bytes:
+    def reasoning(
+        self, cid: str, t: int, model: str, thinking: list[str], answer: list[str], usage: J, metrics: J
+    ) -> bytes:
         ev = [self.first(cid, t, model)]
         ev += [self.token(cid, t, model, {"reasoning": p}) for p in thinking]
         ev += [self.token(cid, t, model, {"content": p}) for p in answer[:-1]]
@@ -145,15 +179,22 @@ class VLLM:
         ev += [self.token(cid, t, model, {"content": s}, usage=use(i + 1)) for i, s in enumerate(pieces[:-1])]
         n = len(pieces)
         ev.append(self.finish(cid, t, model, {"content": pieces[-1]}, "stop", None, True, usage=use(n)))
-        ev.append(self.usage_chunk(cid, t, model, {**use(n), "prompt_tokens_details": {"cached_tokens": 16}},
-                                   metrics))
+        ev.append(self.usage_chunk(cid, t, model, {**use(n), "prompt_tokens_details": {"cached_tokens": 16}}, metrics))
         return sse(ev)
 
     def error_midstream(self, cid: str, t: int, model: str, pieces: list[str]) -> bytes:
         ev = [self.first(cid, t, model)]
         ev += [self.token(cid, t, model, {"content": p}) for p in pieces]
-        ev.append({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
-                             "cause.", "type": "InternalServerError", "param": None, "code": 500}})
+        ev.append(
+            {
+                "error": {
+                    "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
+        )
         return sse(ev)
 
 
@@ -169,23 +210,39 @@ class SGLang:
         self.completion_details = key >= (0, 5, 23)
 
     def usage(self, prompt: int, completion: int, cached: int, reasoning: int = 0) -> J:
-        u: J = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": cached} if cached or self.always_cache_details else None,
-                "reasoning_tokens": reasoning}
+        u: J = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached} if cached or self.always_cache_details else None,
+            "reasoning_tokens": reasoning,
+        }
         if self.completion_details:
             u["completion_tokens_details"] = {"reasoning_tokens": reasoning} if reasoning else None
         return u
 
     @staticmethod
     def ms(rid: str, t: int, model: str, delta: J, finish: str | None = None, matched: Any = None) -> J:
-        return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
-                             "matched_stop": matched}]}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": t,
+            "model": model,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+            ],
+        }
 
     @staticmethod
     def pyd(rid: str, t: int, model: str, choices: list[J], usage: J | None = None) -> J:
-        return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model, "choices": choices,
-                "usage": usage}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": t,
+            "model": model,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def pyd_choice(self, content: str | None = None, tool_calls: list[J] | None = None, **extra: Any) -> J:
         delta: J = {"role": None, "content": content, "reasoning_content": None, "tool_calls": tool_calls}
@@ -203,8 +260,9 @@ class SGLang:
     def _fin(self, rid: str, t: int, model: str, reason: str, matched: Any) -> J:
         return self.ms(rid, t, model, {"reasoning_content": None}, reason, matched)
 
-    def plain(self, rid: str, t: int, model: str, pieces: list[str], reason: str, matched: Any,
-              usage: J | None) -> bytes:
+    def plain(
+        self, rid: str, t: int, model: str, pieces: list[str], reason: str, matched: Any, usage: J | None
+    ) -> bytes:
         ev = [self._open(rid, t, model)] + [self._text(rid, t, model, p) for p in pieces]
         ev.append(self._fin(rid, t, model, reason, matched))
         if usage is not None:
@@ -212,14 +270,42 @@ class SGLang:
         return sse(ev)
 
     def tools(self, rid: str, t: int, model: str, call_id: str, usage: J) -> bytes:
-        ev = [self._open(rid, t, model),
-              self.pyd(rid, t, model, [self.pyd_choice(content="I'll look that up.")]),
-              self.pyd(rid, t, model, [self.pyd_choice(tool_calls=[
-                  {"id": call_id, "index": 0, "type": "function",
-                   "function": {"name": "get_weather", "arguments": ""}}])])]
-        ev += [self.pyd(rid, t, model, [self.pyd_choice(tool_calls=[
-                  {"id": None, "index": 0, "type": "function", "function": {"name": None, "arguments": p}}])])
-               for p in ARG_PIECES]
+        ev = [
+            self._open(rid, t, model),
+            self.pyd(rid, t, model, [self.pyd_choice(content="I'll look that up.")]),
+            self.pyd(
+                rid,
+                t,
+                model,
+                [
+                    self.pyd_choice(
+                        tool_calls=[
+                            {
+                                "id": call_id,
+                                "index": 0,
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": ""},
+                            }
+                        ]
+                    )
+                ],
+            ),
+        ]
+        ev += [
+            self.pyd(
+                rid,
+                t,
+                model,
+                [
+                    self.pyd_choice(
+                        tool_calls=[
+                            {"id": None, "index": 0, "type": "function", "function": {"name": None, "arguments": p}}
+                        ]
+                    )
+                ],
+            )
+            for p in ARG_PIECES
+        ]
         ev.append(self._fin(rid, t, model, "tool_calls", None))
         ev.append(self.pyd(rid, t, model, [], usage))
         return sse(ev)
@@ -246,8 +332,17 @@ class SGLang:
 
     def error_midstream(self, rid: str, t: int, model: str) -> bytes:
         ev = [self._open(rid, t, model)] + [self._text(rid, t, model, p) for p in ANSWER[:4]]
-        ev.append({"error": {"object": "error", "message": "The request is aborted: out of memory.",
-                             "type": "BadRequestError", "param": None, "code": 400}})
+        ev.append(
+            {
+                "error": {
+                    "object": "error",
+                    "message": "The request is aborted: out of memory.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            }
+        )
         return sse(ev)
 
 
@@ -259,14 +354,23 @@ class TensorFold:
 
     @staticmethod
     def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> J:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached},
-                "completion_tokens_details": {"reasoning_tokens": reasoning}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning},
+        }
 
     @staticmethod
     def chunk(cid: str, t: int, model: str, delta: J, finish: str | None = None) -> J:
-        return {"id": cid, "object": "chat.completion.chunk", "created": t, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": t,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
 
     def final(self, cid: str, t: int, model: str, reason: str, usage: J, include_usage: bool) -> list[J]:
         c = self.chunk(cid, t, model, {}, reason)
@@ -274,26 +378,53 @@ class TensorFold:
             c["usage"] = usage
         n = usage["completion_tokens"]
         c["exact_mode"] = False
-        c["tensorfold"] = {"token_sha": hashlib.sha256(cid.encode()).hexdigest(), "ttft_ms": 41.8,
-                           "prefill_ms": 38.2, "decode_tokens_per_second": 96.4}
+        c["tensorfold"] = {
+            "token_sha": hashlib.sha256(cid.encode()).hexdigest(),
+            "ttft_ms": 41.8,
+            "prefill_ms": 38.2,
+            "decode_tokens_per_second": 96.4,
+        }
         c["speculative"] = {"drafted": 3 * n, "accepted": 2 * n, "acceptance_rate": 0.6667}
         ev = [c]
         if include_usage:
-            ev.append({"id": cid, "object": "chat.completion.chunk", "created": t, "model": model, "choices": [],
-                       "usage": usage})
+            ev.append(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": t,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
         return ev
 
-    def plain(self, cid: str, t: int, model: str, pieces: list[str], reason: str, usage: J,
-              include_usage: bool) -> bytes:
+    def plain(
+        self, cid: str, t: int, model: str, pieces: list[str], reason: str, usage: J, include_usage: bool
+    ) -> bytes:
         ev = [self.chunk(cid, t, model, {"role": "assistant"})]
         ev += [self.chunk(cid, t, model, {"content": p}) for p in pieces]
         return sse(ev + self.final(cid, t, model, reason, usage, include_usage))
 
     def tools(self, cid: str, t: int, model: str, call_id: str, usage: J) -> bytes:
-        ev = [self.chunk(cid, t, model, {"role": "assistant"}),
-              self.chunk(cid, t, model, {"tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                                         "function": {"name": "get_weather",
-                                                                      "arguments": TOOL_ARGS}}]})]
+        ev = [
+            self.chunk(cid, t, model, {"role": "assistant"}),
+            self.chunk(
+                cid,
+                t,
+                model,
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": TOOL_ARGS},
+                        }
+                    ]
+                },
+            ),
+        ]
         return sse(ev + self.final(cid, t, model, "tool_calls", usage, False))
 
     def reasoning(self, cid: str, t: int, model: str, usage: J) -> bytes:
@@ -305,8 +436,14 @@ class TensorFold:
     def error_midstream(self, cid: str, t: int, model: str, pieces: list[str]) -> bytes:
         ev = [self.chunk(cid, t, model, {"role": "assistant"})]
         ev += [self.chunk(cid, t, model, {"content": p}) for p in pieces]
-        ev.append({"error": {"message": "generation failed: CUDA error: an illegal memory access was encountered",
-                             "type": "server_error"}})
+        ev.append(
+            {
+                "error": {
+                    "message": "generation failed: CUDA error: an illegal memory access was encountered",
+                    "type": "server_error",
+                }
+            }
+        )
         return sse(ev)
 
 
@@ -317,17 +454,30 @@ class LlamaCpp:
 
     def chunk(self, cid: str, t: int, delta: J | None, finish: str | None = None, **tail: Any) -> J:
         choices = [] if delta is None else [{"finish_reason": finish, "index": 0, "delta": delta}]
-        return {"choices": choices, "created": t, "id": cid, "model": self.MODEL, "system_fingerprint": self.FP,
-                "object": "chat.completion.chunk", **tail}
+        return {
+            "choices": choices,
+            "created": t,
+            "id": cid,
+            "model": self.MODEL,
+            "system_fingerprint": self.FP,
+            "object": "chat.completion.chunk",
+            **tail,
+        }
 
     @staticmethod
     def timings(n: int, prompt_n: int = 19, cache_n: int = 24) -> J:
         prompt_ms = round(prompt_n * 3.185, 3)
-        return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": round(prompt_ms / prompt_n, 6),
-                "prompt_per_second": round(1000 * prompt_n / prompt_ms, 6), "predicted_n": n,
-                "predicted_ms": round(n * 7.583, 3), "predicted_per_token_ms": 7.583,
-                "predicted_per_second": round(1000 / 7.583, 6)}
+        return {
+            "cache_n": cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": round(prompt_ms / prompt_n, 6),
+            "prompt_per_second": round(1000 * prompt_n / prompt_ms, 6),
+            "predicted_n": n,
+            "predicted_ms": round(n * 7.583, 3),
+            "predicted_per_token_ms": 7.583,
+            "predicted_per_second": round(1000 / 7.583, 6),
+        }
 
     def _open(self, cid: str, t: int) -> J:
         return self.chunk(cid, t, {"role": "assistant", "content": None})
@@ -336,16 +486,41 @@ class LlamaCpp:
         n = len(pieces)
         ev = [self._open(cid, t)] + [self.chunk(cid, t, {"content": p}) for p in pieces]
         ev.append(self.chunk(cid, t, {}, "stop"))
-        ev.append(self.chunk(cid, t, None, usage={"completion_tokens": n, "prompt_tokens": 43, "total_tokens": 43 + n,
-                                                  "prompt_tokens_details": {"cached_tokens": 24}},
-                             timings=self.timings(n)))
+        ev.append(
+            self.chunk(
+                cid,
+                t,
+                None,
+                usage={
+                    "completion_tokens": n,
+                    "prompt_tokens": 43,
+                    "total_tokens": 43 + n,
+                    "prompt_tokens_details": {"cached_tokens": 24},
+                },
+                timings=self.timings(n),
+            )
+        )
         return sse(ev)
 
     def tools(self, cid: str, t: int, call_id: str) -> bytes:
-        pieces = ['{"', 'city', '":"', 'Paris', '","', 'unit', '":"', 'celsius', '"}']
-        ev = [self._open(cid, t),
-              self.chunk(cid, t, {"tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                                  "function": {"name": "get_weather", "arguments": pieces[0]}}]})]
+        pieces = ['{"', "city", '":"', "Paris", '","', "unit", '":"', "celsius", '"}']
+        ev = [
+            self._open(cid, t),
+            self.chunk(
+                cid,
+                t,
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": pieces[0]},
+                        }
+                    ]
+                },
+            ),
+        ]
         ev += [self.chunk(cid, t, {"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in pieces[1:]]
         ev.append(self.chunk(cid, t, {}, "tool_calls", timings=self.timings(len(pieces) + 6, prompt_n=211, cache_n=0)))
         return sse(ev)
@@ -358,6 +533,5 @@ class LlamaCpp:
 
     def error_midstream(self, cid: str, t: int, pieces: list[str]) -> bytes:
         ev = [self._open(cid, t)] + [self.chunk(cid, t, {"content": p}) for p in pieces]
-        ev.append({"error": {"code": 500, "message": "Failed to decode the batch (ret = -3)",
-                             "type": "server_error"}})
+        ev.append({"error": {"code": 500, "message": "Failed to decode the batch (ret = -3)", "type": "server_error"}})
         return sse(ev, done=False)

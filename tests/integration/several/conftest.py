@@ -26,10 +26,19 @@ def start_server(lan: Lan, tmp_path: Path, *extra: str) -> Machine:
     machine = Machine(lan.server, tmp_path / "server")
     machine.state.mkdir()
     (machine.state / "config.yaml").write_text("hosts:\n  suspend_after: 2s\n  lost_after: 4s\n")
-    machine.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
-                  "--control-listen", f"0.0.0.0:{CONTROL_PORT}", *extra)
-    until(lambda: (machine.state / "management.json").exists() or machine.process.poll() is not None,  # type: ignore[union-attr]
-          30, "the server's management API")
+    machine.start(
+        "server",
+        "--listen",
+        f"{lan.server.address}:{INFERENCE_PORT}",
+        "--control-listen",
+        f"0.0.0.0:{CONTROL_PORT}",
+        *extra,
+    )
+    until(
+        lambda: (machine.state / "management.json").exists() or machine.process.poll() is not None,  # type: ignore[union-attr]
+        30,
+        "the server's management API",
+    )
     assert machine.process is not None and machine.process.poll() is None, machine.read_log()
     return machine
 

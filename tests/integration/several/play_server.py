@@ -41,8 +41,13 @@ BODY = msgspec.json.encode({"model": "chat", "messages": [{"role": "user", "cont
 
 
 def post(body: bytes, length: str | None = None, end: bytes = b"\r\n") -> bytes:
-    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: gpu-a", b"Content-Type: application/json",
-             b"X-CapyCTL-Gate: " + GATE.encode(), b"Content-Length: " + (length or str(len(body))).encode()]
+    lines = [
+        b"POST /v1/chat/completions HTTP/1.1",
+        b"Host: gpu-a",
+        b"Content-Type: application/json",
+        b"X-CapyCTL-Gate: " + GATE.encode(),
+        b"Content-Length: " + (length or str(len(body))).encode(),
+    ]
     return end.join(lines) + end + end + body
 
 
@@ -81,20 +86,32 @@ async def main(root: Path, advertised: str, venv: str, model: str, timeline: str
     control = socket.create_server(("0.0.0.0", int(advertised.rsplit(":", 1)[1])))
     secret = bytes(range(32))
     invite = registry.invite("gpu-a", secret, ttl=600)
-    join = JoinFile(host="gpu-a", server=advertised, ca_pem=authority.cert_pem.decode(), secret=secret_text(secret),
-                    expires_at=invite.expires_at)
+    join = JoinFile(
+        host="gpu-a",
+        server=advertised,
+        ca_pem=authority.cert_pem.decode(),
+        secret=secret_text(secret),
+        expires_at=invite.expires_at,
+    )
     (root / "gpu-a.join").write_bytes(msgspec.json.encode(join))
     stopping = anyio.Event()
     async with anyio.create_task_group() as tasks:
-        listener = ControlListener(registry, authority, server_ssl_context(cert, key, authority.cert_pem, False),
-                                   caller)
+        listener = ControlListener(
+            registry, authority, server_ssl_context(cert, key, authority.cert_pem, False), caller
+        )
         tasks.start_soon(listener.serve, control, stopping)
         with anyio.fail_after(60):  # joined, then linked
             while registry.views() == [] or registry.view("gpu-a")["state"] != HostState.ONLINE:
                 await anyio.sleep(0.1)
         engine = await registry.add_engine("gpu-a", venv, "vllm", None)
-        spec = decode_spec({"name": "chat", "engine": "vllm", "model": model,
-                            "engine_config": {"env": {"STANDIN_TIMELINE": timeline, "STANDIN_HEADS": "1"}}})
+        spec = decode_spec(
+            {
+                "name": "chat",
+                "engine": "vllm",
+                "model": model,
+                "engine_config": {"env": {"STANDIN_TIMELINE": timeline, "STANDIN_HEADS": "1"}},
+            }
+        )
         args = {"spec": msgspec.to_builtins(spec), "engine": msgspec.to_builtins(engine), "gate": GATE}
         launched = await registry.command("gpu-a", "launch", args, instance="chat", generation=1)
         assert launched.ok, launched

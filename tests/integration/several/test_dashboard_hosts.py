@@ -40,11 +40,27 @@ def server(lan: Lan, tmp_path: Path) -> Iterator[Machine]:
 def gpu_a(lan: Lan, server: Machine, tmp_path: Path) -> Machine:
     """gpu-a joined with a 10 GiB gpu0, a stand-in vLLM there, and a 6 GiB deployment on it, ready."""
     host = joined(lan, server, "gpu-a", tmp_path, config=DEVICE)
-    server.cli("engine", "add", str(make_standin_venv(tmp_path / "vllm-a", "vllm", "0.32.0")), "--host", "gpu-a",
-               "--name", "vllm")
+    server.cli(
+        "engine",
+        "add",
+        str(make_standin_venv(tmp_path / "vllm-a", "vllm", "0.32.0")),
+        "--host",
+        "gpu-a",
+        "--name",
+        "vllm",
+    )
     spec = tmp_path / "chat-a.yaml"
-    spec.write_bytes(msgspec.yaml.encode({"name": "chat-a", "engine": "vllm", "model": str(tmp_path / "model"),
-                                          "host": "gpu-a", "resources": {"memory": "6GiB"}}))
+    spec.write_bytes(
+        msgspec.yaml.encode(
+            {
+                "name": "chat-a",
+                "engine": "vllm",
+                "model": str(tmp_path / "model"),
+                "host": "gpu-a",
+                "resources": {"memory": "6GiB"},
+            }
+        )
+    )
     server.cli("deploy", "model", "--file", str(spec), "--activate", "--wait", timeout=120)
     return host
 
@@ -71,7 +87,8 @@ def card(page: Page, name: str) -> Locator:
 
 
 def test_a_hosts_state_follows_its_agent_live_and_a_revoke_asks_first(
-        lan: Lan, server: Machine, gpu_a: Machine, signed_in: tuple[Watched, Page, str]) -> None:
+    lan: Lan, server: Machine, gpu_a: Machine, signed_in: tuple[Watched, Page, str]
+) -> None:
     _, page, origin = signed_in
     expect(page.locator('article[data-deployment="chat-a"] dd.host')).to_have_text("gpu-a")  # the fleet card
     page.goto(origin + "/ui/hosts")
@@ -116,7 +133,8 @@ def test_a_hosts_state_follows_its_agent_live_and_a_revoke_asks_first(
 
 
 def test_an_invitation_is_confirmed_shown_once_and_joins_a_machine(
-        lan: Lan, server: Machine, signed_in: tuple[Watched, Page, str], tmp_path: Path) -> None:
+    lan: Lan, server: Machine, signed_in: tuple[Watched, Page, str], tmp_path: Path
+) -> None:
     watched, page, origin = signed_in
     page.goto(origin + "/ui/hosts")
     expect(page.locator("#hosts")).to_contain_text("No host has joined yet")

@@ -44,16 +44,24 @@ def test_two_hosts_join_and_are_listed_online(lan: Lan, server: Machine, tmp_pat
     credentials = server.state / "identity" / "server-credentials.json"
     assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
     key = json.loads(credentials.read_text())["api_key"]
-    sed = subprocess.run(["sed", "-n", r's/.*"api_key": *"\([^"]*\)".*/\1/p', str(credentials)],
-                         capture_output=True, text=True, check=True)
+    sed = subprocess.run(
+        ["sed", "-n", r's/.*"api_key": *"\([^"]*\)".*/\1/p', str(credentials)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert sed.stdout.strip() == key
-    models = httpx.get(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/models",
-                       headers={"authorization": f"Bearer {key}"}, timeout=10)
+    models = httpx.get(
+        f"http://{lan.server.address}:{INFERENCE_PORT}/v1/models",
+        headers={"authorization": f"Bearer {key}"},
+        timeout=10,
+    )
     assert models.status_code == 200, models.text  # the key of that file opens the server's inference API
 
 
 def test_join_files_are_refused_once_used_expired_forged_or_for_another_host(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     a = joined(lan, server, "gpu-a", tmp_path)
     used = server.state.parent / "gpu-a.join"
     again = a.cli("join", "host", "--join-file", str(used), "--state-dir", str(tmp_path / "again"), check=False)
@@ -88,7 +96,8 @@ def test_join_files_are_refused_once_used_expired_forged_or_for_another_host(
 
 
 def test_a_silent_host_is_suspended_then_lost_and_online_again_when_it_speaks(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     a = joined(lan, server, "gpu-a", tmp_path)
     assert a.process is not None
     a.process.send_signal(signal.SIGSTOP)
@@ -153,8 +162,9 @@ def test_an_engine_is_registered_from_the_hosts_own_disk(lan: Lan, server: Machi
     assert server.process is not None
     server.process.send_signal(signal.SIGTERM)
     server.process.wait(30)
-    server.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
-                 "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
+    server.start(
+        "server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}", "--control-listen", f"0.0.0.0:{CONTROL_PORT}"
+    )
     until(lambda: _listed(server, "gpu-a") == "online", 40, "gpu-a linked to the restarted server")
     assert [e["name"] for e in hosts(server)["gpu-a"]["engines"]] == ["llama"]
     assert a.process.poll() is None  # the same agent dialled again
@@ -180,7 +190,8 @@ except (ssl.SSLError, OSError) as exc:
 
 
 def test_the_hosts_ingress_is_known_by_the_hosts_name_and_answers_no_stranger(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     joined(lan, server, "gpu-a", tmp_path)
     listed = hosts(server)["gpu-a"]
     assert listed["ingress"] == f"{lan.hosts['gpu-a'].address}:8444"

@@ -25,14 +25,21 @@ pytestmark = pytest.mark.integration
 def documented_commands() -> list[str]:
     text = section("several-machines.md", "Try it on one machine")
     commands = [line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines()]
-    assert [c.split()[1:3] for c in commands] == [["start", "server"], ["invite", "host"], ["join", "host"],
-                                                 ["start", "host"]], commands
+    assert [c.split()[1:3] for c in commands] == [
+        ["start", "server"],
+        ["invite", "host"],
+        ["join", "host"],
+        ["start", "host"],
+    ], commands
     return commands
 
 
 def test_a_server_and_a_host_on_one_machine_as_documented(tmp_path: Path) -> None:
-    swaps = {"/tmp/capy-server": str(tmp_path / "server"), "/tmp/capy-host": str(tmp_path / "host"),
-             "/tmp/gpu-box.join": str(tmp_path / "gpu-box.join")}
+    swaps = {
+        "/tmp/capy-server": str(tmp_path / "server"),
+        "/tmp/capy-host": str(tmp_path / "host"),
+        "/tmp/gpu-box.join": str(tmp_path / "gpu-box.join"),
+    }
     ports = {port: str(free_port()) for port in ("8443", "7445", "8444")}
     commands = []
     for line in documented_commands():
@@ -45,8 +52,14 @@ def test_a_server_and_a_host_on_one_machine_as_documented(tmp_path: Path) -> Non
     running: list[subprocess.Popen[bytes]] = []
     try:
         with open(tmp_path / "server.log", "wb") as log:
-            running.append(subprocess.Popen([*commands[0], "--management", f"127.0.0.1:{free_port()}"],
-                                            stdout=log, stderr=subprocess.STDOUT, env=env))
+            running.append(
+                subprocess.Popen(
+                    [*commands[0], "--management", f"127.0.0.1:{free_port()}"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
         deadline = time.monotonic() + 30
         while not (tmp_path / "server" / "management.json").exists():
             assert running[0].poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
@@ -55,8 +68,13 @@ def test_a_server_and_a_host_on_one_machine_as_documented(tmp_path: Path) -> Non
             done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
             assert done.returncode == 0, done.stderr
         # the host may not share the server's state directory: refused, naming the flag
-        shared = subprocess.run([*commands[2][:-2], "--state-dir", str(tmp_path / "server")], capture_output=True,
-                                text=True, env=env, timeout=60)
+        shared = subprocess.run(
+            [*commands[2][:-2], "--state-dir", str(tmp_path / "server")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert shared.returncode != 0 and "error [invalid_config]" in shared.stderr
         assert "--state-dir DIR" in shared.stderr
         assert not (tmp_path / "server" / "identity" / "host.json").exists()  # nothing was written there

@@ -34,8 +34,9 @@ def key_of(server: Machine) -> str:
     return str(json.loads((server.state / "identity" / "server-credentials.json").read_text())["api_key"])
 
 
-def deploy(server: Machine, tmp: Path, name: str, engine: str, host: str | None, model: str, check: bool = True,
-           **extra: Any) -> subprocess.CompletedProcess[str]:
+def deploy(
+    server: Machine, tmp: Path, name: str, engine: str, host: str | None, model: str, check: bool = True, **extra: Any
+) -> subprocess.CompletedProcess[str]:
     path = tmp / f"{name}.yaml"
     named = {"host": host} if host is not None else {}
     path.write_bytes(msgspec.yaml.encode({"name": name, "engine": engine, "model": model, **named, **extra}))
@@ -44,15 +45,19 @@ def deploy(server: Machine, tmp: Path, name: str, engine: str, host: str | None,
 
 def chat(lan: Lan, key: str, model: str, stream: bool, **headers: str) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "stream": stream}
-    return httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", json=body, timeout=120,
-                      headers={"authorization": f"Bearer {key}", **headers})
+    return httpx.post(
+        f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"authorization": f"Bearer {key}", **headers},
+    )
 
 
 def streamed_metrics(text: str) -> dict[str, Any]:
     events = [line for line in text.split("\n\n") if line.strip()]
     assert events[-1] == "data: [DONE]", events[-3:]
     assert events[-2].startswith(": x-capyctl-metrics "), events[-3:]
-    return dict(msgspec.json.decode(events[-2][len(": x-capyctl-metrics "):]))
+    return dict(msgspec.json.decode(events[-2][len(": x-capyctl-metrics ") :]))
 
 
 def instance_pid(server: Machine, name: str) -> int | None:
@@ -71,7 +76,8 @@ def two_hosts(lan: Lan, server: Machine, tmp_path: Path) -> dict[str, Machine]:
 
 
 def test_chat_and_decisions_are_served_from_each_host_through_the_server(
-        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path
+) -> None:
     key = key_of(server)
     for host in ("a", "b"):
         deploy(server, tmp_path, f"chat-{host}", "vllm", f"gpu-{host}", str(tmp_path / "model"))
@@ -102,8 +108,12 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
         assert streamed.status_code == 200, streamed.text
         assert streamed_metrics(streamed.text)["ttft_ms"]["value"] > 0
     for model in ("decide-a", "decide-b"):
-        decided = httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/systemone", timeout=60,
-                             json={"model": model, **DECISION}, headers={"authorization": f"Bearer {key}"})
+        decided = httpx.post(
+            f"http://{lan.server.address}:{INFERENCE_PORT}/v1/systemone",
+            timeout=60,
+            json={"model": model, **DECISION},
+            headers={"authorization": f"Bearer {key}"},
+        )
         assert decided.status_code == 200, decided.text
         assert set(decided.json()["answers"]) == {"q"}
     # each engine runs on its own host, listening on that host's loopback only
@@ -118,7 +128,8 @@ def test_chat_and_decisions_are_served_from_each_host_through_the_server(
 
 
 def test_a_silent_host_answers_device_offline_then_serves_again_with_the_same_engine(
-        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path
+) -> None:
     key = key_of(server)
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
     assert chat(lan, key, "chat-a", stream=False).status_code == 200
@@ -163,7 +174,8 @@ def test_a_silent_host_answers_device_offline_then_serves_again_with_the_same_en
 
 
 def test_a_restarted_server_adopts_the_engines_its_hosts_still_run(
-        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path
+) -> None:
     key = key_of(server)
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
     deploy(server, tmp_path, "chat-b", "vllm", "gpu-b", str(tmp_path / "model"))
@@ -173,10 +185,14 @@ def test_a_restarted_server_adopts_the_engines_its_hosts_still_run(
     server.process.wait(30)
     for name, host in (("chat-a", "gpu-a"), ("chat-b", "gpu-b")):
         assert pids[name] in lan.hosts[host].pids()  # the server's stop left the engines on hosts running
-    server.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
-                 "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
-    until(lambda: _listed(server, "gpu-a") == "online" and _listed(server, "gpu-b") == "online", 40,
-          "both hosts linked to the restarted server")
+    server.start(
+        "server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}", "--control-listen", f"0.0.0.0:{CONTROL_PORT}"
+    )
+    until(
+        lambda: _listed(server, "gpu-a") == "online" and _listed(server, "gpu-b") == "online",
+        40,
+        "both hosts linked to the restarted server",
+    )
     for name in ("chat-a", "chat-b"):  # taken over as their hosts link, before any request asks
         until(lambda: instance_pid(server, name) == pids[name], 20, f"{name} adopted")  # noqa: B023
     for name in ("chat-a", "chat-b"):
@@ -187,11 +203,21 @@ def test_a_restarted_server_adopts_the_engines_its_hosts_still_run(
 
 
 def test_what_reaches_a_host_and_what_a_hang_up_does_there(
-        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path
+) -> None:
     key = key_of(server)
     timeline = tmp_path / "timeline.jsonl"
-    deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"), engine_config={
-        "env": {"STANDIN_TIMELINE": str(timeline), "STANDIN_HEADS": "1", "STANDIN_TOKEN_DELAY_MS": "100"}})
+    deploy(
+        server,
+        tmp_path,
+        "chat-a",
+        "vllm",
+        "gpu-a",
+        str(tmp_path / "model"),
+        engine_config={
+            "env": {"STANDIN_TIMELINE": str(timeline), "STANDIN_HEADS": "1", "STANDIN_TOKEN_DELAY_MS": "100"}
+        },
+    )
 
     def received() -> list[dict[str, Any]]:
         return [line for line in read_timeline(timeline) if line["event"] == "received"]
@@ -204,27 +230,43 @@ def test_what_reaches_a_host_and_what_a_hang_up_does_there(
     assert not {"x-request-id", "authorization", "x-capyctl-gate"} & set(heads[0]["headers"])
 
     big = b'{"model": "chat-a", "messages": [{"role": "user", "content": "' + b"x" * (8 << 20) + b'"}]}'
-    refused = httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", content=big,
-                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"}, timeout=60)
+    refused = httpx.post(
+        f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
+        content=big,
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        timeout=60,
+    )
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "too_large"
     assert len(received()) == 1  # refused at the server's door: the host saw nothing of it
 
     body = {"model": "chat-a", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 100, "stream": True}
-    with httpx.stream("POST", f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", json=body,
-                      headers={"authorization": f"Bearer {key}"}, timeout=60) as streamed:
+    with httpx.stream(
+        "POST",
+        f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    ) as streamed:
         assert streamed.status_code == 200
         for line in streamed.iter_lines():  # the first token came: hang up mid-stream
             if '"content":"' in line.replace(" ", "") and '"content":""' not in line.replace(" ", ""):
                 break
-    until(lambda: any(line["event"] == "client_gone" for line in read_timeline(timeline)), 10,
-          "the engine on gpu-a told that its client left")
-    until(lambda: "request_settled" in server.cli("events", "--deployment", "chat-a").stdout, 10,
-          "the cut request settled by the host's load readings")
+    until(
+        lambda: any(line["event"] == "client_gone" for line in read_timeline(timeline)),
+        10,
+        "the engine on gpu-a told that its client left",
+    )
+    until(
+        lambda: "request_settled" in server.cli("events", "--deployment", "chat-a").stdout,
+        10,
+        "the cut request settled by the host's load readings",
+    )
     assert "rule=engine_idle" in server.cli("events", "--deployment", "chat-a").stdout
 
 
 def test_memory_on_a_hosts_device_is_charged_there_and_models_switch_per_device(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     device = "memory:\n  devices:\n    - name: gpu0\n      capacity: 10GiB\n"
     for name in ("gpu-a", "gpu-b"):
         joined(lan, server, name, tmp_path, config=device)
@@ -234,8 +276,9 @@ def test_memory_on_a_hosts_device_is_charged_there_and_models_switch_per_device(
     sized = {"residency": "host_backed", "resources": {"memory": "6GiB", "parked_memory": "1GiB"}}
     deploy(server, tmp_path, "one-a", "vllm", "gpu-a", str(tmp_path / "model"), **sized)
     deploy(server, tmp_path, "one-b", "vllm", "gpu-b", str(tmp_path / "model"), **sized)
-    wrong = deploy(server, tmp_path, "bad", "vllm", "gpu-a", "/m", check=False,
-                   resources={"memory": "1GiB", "device": "gpu9"})
+    wrong = deploy(
+        server, tmp_path, "bad", "vllm", "gpu-a", "/m", check=False, resources={"memory": "1GiB", "device": "gpu9"}
+    )
     assert wrong.returncode != 0 and "gpu9" in wrong.stderr and "gpu0" in wrong.stderr
 
     def shown(name: str) -> dict[str, Any]:
@@ -265,13 +308,26 @@ def test_memory_on_a_hosts_device_is_charged_there_and_models_switch_per_device(
 
 
 def test_a_stream_from_a_host_that_is_lost_ends_with_an_error_event(
-        lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path) -> None:
+    lan: Lan, server: Machine, two_hosts: dict[str, Machine], tmp_path: Path
+) -> None:
     key = key_of(server)
-    deploy(server, tmp_path, "slow-a", "vllm", "gpu-a", str(tmp_path / "model"),
-           engine_config={"env": {"STANDIN_TOKEN_DELAY_MS": "200"}})
+    deploy(
+        server,
+        tmp_path,
+        "slow-a",
+        "vllm",
+        "gpu-a",
+        str(tmp_path / "model"),
+        engine_config={"env": {"STANDIN_TOKEN_DELAY_MS": "200"}},
+    )
     body = {"model": "slow-a", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", json=body,
-                      headers={"authorization": f"Bearer {key}"}, timeout=60) as streamed:
+    with httpx.stream(
+        "POST",
+        f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    ) as streamed:
         assert streamed.status_code == 200
         lines = streamed.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # it answers
@@ -280,7 +336,7 @@ def test_a_stream_from_a_host_that_is_lost_ends_with_an_error_event(
             rest = list(lines)  # until the server ends the stream: the host is lost after 4 s here
         finally:
             two_hosts["gpu-a"].node.link_up()
-    events = [line[len("data: "):] for line in rest if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in rest if line.startswith("data: ")]
     assert events and events[-1] != "[DONE]"  # never a finished answer
     error = json.loads(events[-1])["error"]
     assert error["code"] == "device_offline" and error["reason"] == "lost" and error["model"] == "slow-a"

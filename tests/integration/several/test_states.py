@@ -33,15 +33,25 @@ ADDRESS = re.compile(r"\b10\.\d+\.\d+\.\d+\b")
 
 
 def ask(lan: Lan, key: str, model: str = "chat-a", timeout: float = 30) -> httpx.Response:
-    return httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", timeout=timeout,
-                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-                      headers={"authorization": f"Bearer {key}"})
+    return httpx.post(
+        f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
+        timeout=timeout,
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        headers={"authorization": f"Bearer {key}"},
+    )
 
 
 def with_engine(lan: Lan, server: Machine, tmp: Path, name: str = "gpu-a") -> Machine:
     host = joined(lan, server, name, tmp)
-    server.cli("engine", "add", str(make_standin_venv(tmp / f"vllm-{name}", "vllm", "0.32.0")), "--host", name,
-               "--name", "vllm")
+    server.cli(
+        "engine",
+        "add",
+        str(make_standin_venv(tmp / f"vllm-{name}", "vllm", "0.32.0")),
+        "--host",
+        name,
+        "--name",
+        "vllm",
+    )
     return host
 
 
@@ -58,7 +68,8 @@ def offline(answer: httpx.Response) -> None:
 
 
 def test_an_agent_stopped_or_killed_is_offline_at_once_and_a_clean_stop_is_no_crash(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     host = with_engine(lan, server, tmp_path)
     key = key_of(server)
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
@@ -92,7 +103,8 @@ def test_an_agent_stopped_or_killed_is_offline_at_once_and_a_clean_stop_is_no_cr
 
 
 def test_twenty_agent_restarts_under_traffic_show_no_client_a_gate_refusal(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     host = with_engine(lan, server, tmp_path)
     key = key_of(server)
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
@@ -107,7 +119,8 @@ def test_twenty_agent_restarts_under_traffic_show_no_client_a_gate_refusal(
                     answer = client.post(
                         f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
                         json={"model": "chat-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-                        headers={"authorization": f"Bearer {key}", "x-llm-wait": "5"})
+                        headers={"authorization": f"Bearer {key}", "x-llm-wait": "5"},
+                    )
                     error = answer.json().get("error", {}) if answer.status_code != 200 else {}
                     seen.append((answer.status_code, error.get("code", "")))
                     if answer.status_code not in (200, 503):
@@ -128,7 +141,7 @@ def test_twenty_agent_restarts_under_traffic_show_no_client_a_gate_refusal(
             host.start("host")
             until(lambda: _listed(server, "gpu-a") == "online", 30, "gpu-a linked again")
             before = len(seen)
-            until(lambda: any(status == 200 for status, _ in seen[before:]), 60, "served again after the restart")
+            until(lambda at=before: any(status == 200 for status, _ in seen[at:]), 60, "served again after the restart")
     finally:
         stop.set()
         worker.join(60)
@@ -140,7 +153,8 @@ def test_twenty_agent_restarts_under_traffic_show_no_client_a_gate_refusal(
 
 
 def test_a_restarted_server_reads_no_host_lost_before_lost_after_and_a_silent_joiner_joined(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     joined(lan, server, "gpu-a", tmp_path)
     never = Machine(lan.hosts["gpu-b"], tmp_path / "gpu-b")
     never.cli("join", "host", "--join-file", str(invite(server, lan, "gpu-b")))  # joined, never started
@@ -151,8 +165,9 @@ def test_a_restarted_server_reads_no_host_lost_before_lost_after_and_a_silent_jo
     server.process.send_signal(signal.SIGTERM)
     server.process.wait(30)
     started = time.monotonic()
-    server.start("server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}",
-                 "--control-listen", f"0.0.0.0:{CONTROL_PORT}")
+    server.start(
+        "server", "--listen", f"{lan.server.address}:{INFERENCE_PORT}", "--control-listen", f"0.0.0.0:{CONTROL_PORT}"
+    )
     states: list[tuple[float, dict[str, str]]] = []
 
     def look() -> bool:

@@ -50,11 +50,15 @@ def test_an_impostor_with_a_revoked_certificate_receives_no_byte(lan: Lan, serve
     server.cli("engine", "add", str(venv), "--host", "gpu-a", "--name", "vllm")
     deploy(server, tmp_path, "chat-a", "vllm", "gpu-a", str(tmp_path / "model"))
     received = tmp_path / "impostor.bytes"
-    impostor = lan.hosts["gpu-a"].popen([sys.executable, "-c", textwrap.dedent(f"""
+    impostor = lan.hosts["gpu-a"].popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import socket, ssl, sys
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        tls.load_cert_chain({str(revoked / 'host-cert.pem')!r}, {str(revoked / 'host-key.pem')!r})
-        listener = socket.create_server(({lan.hosts['gpu-a'].address!r}, 8444))
+        tls.load_cert_chain({str(revoked / "host-cert.pem")!r}, {str(revoked / "host-key.pem")!r})
+        listener = socket.create_server(({lan.hosts["gpu-a"].address!r}, 8444))
         print("listening", flush=True)
         while True:
             conn, _ = listener.accept()
@@ -66,12 +70,20 @@ def test_an_impostor_with_a_revoked_certificate_receives_no_byte(lan: Lan, serve
                             out.write(data)
             except (OSError, ssl.SSLError):
                 pass
-    """)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     try:
         assert impostor.stdout is not None and impostor.stdout.readline().strip() == b"listening"
-        answer = httpx.post(f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions", timeout=30,
-                            json={"model": "chat-a", "messages": [{"role": "user", "content": "secret prompt"}]},
-                            headers={"authorization": f"Bearer {key_of(server)}"})
+        answer = httpx.post(
+            f"http://{lan.server.address}:{INFERENCE_PORT}/v1/chat/completions",
+            timeout=30,
+            json={"model": "chat-a", "messages": [{"role": "user", "content": "secret prompt"}]},
+            headers={"authorization": f"Bearer {key_of(server)}"},
+        )
     finally:
         impostor.kill()
         impostor.wait()
@@ -84,7 +96,8 @@ def test_an_impostor_with_a_revoked_certificate_receives_no_byte(lan: Lan, serve
 
 
 def test_only_the_servers_certificate_completes_a_handshake_with_an_ingress(
-        lan: Lan, server: Machine, tmp_path: Path) -> None:
+    lan: Lan, server: Machine, tmp_path: Path
+) -> None:
     a = joined(lan, server, "gpu-a", tmp_path)
     b = joined(lan, server, "gpu-b", tmp_path)
     ca = server.state / "identity" / "ca" / "ca-cert.pem"
@@ -93,25 +106,38 @@ def test_only_the_servers_certificate_completes_a_handshake_with_an_ingress(
     stranger = CertificateAuthority.load_or_create(tmp_path / "stranger-ca").sign_host(stranger_csr, "gpu-a")
     (tmp_path / "stranger-cert.pem").write_bytes(stranger)
     (tmp_path / "stranger-key.pem").write_bytes(stranger_key)
-    clients = {"none": None, "gpu-a's own": a.state / "identity", "gpu-b's": b.state / "identity",
-               "a stranger's": tmp_path}
+    clients = {
+        "none": None,
+        "gpu-a's own": a.state / "identity",
+        "gpu-b's": b.state / "identity",
+        "a stranger's": tmp_path,
+    }
     for label, identity in clients.items():
-        chain = "" if identity is None else (
-            f"tls.load_cert_chain({str(identity / ('stranger-cert.pem' if identity == tmp_path else 'host-cert.pem'))!r}, "
-            f"{str(identity / ('stranger-key.pem' if identity == tmp_path else 'host-key.pem'))!r})")
-        done = lan.server.run([sys.executable, "-c", textwrap.dedent(f"""
+        chain = ""
+        if identity is not None:
+            prefix = "stranger" if identity == tmp_path else "host"
+            cert, key = str(identity / f"{prefix}-cert.pem"), str(identity / f"{prefix}-key.pem")
+            chain = f"tls.load_cert_chain({cert!r}, {key!r})"
+        done = lan.server.run(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""
             import socket, ssl
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             tls.load_verify_locations({str(ca)!r})
             tls.maximum_version = ssl.TLSVersion.TLSv1_2  # the handshake's own verdict, before any HTTP
             {chain}
-            with socket.create_connection(({lan.hosts['gpu-a'].address!r}, 8444), timeout=10) as raw:
+            with socket.create_connection(({lan.hosts["gpu-a"].address!r}, 8444), timeout=10) as raw:
                 try:
                     with tls.wrap_socket(raw, server_hostname="gpu-a") as conn:
                         print("handshake completed")
                 except ssl.SSLError as error:
                     print("handshake failed:", error.reason)
-        """)], cwd=REPO)
+        """),
+            ],
+            cwd=REPO,
+        )
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("handshake failed"), f"{label}: {done.stdout}"
 
@@ -123,9 +149,21 @@ def test_a_caller_with_a_valid_gate_key_is_parsed_strictly(lan: Lan, tmp_path: P
     timeline = tmp_path / "timeline.jsonl"
     address = f"{lan.server_address_for['gpu-a']}:{CONTROL_PORT}"
     log = open(tmp_path / "play_server.log", "wb")  # noqa: SIM115 - closed below, after the process
-    player = lan.server.popen([sys.executable, "-m", "tests.integration.several.play_server", str(played), address,
-                               str(venv), str(tmp_path / "model"), str(timeline)], stdout=log,
-                              stderr=subprocess.STDOUT, cwd=REPO)
+    player = lan.server.popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.several.play_server",
+            str(played),
+            address,
+            str(venv),
+            str(tmp_path / "model"),
+            str(timeline),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     try:
         until(lambda: (played / "gpu-a.join").exists() or player.poll() is not None, 30, "the join file")
         host = Machine(lan.hosts["gpu-a"], tmp_path / "gpu-a")

@@ -74,8 +74,10 @@ class HostIdentity(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         """The identity, certificate and key under ``state``; a clear error where the host has not joined."""
         path = state / IDENTITY
         if not path.exists():
-            raise InvalidConfig(f"this machine has not joined a server ({path} is missing); run "
-                                "`capyctl join host --join-file FILE` first")
+            raise InvalidConfig(
+                f"this machine has not joined a server ({path} is missing); run "
+                "`capyctl join host --join-file FILE` first"
+            )
         try:
             identity = msgspec.json.decode(path.read_bytes(), type=HostIdentity)
         except msgspec.DecodeError as exc:
@@ -96,8 +98,10 @@ async def join(join_file: JoinFile, state: Path, timeout: float = 30.0) -> HostI
     except TimeoutError as exc:
         raise CapyError(f"the server at {join_file.server} did not answer within {timeout:g} s") from exc
     except ssl.SSLCertVerificationError as exc:
-        raise CapyError(f"the server at {join_file.server} is not the one of this join file (its certificate "
-                        f"is not signed by the CA pinned there: {exc.verify_message}); nothing was sent") from exc
+        raise CapyError(
+            f"the server at {join_file.server} is not the one of this join file (its certificate "
+            f"is not signed by the CA pinned there: {exc.verify_message}); nothing was sent"
+        ) from exc
     except (OSError, InvalidHandshake) as exc:
         raise CapyError(f"could not reach the server at {join_file.server}: {exc}") from exc
     if isinstance(answer, Goodbye):
@@ -106,8 +110,12 @@ async def join(join_file: JoinFile, state: Path, timeout: float = 30.0) -> HostI
         raise error
     if not isinstance(answer, JoinAccepted):
         raise CapyError(f"the server answered the join with {type(answer).__name__}, not a certificate")
-    identity = HostIdentity(name=join_file.host, server=join_file.server, ca_pem=join_file.ca_pem,
-                            fingerprint=fingerprint(answer.cert_pem.encode()))
+    identity = HostIdentity(
+        name=join_file.host,
+        server=join_file.server,
+        ca_pem=join_file.ca_pem,
+        fingerprint=fingerprint(answer.cert_pem.encode()),
+    )
     write_private(state / KEY, key_pem)
     write_private(state / CERT, answer.cert_pem.encode())
     write_private(state / IDENTITY, msgspec.json.encode(identity))
@@ -115,18 +123,32 @@ async def join(join_file: JoinFile, state: Path, timeout: float = 30.0) -> HostI
 
 
 def _dial(server: str, tls: ssl.SSLContext) -> connect:
-    return connect(f"wss://{server}", ssl=tls, server_hostname=SERVER_NAME, max_size=MAX_MESSAGE,
-                   ping_interval=None, compression=None, open_timeout=10, close_timeout=2, user_agent_header=None,
-                   proxy=None)
+    return connect(
+        f"wss://{server}",
+        ssl=tls,
+        server_hostname=SERVER_NAME,
+        max_size=MAX_MESSAGE,
+        ping_interval=None,
+        compression=None,
+        open_timeout=10,
+        close_timeout=2,
+        user_agent_header=None,
+        proxy=None,
+    )
 
 
 class HostAgent:
-    def __init__(self, state: Path, inventory: Callable[[], Inventory],
-                 handle: Callable[[Command], Awaitable[CommandResult]] | None = None,
-                 heartbeat: float = HEARTBEAT, ingress_port: int | None = None,
-                 running: Callable[[], list[RunningInstance]] = list,
-                 callers: Callable[[bytes], None] | None = None,
-                 leaving: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        state: Path,
+        inventory: Callable[[], Inventory],
+        handle: Callable[[Command], Awaitable[CommandResult]] | None = None,
+        heartbeat: float = HEARTBEAT,
+        ingress_port: int | None = None,
+        running: Callable[[], list[RunningInstance]] = list,
+        callers: Callable[[bytes], None] | None = None,
+        leaving: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """``callers``: given the certificate the server's calls to the ingress will show (sent first on each
         link); ``leaving``: run when the agent is asked to stop while linked, after its goodbye and before the
         link closes, so that what it says (its engines' ends) still reaches the server."""
@@ -156,8 +178,12 @@ class HostAgent:
             except LinkRefused:
                 raise
             except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError) as exc:
-                log.warning("the link to the server at %s is down (%s); dialling again in %.1f s",
-                            self.server, exc or type(exc).__name__, delay)
+                log.warning(
+                    "the link to the server at %s is down (%s); dialling again in %.1f s",
+                    self.server,
+                    exc or type(exc).__name__,
+                    delay,
+                )
             if stopping.is_set():
                 return
             with anyio.move_on_after(delay * random.uniform(0.5, 1.0)):
@@ -181,21 +207,35 @@ class HostAgent:
         try:
             result = await self._handle(command)
         except CapyError as error:
-            result = CommandResult(id=command.id, generation=command.generation, ok=False, code=error.code,
-                                   message=error.message)
+            result = CommandResult(
+                id=command.id, generation=command.generation, ok=False, code=error.code, message=error.message
+            )
         except Exception as error:  # a bug of this host's: said to the server, not a dead link
             log.exception("command %s (%s) failed", command.id, command.action)
-            result = CommandResult(id=command.id, generation=command.generation, ok=False, code="internal_error",
-                                   message=f"{type(error).__name__}: {error}")
+            result = CommandResult(
+                id=command.id,
+                generation=command.generation,
+                ok=False,
+                code="internal_error",
+                message=f"{type(error).__name__}: {error}",
+            )
         self._ledger.record(result)
         await send_quietly(conn, result)
 
     async def _session(self, conn: ClientConnection, stopping: anyio.Event) -> None:
         try:
-            await conn.send(encode(Hello(host=self.name, version=__version__, protocol=PROTOCOL_VERSION,
-                                         capabilities=["inspect_engine", "gates", "engines"],
-                                         running=self._running(),
-                                         ingress_port=self._ingress_port)))
+            await conn.send(
+                encode(
+                    Hello(
+                        host=self.name,
+                        version=__version__,
+                        protocol=PROTOCOL_VERSION,
+                        capabilities=["inspect_engine", "gates", "engines"],
+                        running=self._running(),
+                        ingress_port=self._ingress_port,
+                    )
+                )
+            )
             await conn.send(encode(self._inventory()))
         except ConnectionClosed:
             pass  # what the server said before it closed is still read below
@@ -226,8 +266,10 @@ class HostAgent:
                 self._conn = None
                 tasks.cancel_scope.cancel()
         if conn.close_reason == "host_revoked":  # the server's refusal for good (see the listener)
-            raise LinkRefused(f"the server refused host {self.name}: it is revoked or its certificate was "
-                              f"replaced; invite it again (capyctl invite host {self.name}) and join with the new file")
+            raise LinkRefused(
+                f"the server refused host {self.name}: it is revoked or its certificate was "
+                f"replaced; invite it again (capyctl invite host {self.name}) and join with the new file"
+            )
         if not stopping.is_set():
             raise ConnectionResetError(f"the server closed the link ({conn.close_reason or 'no reason given'})")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed
@@ -11,10 +13,8 @@ from capyctl.domain.link import Heartbeat, Message, encode
 
 async def send_quietly(conn: Connection, message: Message) -> None:
     """``message`` on ``conn``; nothing when the link is closing (its end is noticed where it is read)."""
-    try:
+    with contextlib.suppress(ConnectionClosed):
         await conn.send(encode(message))
-    except ConnectionClosed:
-        pass
 
 
 async def beat(conn: Connection, every: float) -> None:

@@ -73,8 +73,15 @@ _HIGH_WATER = 1 << 20  # bytes waiting for the server's connection past which th
 
 
 class Ingress:
-    def __init__(self, cert_pem: bytes, key_pem: bytes, max_body: int = MAX_BODY, *,
-                 header_timeout: float = HEADER_TIMEOUT, body_timeout: float = BODY_TIMEOUT) -> None:
+    def __init__(
+        self,
+        cert_pem: bytes,
+        key_pem: bytes,
+        max_body: int = MAX_BODY,
+        *,
+        header_timeout: float = HEADER_TIMEOUT,
+        body_timeout: float = BODY_TIMEOUT,
+    ) -> None:
         self._cert_pem, self._key_pem = cert_pem, key_pem  # the host's own, shown to every caller
         self._tls: ssl.SSLContext | None = None  # none until the server says whom to trust
         self._max_body = max_body
@@ -202,8 +209,9 @@ class Ingress:
             engine.close()
         return request.keep_alive
 
-    async def _exchange(self, port: int, wire: bytes, client: asyncio.StreamWriter, gone: asyncio.Future[None]
-                        ) -> tuple[_Outcome, _Engine] | None:
+    async def _exchange(
+        self, port: int, wire: bytes, client: asyncio.StreamWriter, gone: asyncio.Future[None]
+    ) -> tuple[_Outcome, _Engine] | None:
         """``wire`` sent to the engine on ``port`` and its answer relayed, until whole or ``gone``; None when
         the engine cannot be reached."""
         relayed = await self._try(port, wire, client, gone, fresh=False)
@@ -212,8 +220,9 @@ class Ingress:
             relayed = await self._try(port, wire, client, gone, fresh=True)
         return relayed
 
-    async def _try(self, port: int, wire: bytes, client: asyncio.StreamWriter, gone: asyncio.Future[None],
-                   fresh: bool) -> tuple[_Outcome, _Engine] | None:
+    async def _try(
+        self, port: int, wire: bytes, client: asyncio.StreamWriter, gone: asyncio.Future[None], fresh: bool
+    ) -> tuple[_Outcome, _Engine] | None:
         engine = await self._send(port, wire, client.transport, fresh)
         if engine is None:
             return None
@@ -223,8 +232,7 @@ class Ingress:
             engine.close()  # cut short (the ingress stops, the server's side broke): the engine's side goes too
             raise
 
-    async def _send(self, port: int, request: bytes, client: asyncio.WriteTransport, fresh: bool
-                    ) -> _Engine | None:
+    async def _send(self, port: int, request: bytes, client: asyncio.WriteTransport, fresh: bool) -> _Engine | None:
         """``request`` written to the engine on ``port``: on a kept-alive connection when one stands idle (and
         not ``fresh``), else a new one; None when the engine cannot be reached."""
         idle = self._idle.get(port, []) if not fresh else []

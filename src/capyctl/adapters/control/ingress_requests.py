@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 from collections.abc import Callable
 from typing import NamedTuple
@@ -69,8 +70,14 @@ class Caller:
     """The server's connection as httptools parses it, each read fed once: requests read whole wait in
     ``ready``, in order; the first refusal ends the parsing, and is answered after the requests before it."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 check: Callable[[Request], Refusal | None], header_timeout: float, body_timeout: float) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        check: Callable[[Request], Refusal | None],
+        header_timeout: float,
+        body_timeout: float,
+    ) -> None:
         self.reader, self.writer = reader, writer
         self._check = check
         self._header_timeout, self._body_timeout = header_timeout, body_timeout
@@ -161,8 +168,11 @@ class Caller:
         request.method, request.version = parser.get_method(), parser.get_http_version()
         request.keep_alive = parser.should_keep_alive()
         self._phase, self._since, self._head_size = _Phase.BODY, self._loop.time(), 0
-        refusal = Refusal(400, "invalid_request", "the ingress does not upgrade connections"
-                           ) if parser.should_upgrade() else self._check(request)
+        refusal = (
+            Refusal(400, "invalid_request", "the ingress does not upgrade connections")
+            if parser.should_upgrade()
+            else self._check(request)
+        )
         if refusal is not None:
             self._refuse(refusal)
 
@@ -176,15 +186,29 @@ class Caller:
 
 
 async def answer(writer: asyncio.StreamWriter, status: int, code: str, message: str) -> None:
-    body = msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error"
-                                          if status < 500 else "server_error", "code": code}})
-    writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close"
-                 b"\r\n\r\n" % (status, _REASONS.get(status, b"Error"), len(body)) + body)
-    try:
+    body = msgspec.json.encode(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "server_error",
+                "code": code,
+            }
+        }
+    )
+    writer.write(
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close"
+        b"\r\n\r\n" % (status, _REASONS.get(status, b"Error"), len(body)) + body
+    )
+    with contextlib.suppress(ConnectionError):  # the server went away: the connection closes all the same
         await writer.drain()
-    except ConnectionError:
-        pass  # the server went away: the connection closes all the same
 
 
-_REASONS = {400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found", 408: b"Request Timeout",
-            411: b"Length Required", 413: b"Content Too Large", 502: b"Bad Gateway"}
+_REASONS = {
+    400: b"Bad Request",
+    403: b"Forbidden",
+    404: b"Not Found",
+    408: b"Request Timeout",
+    411: b"Length Required",
+    413: b"Content Too Large",
+    502: b"Bad Gateway",
+}

@@ -58,8 +58,14 @@ class _TlsConnection(ServerConnection):
 
 
 class ControlListener:
-    def __init__(self, registry: HostRegistry, authority: CertificateAuthority, tls: ssl.SSLContext,
-                 callers_pem: bytes, heartbeat: float = HEARTBEAT) -> None:
+    def __init__(
+        self,
+        registry: HostRegistry,
+        authority: CertificateAuthority,
+        tls: ssl.SSLContext,
+        callers_pem: bytes,
+        heartbeat: float = HEARTBEAT,
+    ) -> None:
         self._registry = registry
         self._callers = Callers(cert_pem=callers_pem.decode())
         self._authority = authority
@@ -68,9 +74,18 @@ class ControlListener:
         self._closing: set[asyncio.Task[None]] = set()  # goodbyes under way (a task is kept until it ends)
 
     async def serve(self, sock: socket.socket, stopping: anyio.Event) -> None:
-        async with serve(self._handle, sock=sock, ssl=self._tls, create_connection=_TlsConnection,
-                         max_size=MAX_MESSAGE, open_timeout=_OPEN_TIMEOUT, close_timeout=2, ping_interval=None,
-                         compression=None, server_header=None):
+        async with serve(
+            self._handle,
+            sock=sock,
+            ssl=self._tls,
+            create_connection=_TlsConnection,
+            max_size=MAX_MESSAGE,
+            open_timeout=_OPEN_TIMEOUT,
+            close_timeout=2,
+            ping_interval=None,
+            compression=None,
+            server_header=None,
+        ):
             await stopping.wait()
 
     async def _handle(self, conn: ServerConnection) -> None:

@@ -34,11 +34,25 @@ if TYPE_CHECKING:
     from capyctl.adapters.http.management import Hosts
 
 
-def with_dashboard(management: Any, *, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store,
-                   events: Events, clock: Clock, admin_token: str, log_root: Path, listening: tuple[str, int],
-                   stopping: anyio.Event, records: RequestLog, hosts: Hosts | None = None) -> Any:
+def with_dashboard(
+    management: Any,
+    *,
+    fleet: Fleet,
+    admission: AdmissionService,
+    keys: Keyring,
+    store: Store,
+    events: Events,
+    clock: Clock,
+    admin_token: str,
+    log_root: Path,
+    listening: tuple[str, int],
+    stopping: anyio.Event,
+    records: RequestLog,
+    hosts: Hosts | None = None,
+) -> Any:
     """The management API's ASGI app with the dashboard mounted beside it on the same listener; ``hosts``
     on a server of several machines (None: standalone)."""
+
     def host_views() -> list[dict[str, Any]]:  # the one view of a host, GET /hosts's
         return [host_view(view, fleet) for view in hosts.registry.views()] if hosts is not None else []
 

@@ -109,9 +109,16 @@ async def requests_page(request: Request[Any, Any, Any]) -> Response[str]:
         return Redirect(f"/ui/requests/{quote(wanted, safe='')}", status_code=303, headers=NO_STORE)
     rows = await parts.records.find(page_filter(params, parts.records.wall()))
     board, form = parts.board, chosen(params)
-    return page(request, "requests.html", "requests", stream_params=form, rows=rows, form=form,
-                deployments=sorted(c.name for c in board.fleet.controllers()),
-                keys=sorted(key.name for key, _ in board.keys.keys()))
+    return page(
+        request,
+        "requests.html",
+        "requests",
+        stream_params=form,
+        rows=rows,
+        form=form,
+        deployments=sorted(c.name for c in board.fleet.controllers()),
+        keys=sorted(key.name for key, _ in board.keys.with_usage()),
+    )
 
 
 @get("/ui/requests/{request_id:str}")
@@ -119,8 +126,9 @@ async def request_page(request: Request[Any, Any, Any], request_id: str) -> Resp
     session_of(request)
     row = await dash(request).records.get(request_id)
     if row is None:
-        raise NotFound(f"no request record {request_id!r}: it is unknown, or older than the records keep",
-                       param="request_id")
+        raise NotFound(
+            f"no request record {request_id!r}: it is unknown, or older than the records keep", param="request_id"
+        )
     return page(request, "request.html", "requests", live=False, row=row, fields=fields(row))
 
 
@@ -139,10 +147,20 @@ async def _charts(request: Request[Any, Any, Any]) -> tuple[Charts, str | None]:
 @get("/ui/charts")
 async def charts_page(request: Request[Any, Any, Any]) -> Response[str]:
     shown, deployment = await _charts(request)
-    source = "/ui/charts/data?" + urlencode({"window": shown.window, **({"deployment": deployment} if deployment else {})})
-    return page(request, "charts.html", "charts", charts=shown, chosen=deployment, source=source,
-                stream_params={"window": shown.window, **({"deployment": deployment} if deployment else {})},
-                windows=list(WINDOWS), deployments=sorted(c.name for c in dash(request).board.fleet.controllers()))
+    source = "/ui/charts/data?" + urlencode(
+        {"window": shown.window, **({"deployment": deployment} if deployment else {})}
+    )
+    return page(
+        request,
+        "charts.html",
+        "charts",
+        charts=shown,
+        chosen=deployment,
+        source=source,
+        stream_params={"window": shown.window, **({"deployment": deployment} if deployment else {})},
+        windows=list(WINDOWS),
+        deployments=sorted(c.name for c in dash(request).board.fleet.controllers()),
+    )
 
 
 @get("/ui/charts/data")
@@ -162,8 +180,18 @@ def log_page(request: Request[Any, Any, Any], deployment: str, file: str) -> Res
         size = handle.seek(0, 2)
         handle.seek(max(0, size - LOG_TAIL))
         tail = handle.read()
-    return page(request, "log.html", "events", live=False, deployment=deployment, file=file, size=size, shown=len(tail),
-                 cut=size > len(tail), text=tail.decode("utf-8", "replace"))
+    return page(
+        request,
+        "log.html",
+        "events",
+        live=False,
+        deployment=deployment,
+        file=file,
+        size=size,
+        shown=len(tail),
+        cut=size > len(tail),
+        text=tail.decode("utf-8", "replace"),
+    )
 
 
 # --- actions ------------------------------------------------------------------------------------------
@@ -173,8 +201,12 @@ def _action(request: Request[Any, Any, Any], name: str, action: str) -> tuple[An
     board = dash(request).board
     controller = board.fleet.get(name)
     status = controller.status
-    shown = card(controller, board.admission, board.since(name, str(status.state), status.ready_at,
-                                                          status.started_at), board.clock.wall())
+    shown = card(
+        controller,
+        board.admission,
+        board.since(name, str(status.state), status.ready_at, status.started_at),
+        board.clock.wall(),
+    )
     return controller, shown
 
 
@@ -184,8 +216,16 @@ def confirm_page(request: Request[Any, Any, Any], name: str, action: str) -> Res
     controller, shown = _action(request, name, action)
     board = dash(request).board
     lines = consequences(action, controller, board.admission, board.fleet.room, board.fleet.controllers())
-    return page(request, "confirm.html", "fleet", live=False, action=action, card=shown, lines=lines,
-                 allowed=shown.action(action))
+    return page(
+        request,
+        "confirm.html",
+        "fleet",
+        live=False,
+        action=action,
+        card=shown,
+        lines=lines,
+        allowed=shown.action(action),
+    )
 
 
 @post("/ui/deployments/{name:str}/{action:str}", status_code=303)
@@ -222,6 +262,7 @@ def _reader(request: Request[Any, Any, Any], page: str, deployment: str | None) 
 
     async def read_records() -> dict[str, Any]:
         return {"requests": await table.rows()}
+
     return read_records
 
 
@@ -246,9 +287,13 @@ async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment:
             return env.get_template("_card.html").render(c=now[name])
         if name.startswith("marks-"):
             return env.get_template("_marks.html").render(marks=now[name])
-        context = {"memory": {"bars": now.get("memory")}, "requests": {"rows": now.get("requests")},
-                   "keys": {"keys": now.get("keys")}, "hosts": {"hosts": now.get("hosts")},
-                   "events": {"groups": now.get("events"), "deployment": deployment}}[name]
+        context = {
+            "memory": {"bars": now.get("memory")},
+            "requests": {"rows": now.get("requests")},
+            "keys": {"keys": now.get("keys")},
+            "hosts": {"hosts": now.get("hosts")},
+            "events": {"groups": now.get("events"), "deployment": deployment},
+        }[name]
         return env.get_template(f"_{name}.html").render(**context)
 
     async def messages() -> Any:
@@ -281,10 +326,33 @@ def favicon(request: Request[Any, Any, Any]) -> Response[bytes]:
 def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str]) -> Any:
     """The dashboard's ASGI application, behind the Host check and the security headers."""
     app = Litestar(
-        route_handlers=[issue_sign_in, sign_in_page, sign_in_with_token, sign_in_with_link, sign_out, root,
-                        fleet_page, memory_page, requests_page, request_page, charts_page, charts_data, keys_page, events_page, log_page,
-                        confirm_page, do_action, hosts_page, revoke_page, do_revoke, invite_page, do_invite, live,
-                        static, favicon],
+        route_handlers=[
+            issue_sign_in,
+            sign_in_page,
+            sign_in_with_token,
+            sign_in_with_link,
+            sign_out,
+            root,
+            fleet_page,
+            memory_page,
+            requests_page,
+            request_page,
+            charts_page,
+            charts_data,
+            keys_page,
+            events_page,
+            log_page,
+            confirm_page,
+            do_action,
+            hosts_page,
+            revoke_page,
+            do_revoke,
+            invite_page,
+            do_invite,
+            live,
+            static,
+            favicon,
+        ],
         exception_handlers={CapyError: error_page, HTTPException: http_error_page, Exception: unexpected_error_page},
         openapi_config=None,
         logging_config=None,
@@ -293,14 +361,23 @@ def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str])
     return with_request_ids(guarded(app, port, names))
 
 
-def build_dashboard(board: Board, events: Events, admin_token: str, base_url: str, stopping: anyio.Event,
-                    records: RequestLog) -> Dashboard:
+def build_dashboard(
+    board: Board, events: Events, admin_token: str, base_url: str, stopping: anyio.Event, records: RequestLog
+) -> Dashboard:
     """The dashboard's parts; its hub listens to the events from here on."""
     events.listen(board.hub.event)
-    return Dashboard(board=board, sessions=Sessions(board.clock), signins=SignIns(board.clock), events=events,
-                     admin_token=admin_token, base_url=base_url, stopping=stopping, templates=templates(),
-                     assets=load_assets(), records=records)
+    return Dashboard(
+        board=board,
+        sessions=Sessions(board.clock),
+        signins=SignIns(board.clock),
+        events=events,
+        admin_token=admin_token,
+        base_url=base_url,
+        stopping=stopping,
+        templates=templates(),
+        assets=load_assets(),
+        records=records,
+    )
 
 
 __all__ = ["Board", "Dashboard", "build_dashboard", "create_dashboard_app"]
-

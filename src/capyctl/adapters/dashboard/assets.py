@@ -15,8 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 
 STATIC = Path(__file__).parent / "static"
-TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-         ".txt": "text/plain; charset=utf-8", ".json": "application/json", ".ico": "image/x-icon"}
+TYPES = {
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".txt": "text/plain; charset=utf-8",
+    ".json": "application/json",
+    ".ico": "image/x-icon",
+}
 
 
 def load_assets(root: Path = STATIC) -> dict[str, tuple[bytes, str]]:

@@ -131,9 +131,19 @@ class Timeline:
 
 
 class Board:
-    def __init__(self, fleet: Fleet, admission: AdmissionService, keys: Keyring, store: Store, clock: Clock,
-                 hub: Hub, log_root: Path, recent: Callable[[], Mapping[str, Recent]] = dict,
-                 hosts: Hosts | None = None, host_views: Callable[[], list[dict[str, Any]]] = list) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        admission: AdmissionService,
+        keys: Keyring,
+        store: Store,
+        clock: Clock,
+        hub: Hub,
+        log_root: Path,
+        recent: Callable[[], Mapping[str, Recent]] = dict,
+        hosts: Hosts | None = None,
+        host_views: Callable[[], list[dict[str, Any]]] = list,
+    ) -> None:
         self.fleet = fleet
         self.hosts = hosts  # None: this CapyCTL runs standalone (no `capyctl start server`)
         self.host_views = host_views  # each host as GET /hosts answers it
@@ -169,9 +179,16 @@ class Board:
 
     def key_rows(self) -> tuple[KeyRow, ...]:
         return tuple(
-            KeyRow(key.name, usage.used, key.daily_limit, usage.pending, usage.refused, usage.last_used,
-                   tuple(key.models) if key.models is not None else None)
-            for key, usage in self.keys.keys()
+            KeyRow(
+                key.name,
+                usage.used,
+                key.daily_limit,
+                usage.pending,
+                usage.refused,
+                usage.last_used,
+                tuple(key.models) if key.models is not None else None,
+            )
+            for key, usage in self.keys.with_usage()
         )
 
     def host_rows(self) -> tuple[HostRow, ...] | None:

@@ -23,8 +23,15 @@ from capyctl.domain.request_charts import WINDOWS, Bucket, bucket_starts
 
 WINDOW = "1h"  # the window a page shows unless told otherwise
 PARAMS = ("window", "deployment")
-SERIES = ("requests_per_second", "errors", "ttft_p50_ms", "ttft_p95_ms", "decode_tokens_per_second_p50",
-          "queue_wait_p50_ms", "queue_wait_p95_ms")  # the figures of a bucket, by the Bucket's own names
+SERIES = (
+    "requests_per_second",
+    "errors",
+    "ttft_p50_ms",
+    "ttft_p95_ms",
+    "decode_tokens_per_second_p50",
+    "queue_wait_p50_ms",
+    "queue_wait_p95_ms",
+)  # the figures of a bucket, by the Bucket's own names
 
 
 class DeploymentChart(msgspec.Struct, frozen=True):
@@ -49,8 +56,7 @@ def read_params(params: Mapping[str, str]) -> tuple[str, str | None]:
     ``InvalidRequest`` naming the parameter at fault."""
     for name in params:
         if name not in PARAMS:
-            raise InvalidRequest(f"{name!r} is not a parameter of the charts; give {' and '.join(PARAMS)}",
-                                 param=name)
+            raise InvalidRequest(f"{name!r} is not a parameter of the charts; give {' and '.join(PARAMS)}", param=name)
     window = params.get("window", "").strip() or WINDOW
     if window not in WINDOWS:
         raise InvalidRequest(f"'window' must be one of {', '.join(WINDOWS)}, not {window!r}", param="window")
@@ -68,8 +74,13 @@ def marks_in(marks: Iterable[Mark], start: float, end: float) -> tuple[Mark, ...
     return tuple(m for m in marks if start <= m.at < end)
 
 
-def charts(window: str, buckets: Mapping[str, list[Bucket]], names: Iterable[str],
-           marks: Mapping[str, Iterable[Mark]], now: float) -> Charts:
+def charts(
+    window: str,
+    buckets: Mapping[str, list[Bucket]],
+    names: Iterable[str],
+    marks: Mapping[str, Iterable[Mark]],
+    now: float,
+) -> Charts:
     """The charts of ``names`` (those with records in the window too) over ``window`` ending with ``now``'s
     bucket: a deployment without records has empty buckets (0 requests, no figures), never a missing chart."""
     span = WINDOWS[window]

@@ -46,8 +46,14 @@ def _row(request: Request[Any, Any, Any], name: str) -> HostRow:
 def hosts_page(request: Request[Any, Any, Any]) -> Response[str]:
     session_of(request)
     board = dash(request).board
-    return page(request, "hosts.html", "hosts", live=board.hosts is not None, hosts=board.host_rows(),
-                default_ttl=f"{DEFAULT_TTL / 60:g}m")
+    return page(
+        request,
+        "hosts.html",
+        "hosts",
+        live=board.hosts is not None,
+        hosts=board.host_rows(),
+        default_ttl=f"{DEFAULT_TTL / 60:g}m",
+    )
 
 
 @get("/ui/hosts/{name:str}/revoke", sync_to_thread=False)
@@ -68,8 +74,9 @@ async def do_revoke(request: Request[Any, Any, Any], name: str) -> Response[str]
     try:
         await _hosts(request).registry.revoke(name)
     except CapyError as error:
-        parts.events.emit(None, "dashboard_action_failed", action="revoke_host", host=name, session=session.label,
-                          code=error.code)
+        parts.events.emit(
+            None, "dashboard_action_failed", action="revoke_host", host=name, session=session.label, code=error.code
+        )
         raise
     return Redirect("/ui/hosts", status_code=303, headers=NO_STORE)
 
@@ -81,8 +88,16 @@ def invite_page(request: Request[Any, Any, Any]) -> Response[str]:
     fields = {k: v for k, v in request.query_params.items() if k in ("name", "ttl", "server")}
     name, ttl, server = invitation(fields)
     joined = any(r.name == name for r in dash(request).board.host_rows() or ())
-    return page(request, "host_invite.html", "hosts", live=False, name=name, ttl=fields.get("ttl") or "",
-                server=server or "", lines=invite_lines(name, ttl, joined))
+    return page(
+        request,
+        "host_invite.html",
+        "hosts",
+        live=False,
+        name=name,
+        ttl=fields.get("ttl") or "",
+        server=server or "",
+        lines=invite_lines(name, ttl, joined),
+    )
 
 
 @post("/ui/hosts/invite", status_code=200)
@@ -94,9 +109,11 @@ async def do_invite(request: Request[Any, Any, Any]) -> Response[str]:
     try:
         join = _hosts(request).invite(name, ttl, server)
     except CapyError as error:
-        parts.events.emit(None, "dashboard_action_failed", action="invite_host", host=name, session=session.label,
-                          code=error.code)
+        parts.events.emit(
+            None, "dashboard_action_failed", action="invite_host", host=name, session=session.label, code=error.code
+        )
         raise
     text = msgspec.json.format(msgspec.json.encode(join), indent=2).decode()
-    return page(request, "host_invited.html", "hosts", live=False, name=name, join=text,
-                expires_at=join.get("expires_at"))
+    return page(
+        request, "host_invited.html", "hosts", live=False, name=name, join=text, expires_at=join.get("expires_at")
+    )

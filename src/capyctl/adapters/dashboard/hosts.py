@@ -53,16 +53,27 @@ class HostRow(msgspec.Struct, frozen=True):
 def host_row(view: dict[str, Any]) -> HostRow:
     """One host's row from its ``host_view``."""
     silent = view.get("silent_s")
-    devices = tuple(DeviceRow(d["name"], int(d.get("charged_bytes", 0)), int(d["capacity_bytes"]),
-                              int(d.get("reserve_bytes", 0))) for d in view.get("devices", ()))
+    devices = tuple(
+        DeviceRow(d["name"], int(d.get("charged_bytes", 0)), int(d["capacity_bytes"]), int(d.get("reserve_bytes", 0)))
+        for d in view.get("devices", ())
+    )
     engines = tuple(f"{e['name']} ({e['family']} {e['version']})" for e in view.get("engines", ()))
-    exits = tuple(ExitRow(e.get("instance", ""), e.get("pid"), e.get("returncode"), e.get("at"), e.get("cause"))
-                  for e in reversed(view.get("exits", ())[-EXITS:]))
+    exits = tuple(
+        ExitRow(e.get("instance", ""), e.get("pid"), e.get("returncode"), e.get("at"), e.get("cause"))
+        for e in reversed(view.get("exits", ())[-EXITS:])
+    )
     return HostRow(
-        name=view["name"], state=str(view["state"]), address=view.get("address"), version=view.get("version"),
-        heard=view.get("last_heartbeat"), age="never since the server started" if silent is None
-        else f"{coarse(silent)} ago", devices=devices, engines=engines,
-        deployments=tuple(view.get("instances", ())), exits=exits, revoked=view.get("revoked_at") is not None,
+        name=view["name"],
+        state=str(view["state"]),
+        address=view.get("address"),
+        version=view.get("version"),
+        heard=view.get("last_heartbeat"),
+        age="never since the server started" if silent is None else f"{coarse(silent)} ago",
+        devices=devices,
+        engines=engines,
+        deployments=tuple(view.get("instances", ())),
+        exits=exits,
+        revoked=view.get("revoked_at") is not None,
     )
 
 
@@ -72,13 +83,17 @@ def host_rows(views: Iterable[dict[str, Any]]) -> tuple[HostRow, ...]:
 
 def revoke_lines(row: HostRow) -> list[str]:
     """What a revoke does to ``row``'s host now."""
-    out = [f"{row.name}'s certificate is refused from now on, for ever: only a new invitation and join bring "
-           "the machine back, under a new certificate.",
-           f"Its control link closes now if it is up ({row.name} is {row.state}); its agent is refused whenever "
-           "it dials again, and stops."]
+    out = [
+        f"{row.name}'s certificate is refused from now on, for ever: only a new invitation and join bring "
+        "the machine back, under a new certificate.",
+        f"Its control link closes now if it is up ({row.name} is {row.state}); its agent is refused whenever "
+        "it dials again, and stops.",
+    ]
     if row.deployments:
-        out.append(f"Requests for the {counted(len(row.deployments), 'deployment')} running there now "
-                   f"({', '.join(row.deployments)}) are refused with device_offline.")
+        out.append(
+            f"Requests for the {counted(len(row.deployments), 'deployment')} running there now "
+            f"({', '.join(row.deployments)}) are refused with device_offline."
+        )
     else:
         out.append("No deployment runs there now.")
     return out
@@ -95,18 +110,21 @@ def invitation(fields: dict[str, str]) -> tuple[str, float, str | None]:
     except InvalidConfig as exc:
         raise InvalidRequest(f"'ttl' must be a duration such as 15m or 1h; {exc.message}", param="ttl") from exc
     if not 0 < ttl <= MAX_TTL:
-        raise InvalidRequest(f"'ttl' must be more than 0 s and at most {MAX_TTL:g} s (1 h), not {text!r}",
-                             param="ttl")
+        raise InvalidRequest(f"'ttl' must be more than 0 s and at most {MAX_TTL:g} s (1 h), not {text!r}", param="ttl")
     server = fields.get("server", "").strip() or None
     return name, ttl, server
 
 
 def invite_lines(name: str, ttl: float, joined: bool) -> list[str]:
     """What an invitation for ``name`` will be."""
-    out = [f"A join file for host {name}: it works once, for {coarse(ttl)}, and only under that name.",
-           "It holds a secret: the next page shows it once, and nowhere else. CapyCTL keeps only its hash.",
-           f"On the machine: capyctl join host --join-file {name}.join, then capyctl start host."]
+    out = [
+        f"A join file for host {name}: it works once, for {coarse(ttl)}, and only under that name.",
+        "It holds a secret: the next page shows it once, and nowhere else. CapyCTL keeps only its hash.",
+        f"On the machine: capyctl join host --join-file {name}.join, then capyctl start host.",
+    ]
     if joined:
-        out.append(f"{name} has joined already: a join with this file replaces its certificate, and the old one "
-                   "is refused from then on.")
+        out.append(
+            f"{name} has joined already: a join with this file replaces its certificate, and the old one "
+            "is refused from then on."
+        )
     return out

@@ -11,7 +11,7 @@ so an idle page costs one comparison per tick and never touches the store.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 
@@ -81,7 +81,7 @@ def fields(row: RequestRow) -> list[tuple[str, str]]:
 
 
 def _utc(wall: float) -> str:
-    return datetime.fromtimestamp(wall, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(wall, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 class Table:

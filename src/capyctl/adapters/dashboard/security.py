@@ -19,8 +19,10 @@ from typing import Any
 
 import msgspec
 
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
 HEADERS: list[tuple[bytes, bytes]] = [
     (b"content-security-policy", CSP.encode()),
     (b"x-content-type-options", b"nosniff"),
@@ -64,7 +66,7 @@ def is_dashboard(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
     dashboard."""
     if path == "/":
         return any(k == b"accept" and b"text/html" in v for k, v in headers)
-    return path == PREFIX or path.startswith(PREFIX + "/") or path == ICON
+    return path in (PREFIX, ICON) or path.startswith(PREFIX + "/")
 
 
 def guarded(app: Callable[..., Any], port: int, names: frozenset[str]) -> Callable[..., Any]:
@@ -90,15 +92,29 @@ def guarded(app: Callable[..., Any], port: int, names: frozenset[str]) -> Callab
 
 
 async def _refuse_host(send: Any, host: str, port: int) -> None:
-    body = msgspec.json.encode({"error": {
-        "code": "wrong_host", "type": "invalid_request_error",
-        "message": f"the Host header {host!r} is not one this listener serves; open the dashboard as "
-                   f"http://127.0.0.1:{port}/ (a name that is neither localhost, the configured address nor an IP "
-                   "address is refused, against DNS rebinding)",
-    }})
-    await send({"type": "http.response.start", "status": 421, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), (b"cache-control", b"no-store"),
-        *HEADERS]})
+    body = msgspec.json.encode(
+        {
+            "error": {
+                "code": "wrong_host",
+                "type": "invalid_request_error",
+                "message": f"the Host header {host!r} is not one this listener serves; open the dashboard as "
+                f"http://127.0.0.1:{port}/ (a name that is neither localhost, the configured address nor an IP "
+                "address is refused, against DNS rebinding)",
+            }
+        }
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 421,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(body)),
+                (b"cache-control", b"no-store"),
+                *HEADERS,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -47,8 +47,7 @@ class Session:
     how: str  # "link" or "admin token"
 
     def csrf_ok(self, given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
-                                                          self.csrf.encode())
+        return given is not None and hmac.compare_digest(given.encode("utf-8", "surrogateescape"), self.csrf.encode())
 
 
 @dataclass

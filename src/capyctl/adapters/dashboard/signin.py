@@ -15,6 +15,7 @@ from capyctl.adapters.dashboard.sessions import admin_token_ok
 from capyctl.adapters.dashboard.web import COOKIE, NO_STORE, SignInRefused, checked, dash, html, log
 from capyctl.domain.errors import Unauthorized
 
+
 # --- sign-in ------------------------------------------------------------------------------------------
 def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """The management API's own check (``Authorization: Bearer <admin token>``, constant time)."""
@@ -34,8 +35,12 @@ def issue_sign_in(request: Request[Any, Any, Any]) -> dict[str, Any]:
 def _signed_in(request: Request[Any, Any, Any], how: str) -> Response[str]:
     session_id, session = dash(request).sessions.open(how)
     log.info("dashboard session %s opened (%s)", session.label, how)
-    return Redirect("/ui/", status_code=303, headers=NO_STORE, cookies=[Cookie(
-        key=COOKIE, value=session_id, path="/", httponly=True, samesite="strict", secure=False)])
+    return Redirect(
+        "/ui/",
+        status_code=303,
+        headers=NO_STORE,
+        cookies=[Cookie(key=COOKIE, value=session_id, path="/", httponly=True, samesite="strict", secure=False)],
+    )
 
 
 @get("/ui/sign-in", sync_to_thread=False)
@@ -56,8 +61,10 @@ async def sign_in_with_token(request: Request[Any, Any, Any]) -> Response[str]:
 def sign_in_with_link(request: Request[Any, Any, Any], token: str) -> Response[str]:
     if dash(request).signins.redeem(token):
         return _signed_in(request, "one-time link")
-    raise SignInRefused("this sign-in link was used already or has expired (a link works once, for 60 s): "
-                        "run `capyctl dashboard` again for a new one")
+    raise SignInRefused(
+        "this sign-in link was used already or has expired (a link works once, for 60 s): "
+        "run `capyctl dashboard` again for a new one"
+    )
 
 
 @post("/ui/sign-out", status_code=303)
@@ -68,5 +75,3 @@ async def sign_out(request: Request[Any, Any, Any]) -> Response[str]:
     response: Response[str] = Redirect("/ui/sign-in", status_code=303, headers=NO_STORE)
     response.delete_cookie(COOKIE, path="/")
     return response
-
-

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import msgspec
 
 from capyctl.domain.deployments import Desired, InstanceState
+from capyctl.domain.memory import Device, Fits, Holding, NeverFits, NotNow, Residency, Resident, SwitchPlan, gib, plan
 from capyctl.domain.request_charts import Recent
-from capyctl.domain.memory import Device, Fits, Holding, NeverFits, NotNow, Resident, Residency, SwitchPlan, gib, plan
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Controller, ManagedController
 from capyctl.services.switching import NoSwitchboard, Switchboard
@@ -114,8 +114,9 @@ def coarse(seconds: float) -> str:
     return f"{int(seconds // 86400)} days"
 
 
-def card(controller: Controller, admission: AdmissionService, since: float | None, now: float,
-         recent: Recent | None = None) -> Card:
+def card(
+    controller: Controller, admission: AdmissionService, since: float | None, now: float, recent: Recent | None = None
+) -> Card:
     status = controller.status
     held = controller.held()
     shown_error = status.last_error if status.state in (S.FAILED, S.UNAVAILABLE) or status.restarts else None
@@ -204,8 +205,9 @@ def _outlook(device: Device, target: Resident, others: list[Resident]) -> Outloo
 Outlooks = dict[str, tuple[dict[str, Resident], tuple[Outlook, ...]]]  # device -> (residents, their outlooks)
 
 
-def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller],
-         memo: Outlooks | None = None) -> list[Bar]:
+def bars(
+    room: Switchboard | NoSwitchboard, controllers: Sequence[Controller], memo: Outlooks | None = None
+) -> list[Bar]:
     """One bar per device: what each deployment holds (awake or parked), the reserve and what is free; and,
     for each deployment on it that holds nothing, what starting it would take."""
     if not isinstance(room, Switchboard):
@@ -222,24 +224,34 @@ def bars(room: Switchboard | NoSwitchboard, controllers: Sequence[Controller],
             holding = c.holding if isinstance(c, ManagedController) else Holding.NONE
             unsettled = sum(int(entry["count"]) for entry in c.settlement.ledger.counts())
             kind = "parked" if holding is Holding.PARKED else "awake"
-            segments.append(Segment(c.name, size, kind, unsettled, _pct(at, device.capacity),
-                                    _pct(size, device.capacity)))
+            segments.append(
+                Segment(c.name, size, kind, unsettled, _pct(at, device.capacity), _pct(size, device.capacity))
+            )
             at += size
         residents = {c.name: room.resident(c) for c in on}  # read once: every outlook weighs all the others
         known = memo.get(device.name) if memo is not None else None
         if known is not None and known[0] == residents:  # same residents as last time: the same plans
             outlooks = known[1]
         else:
-            outlooks = tuple(_outlook(device, residents[c.name], [r for n, r in residents.items() if n != c.name])
-                             for c in on if isinstance(c, ManagedController) and c.holding is Holding.NONE)
+            outlooks = tuple(
+                _outlook(device, residents[c.name], [r for n, r in residents.items() if n != c.name])
+                for c in on
+                if isinstance(c, ManagedController) and c.holding is Holding.NONE
+            )
             if memo is not None:
                 memo[device.name] = (residents, outlooks)
-        out.append(Bar(
-            device=device.name, capacity=device.capacity, reserve=device.reserve,
-            free=device.usable - sum(charged.values()), segments=tuple(segments),
-            reserve_pct=_pct(device.reserve, device.capacity), outlooks=outlooks,
-            last_switch=room.last_switch.get(device.name),
-        ))
+        out.append(
+            Bar(
+                device=device.name,
+                capacity=device.capacity,
+                reserve=device.reserve,
+                free=device.usable - sum(charged.values()),
+                segments=tuple(segments),
+                reserve_pct=_pct(device.reserve, device.capacity),
+                outlooks=outlooks,
+                last_switch=room.last_switch.get(device.name),
+            )
+        )
     return out
 
 
@@ -250,8 +262,13 @@ def frees_on_park(controller: Controller, charged: int) -> int:
     return max(0, charged - controller.spec.resources.parked_bytes)
 
 
-def consequences(action: str, controller: Controller, admission: AdmissionService,
-                 room: Switchboard | NoSwitchboard, controllers: Sequence[Controller]) -> list[str]:
+def consequences(
+    action: str,
+    controller: Controller,
+    admission: AdmissionService,
+    room: Switchboard | NoSwitchboard,
+    controllers: Sequence[Controller],
+) -> list[str]:
     """What an action will do, in the words of the confirmation page: requests, memory, what waits."""
     name, status = controller.name, controller.status
     in_flight, waiting = admission.state.in_flight(name), admission.state.waiting(name)
@@ -267,28 +284,39 @@ def consequences(action: str, controller: Controller, admission: AdmissionServic
             out.append("It gives the failed deployment a new start budget and starts its engine.")
         elif not controller.spec.attached:
             out.append("It starts the engine and keeps it running.")
-        if isinstance(room, Switchboard) and device is not None and isinstance(controller, ManagedController) \
-                and controller.holding is Holding.NONE:
+        if (
+            isinstance(room, Switchboard)
+            and device is not None
+            and isinstance(controller, ManagedController)
+            and controller.holding is Holding.NONE
+        ):
             others = [c for c in controllers if c is not controller and room.is_on(c, device)]
             out.append(f"Memory on {device.name}: {outlook(room, controller, others).text}.")
         if waiting:
             out.append(f"{counted(waiting, 'waiting request')} {_verb(waiting, 'is', 'are')} served once it is ready.")
     elif action == "stop":
-        out.append("It stops the engine (SIGTERM, then SIGKILL after the grace period). The stop is sticky: "
-                   "requests do not start it again until an operator starts it.")
-        out.append(f"{counted(in_flight, 'request')} in flight {_verb(in_flight, 'is', 'are')} cut; "
-                   f"{counted(waiting, 'waiting request')} {_verb(waiting, 'is', 'are')} refused (deployment_stopped).")
+        out.append(
+            "It stops the engine (SIGTERM, then SIGKILL after the grace period). The stop is sticky: "
+            "requests do not start it again until an operator starts it."
+        )
+        out.append(
+            f"{counted(in_flight, 'request')} in flight {_verb(in_flight, 'is', 'are')} cut; "
+            f"{counted(waiting, 'waiting request')} {_verb(waiting, 'is', 'are')} refused (deployment_stopped)."
+        )
         if device is not None:
             out.append(f"It frees {gib(charged)} on {device.name}.")
     else:
-        out.append(f"It lets the {counted(in_flight, 'request')} in flight finish (bounded by switching.drain_timeout), "
-                   "then parks the engine; the next request wakes it.")
+        out.append(
+            f"It lets the {counted(in_flight, 'request')} in flight finish (bounded by switching.drain_timeout), "
+            "then parks the engine; the next request wakes it."
+        )
         if controller.spec.residency is Residency.RESTART_ONLY:
             out.append("Its residency is restart_only: parking stops the engine (not stickily).")
         if waiting:
-            out.append(f"{counted(waiting, 'waiting request')} {_verb(waiting, 'keeps', 'keep')} waiting, and "
-                       f"{_verb(waiting, 'wakes', 'wake')} it again.")
+            out.append(
+                f"{counted(waiting, 'waiting request')} {_verb(waiting, 'keeps', 'keep')} waiting, and "
+                f"{_verb(waiting, 'wakes', 'wake')} it again."
+            )
         if device is not None:
             out.append(f"It frees {gib(frees_on_park(controller, charged))} on {device.name}.")
     return out
-

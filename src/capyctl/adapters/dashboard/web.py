@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -57,8 +57,13 @@ class TooManyStreams(CapyError):
     code = "too_many_streams"
 
 
-STATUS = {"sign_in_needed": 401, "sign_in_refused": 401, "csrf_refused": 403, "action_not_allowed": 409,
-          "too_many_streams": 503}
+STATUS = {
+    "sign_in_needed": 401,
+    "sign_in_refused": 401,
+    "csrf_refused": 403,
+    "action_not_allowed": 409,
+    "too_many_streams": 503,
+}
 
 
 @dataclass
@@ -78,19 +83,24 @@ class Dashboard:
 
 
 def _stamp(wall: float) -> str:
-    return datetime.fromtimestamp(wall, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(wall, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def templates() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["gib"] = gib
     env.filters["counted"] = counted
     env.filters["figure"] = figure
     env.filters["settlement"] = settlement
     env.filters["stamp"] = _stamp
-    env.filters["clock"] = lambda wall: datetime.fromtimestamp(wall, timezone.utc).strftime("%H:%M:%S UTC")
-    env.filters["iso"] = lambda wall: datetime.fromtimestamp(wall, timezone.utc).isoformat(timespec="seconds")
+    env.filters["clock"] = lambda wall: datetime.fromtimestamp(wall, UTC).strftime("%H:%M:%S UTC")
+    env.filters["iso"] = lambda wall: datetime.fromtimestamp(wall, UTC).isoformat(timespec="seconds")
     return env
 
 
@@ -118,14 +128,25 @@ async def checked(request: Request[Any, Any, Any]) -> tuple[Session, dict[str, s
     return session, fields
 
 
-def html(request: Request[Any, Any, Any], template: str, status: int = 200, headers: dict[str, str] | None = None,
-         **context: Any) -> Response[str]:
+def html(
+    request: Request[Any, Any, Any],
+    template: str,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+    **context: Any,
+) -> Response[str]:
     text = dash(request).templates.get_template(template).render(**context)
     return Response(text, status_code=status, media_type=HTML, headers=headers or NO_STORE)
 
 
-def page(request: Request[Any, Any, Any], template: str, page: str, live: bool = True,
-         stream_params: dict[str, str] | None = None, **context: Any) -> Response[str]:
+def page(
+    request: Request[Any, Any, Any],
+    template: str,
+    page: str,
+    live: bool = True,
+    stream_params: dict[str, str] | None = None,
+    **context: Any,
+) -> Response[str]:
     """A page of a signed-in session; ``live``: with its event stream (``stream_params``: its query's filters)."""
     _, session = session_of(request)
     stream = None
@@ -136,7 +157,6 @@ def page(request: Request[Any, Any, Any], template: str, page: str, live: bool =
         if stream_params:
             stream += "&" + urlencode(stream_params)
     return html(request, template, page=page, session=session, live=stream, **context)
-
 
 
 # --- errors -------------------------------------------------------------------------------------------
@@ -155,8 +175,9 @@ def dashboard_envelope(error: CapyError) -> tuple[int, dict[str, Any]]:
     return status, {"error": {**body["error"], "type": error_type(status)}}
 
 
-def error_page(request: Request[Any, Any, Any], error: CapyError,
-               headers: dict[str, str] | None = None) -> Response[Any]:
+def error_page(
+    request: Request[Any, Any, Any], error: CapyError, headers: dict[str, str] | None = None
+) -> Response[Any]:
     status, body = dashboard_envelope(error)
     headers = {**NO_STORE, **(headers or {})}
     if not wants_html(request):
@@ -165,10 +186,26 @@ def error_page(request: Request[Any, Any, Any], error: CapyError,
         message = error.message if isinstance(error, SignInRefused) else None
         return html(request, "signin.html", 401, page="sign in", session=None, live=None, message=message)
     session = dash(request).sessions.get(request.cookies.get(COOKIE, ""))
-    return html(request, "error.html", status, headers, page="error", session=session, live=None,
-                http_status=status, title={400: "Not understood", 401: "Sign in first", 403: "Refused",
-                                           404: "Not found", 405: "Not this way", 409: "Not now"}.get(status, "Error"),
-                code=error.code, message=error.message)
+    return html(
+        request,
+        "error.html",
+        status,
+        headers,
+        page="error",
+        session=session,
+        live=None,
+        http_status=status,
+        title={
+            400: "Not understood",
+            401: "Sign in first",
+            403: "Refused",
+            404: "Not found",
+            405: "Not this way",
+            409: "Not now",
+        }.get(status, "Error"),
+        code=error.code,
+        message=error.message,
+    )
 
 
 def http_error_page(request: Request[Any, Any, Any], error: HTTPException) -> Response[Any]:
@@ -176,8 +213,9 @@ def http_error_page(request: Request[Any, Any, Any], error: HTTPException) -> Re
         return error_page(request, NotFound(f"no dashboard page {request.url.path}"))
     if error.status_code == 405:  # RFC 9110: a 405 names the methods the path takes (Litestar's router lists them)
         allow = (error.headers or {}).get("allow")
-        refused = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"
-                                   + (f"; it takes {allow}" if allow else ""))
+        refused = MethodNotAllowed(
+            f"{request.method} is not allowed on {request.url.path}" + (f"; it takes {allow}" if allow else "")
+        )
         return error_page(request, refused, {"allow": allow} if allow else None)
     wrapped = CapyError(str(error.detail))
     wrapped.code = "invalid_request" if error.status_code < 500 else "internal_error"
@@ -188,5 +226,3 @@ def unexpected_error_page(request: Request[Any, Any, Any], error: Exception) -> 
     request_id = request.scope.get(REQUEST_ID_KEY, "-")  # type: ignore[call-overload]
     log.error("request %s: internal error on %s %s", request_id, request.method, request.url.path, exc_info=error)
     return error_page(request, InternalError(request_id))
-
-

@@ -40,8 +40,10 @@ def from_nvml() -> list[Device] | None:
         log.info("NVML did not load (%s); trying nvidia-smi", exc)
         return None
     try:
-        return [_device(i, int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total))
-                for i in range(pynvml.nvmlDeviceGetCount())]
+        return [
+            _device(i, int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total))
+            for i in range(pynvml.nvmlDeviceGetCount())
+        ]
     finally:
         pynvml.nvmlShutdown()
 
@@ -64,7 +66,10 @@ def from_nvidia_smi(program: str | None = None) -> list[Device] | None:
     try:
         done = subprocess.run(
             [program, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=5, check=True,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
         return parse_nvidia_smi(done.stdout)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:

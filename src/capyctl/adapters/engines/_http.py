@@ -20,8 +20,9 @@ CONTROL_TIMEOUT = 900.0  # seconds for a park or wake: a deep wake reads the wei
 class EngineClient(Protocol):
     """The one HTTP client to engines, as the adapters' side routes use it."""
 
-    async def request(self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0
-                      ) -> tuple[int, bytes]:
+    async def request(
+        self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0
+    ) -> tuple[int, bytes]:
         """``method`` on ``url`` (absolute), ``body`` sent as JSON: the status and whole body, whatever the
         status. Raises ``EngineUnavailable`` when the engine cannot be reached, breaks the connection before
         its answer ends or does not answer within ``timeout`` seconds, ``EdgeError`` for an answer too large

@@ -99,7 +99,7 @@ class SseParser:
                     self._hold(data)
                     return
                 block = b"".join(self._pending) + data[:end]
-                data = data[end + 2:]
+                data = data[end + 2 :]
             self._pending, self._size = [], 0
             self._check(len(block))
             blocks.append(block)
@@ -117,7 +117,7 @@ class SseParser:
         body = data
         done = False
         if data.endswith(_DONE_EVENT):
-            body = data[:-len(_DONE_EVENT)]
+            body = data[: -len(_DONE_EVENT)]
             if not body.endswith(b"\n\n"):
                 return None
             done = True

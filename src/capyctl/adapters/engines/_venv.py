@@ -17,9 +17,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from capyctl.domain.errors import InvalidEngine
-
 from capyctl.domain.engines import version_key
+from capyctl.domain.errors import InvalidEngine
 
 _SEPARATORS = re.compile(r"[-_.]+")
 

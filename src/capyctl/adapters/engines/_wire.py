@@ -175,8 +175,9 @@ class WireEngineSession(EngineSession):
             if url.scheme == "https":  # a host's ingress: its name for TLS, the launch's gate key
                 named = self._tls_names[(host, port)] = url.username or host
                 typed += f"X-CapyCTL-Gate: {url.password or ''}\r\n"
-            head = (f"{method} {path} HTTP/1.1\r\nHost: {named}:{port}\r\n{typed}"
-                    f"Accept: {accept}\r\nContent-Length: ").encode()
+            head = (
+                f"{method} {path} HTTP/1.1\r\nHost: {named}:{port}\r\n{typed}Accept: {accept}\r\nContent-Length: "
+            ).encode()
             if len(self._targets) >= _TARGETS:  # engines restart on new ports: keep the newest few
                 self._targets.clear()
             known = self._targets[(method, base_url, route, accept)] = (host, port, head)
@@ -216,20 +217,24 @@ class WireEngineSession(EngineSession):
             _, conn = await loop.create_connection(_Response, *key)
             return conn
         if self._tls is None:
-            raise HostUnreachable(name, "this process has no CA to check hosts with (only capyctl start server "
-                                        "does)")
-        transport, conn = await loop.create_connection(_Response, *key, ssl=self._tls, server_hostname=name,
-                                                       ssl_handshake_timeout=10.0)
+            raise HostUnreachable(name, "this process has no CA to check hosts with (only capyctl start server does)")
+        transport, conn = await loop.create_connection(
+            _Response, *key, ssl=self._tls, server_hostname=name, ssl_handshake_timeout=10.0
+        )
         shown = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
         conn.pin = hashlib.sha256(shown).hexdigest() if shown else None
         if conn.pin is None or conn.pin != self._pins(name):
             transport.abort()  # not a byte of any request goes to it
-            raise HostUnreachable(name, "its ingress showed a certificate the host does not hold now (revoked, or "
-                                        "replaced by a new join): refused")
+            raise HostUnreachable(
+                name,
+                "its ingress showed a certificate the host does not hold now (revoked, or "
+                "replaced by a new join): refused",
+            )
         return conn
 
-    async def _send(self, host: str, port: int, head: bytes, body: bytes, written: _Response | None = None
-                    ) -> _Response:
+    async def _send(
+        self, host: str, port: int, head: bytes, body: bytes, written: _Response | None = None
+    ) -> _Response:
         """The request written (``written``: already, on that pooled connection) and the answer's head read."""
         for _ in range(2):  # a pooled connection the engine closed meanwhile gets one fresh retry
             if written is None:
@@ -280,12 +285,16 @@ class WireEngineSession(EngineSession):
         error = engine_error(status, body)
         name = self._tls_names.get((host, port))
         if name is not None and error.code == "gate_refused":
-            return HostUnreachable(name, "its agent does not know this launch's gate key (its agent restarted, "
-                                         "or the launch ended)", reason="reconnecting")
+            return HostUnreachable(
+                name,
+                "its agent does not know this launch's gate key (its agent restarted, or the launch ended)",
+                reason="reconnecting",
+            )
         return error
 
-    async def request(self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0,
-                      limit: int = _MAX_ANSWER) -> tuple[int, bytes]:
+    async def request(
+        self, method: str, url: str, body: bytes | None = None, timeout: float | None = 10.0, limit: int = _MAX_ANSWER
+    ) -> tuple[int, bytes]:
         """Any other call to an engine (a probe, a metrics read, a park or a wake): ``method`` on ``url``
         (``http://host:port/path?query``), ``body`` sent as JSON; the answer's status and whole body, whatever
         the status. On the pool the streams use: a kept-alive connection is taken if one stands idle, and
@@ -303,8 +312,9 @@ class WireEngineSession(EngineSession):
             with anyio.fail_after(timeout):
                 return await self._exchange(host, port, head, body or b"", limit)
         except TimeoutError as exc:
-            raise EngineUnavailable(f"the engine at {host}:{port} did not answer {method} {route} "
-                                    f"within {timeout} s") from exc
+            raise EngineUnavailable(
+                f"the engine at {host}:{port} did not answer {method} {route} within {timeout} s"
+            ) from exc
 
     async def _exchange(self, host: str, port: int, head: bytes, body: bytes, limit: int) -> tuple[int, bytes]:
         """The request sent and its whole answer read (status, body); the connection is pooled again after it."""
@@ -397,8 +407,9 @@ class _ChatStream:
 
     __slots__ = ("_session", "_host", "_port", "_head", "_body", "_conn", "_written")
 
-    def __init__(self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes,
-                 written: _Response | None) -> None:
+    def __init__(
+        self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes, written: _Response | None
+    ) -> None:
         self._session = session
         self._host, self._port, self._head, self._body = host, port, head, body
         self._conn: _Response | None = None
@@ -450,7 +461,9 @@ async def _not_a_stream(conn: _Response) -> EdgeError:
             await conn.wait()
     start = conn.take()[:200].decode("utf-8", "replace")
     kind = conn.content_type.decode("latin-1")
-    hint = " (an engine that ignores stream: true answers one JSON object)" if kind.startswith("application/json") else ""
+    hint = (
+        " (an engine that ignores stream: true answers one JSON object)" if kind.startswith("application/json") else ""
+    )
     return EdgeError(f"the engine answered 200 with content type {kind!r} instead of an SSE stream{hint}: {start!r}")
 
 
@@ -468,8 +481,7 @@ class _Stream:
             self._conn.saw_done = True
         return events
 
-    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]
-                   ) -> bool:
+    async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]) -> bool:
         """(see ``EngineAnswer``)"""
         conn = self._conn
         loop = asyncio.get_running_loop()

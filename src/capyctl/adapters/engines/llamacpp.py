@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 
 from capyctl.adapters.engines import _prom
-from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.adapters.engines._capabilities import RestartOnly
+from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine

@@ -22,8 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from capyctl.adapters.engines import _prom, _venv
-from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.adapters.engines._capabilities import DecisionsByVersion, RestartOnly
+from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.ports import EngineAdapter

@@ -6,9 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-
-from capyctl.adapters.http.ids import new_request_id
 from capyctl.adapters.http.errors import error_body, sse_error_event, status_of
+from capyctl.adapters.http.ids import new_request_id
 from capyctl.domain.errors import InternalError
 
 Scope = dict[str, Any]

@@ -43,13 +43,23 @@ class ChatEndpoint:
     def start(self, record: RequestRecord, obj: dict[str, Any]) -> Started:
         return self._service.start(record, obj)
 
-    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float, started: Started | None = None) -> None:
+    async def answer(
+        self,
+        record: RequestRecord,
+        obj: dict[str, Any],
+        wait: float | None,
+        exchange: Exchange,
+        headers: Headers,
+        outcome: Outcome,
+        received_at: float,
+        started: Started | None = None,
+    ) -> None:
         if record.stream:
             await self._stream(record, obj, wait, exchange, headers, outcome, started)
         else:
-            await send_one_answer(self._service.complete(record, obj, wait, started), record, exchange, headers,
-                                  outcome)
+            await send_one_answer(
+                self._service.complete(record, obj, wait, started), record, exchange, headers, outcome
+            )
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
         if outcome.started:
@@ -57,8 +67,16 @@ class ChatEndpoint:
         else:
             await exchange.json(status_of(error), error_body(error), headers)
 
-    async def _stream(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                      headers: Headers, outcome: Outcome, started: Started | None) -> None:
+    async def _stream(
+        self,
+        record: RequestRecord,
+        obj: dict[str, Any],
+        wait: float | None,
+        exchange: Exchange,
+        headers: Headers,
+        outcome: Outcome,
+        started: Started | None,
+    ) -> None:
         opened = False
         try:
             async with self._service.open(record, obj, wait, started) as call:

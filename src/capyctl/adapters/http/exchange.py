@@ -64,9 +64,15 @@ def date_header() -> bytes:
 def raw_error(status: int, body: bytes, retry_after: int | None = None) -> bytes:
     """A whole error answer that closes the connection, with a request ID of its own: for what is refused
     before a request is read whole (limits, a request the parser refuses)."""
-    head = [status_line(status), date_header(), b"content-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(body), b"cache-control: no-store\r\n",
-            b"x-capyctl-request-id: %b\r\n" % new_request_id().encode(), b"connection: close\r\n"]
+    head = [
+        status_line(status),
+        date_header(),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"cache-control: no-store\r\n",
+        b"x-capyctl-request-id: %b\r\n" % new_request_id().encode(),
+        b"connection: close\r\n",
+    ]
     if retry_after is not None:
         head.append(b"retry-after: %d\r\n" % retry_after)
     return b"".join(head) + b"\r\n" + body
@@ -75,8 +81,9 @@ def raw_error(status: int, body: bytes, retry_after: int | None = None) -> bytes
 class Exchange:
     """One request read whole, and its answer written straight to the connection's transport."""
 
-    def __init__(self, connection: Any, method: str, path: str, query: bytes, headers: Headers, body: bytes,
-                 keep_alive: bool) -> None:
+    def __init__(
+        self, connection: Any, method: str, path: str, query: bytes, headers: Headers, body: bytes, keep_alive: bool
+    ) -> None:
         self.method = method
         self.path = path
         self.query = query
@@ -194,8 +201,9 @@ class Exchange:
 
     async def json(self, status: int, body: bytes, headers: Headers) -> None:
         """A whole answer: ``body`` as ``application/json`` with its length."""
-        await self.whole(status, body, [(b"content-type", b"application/json"),
-                                        (b"content-length", b"%d" % len(body)), *headers])
+        await self.whole(
+            status, body, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)), *headers]
+        )
 
     async def whole(self, status: int, body: bytes, headers: Headers) -> None:
         """A whole answer; ``headers`` give its length."""
@@ -244,8 +252,9 @@ class Exchange:
         head = b"" if self.started else self._head
         self.started = True
         routine_due()
-        self._connection.transport.write(b"%b%x\r\n%b\r\n0\r\n\r\n" % (head, len(data), data) if data
-                                         else head + b"0\r\n\r\n")
+        self._connection.transport.write(
+            b"%b%x\r\n%b\r\n0\r\n\r\n" % (head, len(data), data) if data else head + b"0\r\n\r\n"
+        )
         self._complete()
 
     def _complete(self) -> None:
@@ -274,11 +283,21 @@ class _Asgi:
         transport = exchange._connection.transport
         server = transport.get_extra_info("sockname") if transport is not None else None
         client = transport.get_extra_info("peername") if transport is not None else None
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": exchange.method, "scheme": "http", "path": exchange.path,
-                 "raw_path": exchange.path.encode(), "query_string": exchange.query, "root_path": "",
-                 "headers": exchange.headers, "server": tuple(server[:2]) if server else None,
-                 "client": tuple(client[:2]) if client else None, "state": {}}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": exchange.method,
+            "scheme": "http",
+            "path": exchange.path,
+            "raw_path": exchange.path.encode(),
+            "query_string": exchange.query,
+            "root_path": "",
+            "headers": exchange.headers,
+            "server": tuple(server[:2]) if server else None,
+            "client": tuple(client[:2]) if client else None,
+            "state": {},
+        }
         await app(scope, self.receive, self.send)
 
     async def receive(self) -> dict[str, Any]:

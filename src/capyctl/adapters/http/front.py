@@ -46,9 +46,23 @@ _decode = msgspec.json.Decoder(dict[str, Any]).decode
 _encode = msgspec.json.encode
 NO_STORE = (b"cache-control", b"no-store")
 # Answers that refused a request before any engine saw it, counted in capyctl_refusals_total.
-_REFUSALS = frozenset({"daily_limit", "model_not_found", "deployment_stopped", "api_mismatch", "cache_salt_unsupported",
-                       "invalid_request", "invalid_json", "queue_full", "model_loading", "queued", "device_busy",
-                       "insufficient_memory", "gpu-busy"})
+_REFUSALS = frozenset(
+    {
+        "daily_limit",
+        "model_not_found",
+        "deployment_stopped",
+        "api_mismatch",
+        "cache_salt_unsupported",
+        "invalid_request",
+        "invalid_json",
+        "queue_full",
+        "model_loading",
+        "queued",
+        "device_busy",
+        "insufficient_memory",
+        "gpu-busy",
+    }
+)
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -95,16 +109,23 @@ class Outcome:
 _TIMEOUTS = {
     CancelCause.DEADLINE: lambda record: DeadlineExceeded(
         f"no answer from the engine serving {record.deployment!r} within the request deadline; "
-        "the request was cut and the engine told to stop", model=record.deployment),
+        "the request was cut and the engine told to stop",
+        model=record.deployment,
+    ),
     CancelCause.IDLE: lambda record: StreamIdleTimeout(
         f"the answer from {record.deployment!r} went silent for longer than the stream idle timeout; "
-        "the request was cut and the engine told to stop", model=record.deployment),
+        "the request was cut and the engine told to stop",
+        model=record.deployment,
+    ),
     CancelCause.HOST_LOST: lambda record: HostLost(record.deployment),
 }
 
 
 async def send_one_answer(
-    answering: Awaitable[dict[str, Any]], record: RequestRecord, exchange: Exchange, headers: Headers,
+    answering: Awaitable[dict[str, Any]],
+    record: RequestRecord,
+    exchange: Exchange,
+    headers: Headers,
     outcome: Outcome,
 ) -> None:
     """A whole answer as one JSON body (a non-streamed chat answer, a decision), or its error with its status."""
@@ -134,8 +155,17 @@ class Endpoint(Protocol):
         """What can be done for the request at once, before its task runs (never raises; None for nothing):
         handed to ``answer``, and closed (``close()``) by the front door once the request is answered."""
 
-    async def answer(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, exchange: Exchange,
-                     headers: Headers, outcome: Outcome, received_at: float, started: Any) -> None: ...
+    async def answer(
+        self,
+        record: RequestRecord,
+        obj: dict[str, Any],
+        wait: float | None,
+        exchange: Exchange,
+        headers: Headers,
+        outcome: Outcome,
+        received_at: float,
+        started: Any,
+    ) -> None: ...
 
     async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
 
@@ -146,8 +176,14 @@ class FrontDoor:
     and deadline watcher, the cut requests' settlement and the outcome counters. The endpoint for the
     path does the rest."""
 
-    def __init__(self, endpoints: list[Endpoint], keys: Keyring, max_body: int, stats: RequestStats,
-                 records: RequestLog | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: list[Endpoint],
+        keys: Keyring,
+        max_body: int,
+        stats: RequestStats,
+        records: RequestLog | None = None,
+    ) -> None:
         self.endpoints = {endpoint.path: endpoint for endpoint in endpoints}
         self._keys = keys
         self._max_body = max_body
@@ -176,16 +212,26 @@ class FrontDoor:
             return internal_error(exchange, request_id, headers)
         return self._last_resort(self._answer(exchange, front, headers), exchange, front, headers)
 
-    async def _last_resort(self, answering: Awaitable[None], exchange: Exchange, front: Front,
-                           headers: Headers) -> None:
+    async def _last_resort(
+        self, answering: Awaitable[None], exchange: Exchange, front: Front, headers: Headers
+    ) -> None:
         try:
             await answering
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
             log.exception("request %s: internal error", front.record.id)
             if self._records is not None:
                 record = front.record
-                self._records.add(broken_row(record.id, exchange.path, self._records.wall(), exchange.started,
-                                             record.key, record.deployment, record.stream))
+                self._records.add(
+                    broken_row(
+                        record.id,
+                        exchange.path,
+                        self._records.wall(),
+                        exchange.started,
+                        record.key,
+                        record.deployment,
+                        record.stream,
+                    )
+                )
             await internal_error(exchange, front.record.id, headers)
         finally:
             front.close()
@@ -196,8 +242,9 @@ class FrontDoor:
             raise MethodNotAllowed(f"{exchange.method} is not allowed on {endpoint.path}; use POST")
         return self._keys.authenticate(find_header(exchange.headers, b"authorization"))
 
-    def _body(self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str, named: list[str]
-              ) -> tuple[dict[str, Any], str, bool]:
+    def _body(
+        self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str, named: list[str]
+    ) -> tuple[dict[str, Any], str, bool]:
         """The body decoded and its target read (into ``named``), the key's scope and salt applied, and the key's
         place for the day taken (``let_in``, last: given back by ``done``)."""
         obj = decode_body(body)
@@ -235,11 +282,13 @@ class FrontDoor:
         service, model, request_id = endpoint.service, record.deployment, record.id
         outcome = Outcome()
         with exchange.cut_scope() as cut:
-            exchange.watch(cut.cancel, service.check_every,
-                           functools.partial(service.overdue, record, front.received_at))
+            exchange.watch(
+                cut.cancel, service.check_every, functools.partial(service.overdue, record, front.received_at)
+            )
             try:
-                await endpoint.answer(record, front.obj, front.wait, exchange, headers, outcome, front.received_at,
-                                      front.started)
+                await endpoint.answer(
+                    record, front.obj, front.wait, exchange, headers, outcome, front.received_at, front.started
+                )
             finally:
                 exchange.unwatch()
                 front.close()
@@ -257,8 +306,11 @@ class FrontDoor:
         if outcome.code in _REFUSALS:
             self._stats.refused(outcome.code)
         if self._records is not None:
-            self._records.add(finished_row(record, outcome, endpoint.path, self._records.wall(),
-                                           (service.now() - front.received_at) * 1000))
+            self._records.add(
+                finished_row(
+                    record, outcome, endpoint.path, self._records.wall(), (service.now() - front.received_at) * 1000
+                )
+            )
 
 
 def _allow(error: CapyError) -> list[tuple[bytes, bytes]]:
@@ -273,8 +325,16 @@ class Front:
 
     __slots__ = ("endpoint", "key", "wait", "obj", "record", "received_at", "started", "_keys")
 
-    def __init__(self, endpoint: Endpoint, key: ApiKey, wait: float | None, obj: dict[str, Any],
-                 record: RequestRecord, received_at: float, keys: Keyring | None) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        key: ApiKey,
+        wait: float | None,
+        obj: dict[str, Any],
+        record: RequestRecord,
+        received_at: float,
+        keys: Keyring | None,
+    ) -> None:
         self.endpoint, self.key, self.wait, self.obj, self.record = endpoint, key, wait, obj, record
         self.received_at, self._keys = received_at, keys
         self.started: Any = None
@@ -289,8 +349,9 @@ class Front:
 
 
 def _record(request_id: str, model: str, stream: bool, key: ApiKey) -> RequestRecord:
-    return RequestRecord(id=request_id, deployment=model, stream=stream, key=key.name,
-                         salt_bound=key.cache_salt is not None)
+    return RequestRecord(
+        id=request_id, deployment=model, stream=stream, key=key.name, salt_bound=key.cache_salt is not None
+    )
 
 
 async def internal_error(exchange: Exchange, request_id: str, headers: Headers) -> None:
@@ -301,5 +362,3 @@ async def internal_error(exchange: Exchange, request_id: str, headers: Headers) 
         await exchange.json(status_of(error), error_body(error), headers)
     elif not exchange.ended:
         await exchange.end(sse_error_event(error))
-
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
 from litestar import Litestar, Request, Response, get, route
 from litestar.connection import ASGIConnection
@@ -17,15 +17,14 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import SkipValidation
 
 from capyctl.adapters.http.asgi import REQUEST_ID_KEY, with_request_ids
+from capyctl.adapters.http.errors import envelope, status_of
 from capyctl.adapters.http.prometheus import CONTENT_TYPE as PROMETHEUS_TYPE
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.adapters.http.views import FleetDep
-
-from capyctl.adapters.http.errors import envelope, status_of
+from capyctl.domain.deployments import LISTED_STATE, InstanceState, engine_slots
 from capyctl.domain.errors import CapyError, Forbidden, InternalError, InvalidJson, MethodNotAllowed, NotFound
 from capyctl.domain.keys import ApiKey
 from capyctl.domain.ports import Clock
-from capyctl.domain.deployments import LISTED_STATE, InstanceState, engine_slots
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Controller, InstanceStatus
 from capyctl.services.fleet import Fleet
@@ -37,10 +36,12 @@ AdmissionDep = NamedDependency[SkipValidation[AdmissionService]]
 log = logging.getLogger("capyctl.http")
 
 
-def capy_error_response(_: Request, error: CapyError,
-                        headers: dict[str, str] | None = None) -> Response[dict[str, Any]]:
-    return Response(envelope(error), status_code=status_of(error),
-                    headers={"cache-control": "no-store", **(headers or {})})
+def capy_error_response(
+    _: Request, error: CapyError, headers: dict[str, str] | None = None
+) -> Response[dict[str, Any]]:
+    return Response(
+        envelope(error), status_code=status_of(error), headers={"cache-control": "no-store", **(headers or {})}
+    )
 
 
 def http_error_response(request: Request, error: HTTPException) -> Response[dict[str, Any]]:
@@ -48,8 +49,9 @@ def http_error_response(request: Request, error: HTTPException) -> Response[dict
         return capy_error_response(request, NotFound(f"no such endpoint: {request.method} {request.url.path}"))
     if error.status_code == 405:  # RFC 9110: a 405 names the methods the path takes (Litestar's router lists them)
         allow = (error.headers or {}).get("allow")
-        refused = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"
-                                   + (f"; it takes {allow}" if allow else ""))
+        refused = MethodNotAllowed(
+            f"{request.method} is not allowed on {request.url.path}" + (f"; it takes {allow}" if allow else "")
+        )
         return capy_error_response(request, refused, {"allow": allow} if allow else None)
     wrapped = CapyError(str(error.detail))
     wrapped.code = "invalid_request" if error.status_code < 500 else "internal_error"
@@ -64,7 +66,9 @@ def unexpected_error_response(request: Request, error: Exception) -> Response[di
 
 def too_deep_response(request: Request, _: RecursionError) -> Response[dict[str, Any]]:
     """A request body nested deeper than the JSON decoder goes is the client's error, not CapyCTL's."""
-    return capy_error_response(request, InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)"))
+    return capy_error_response(
+        request, InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)")
+    )
 
 
 def error_handlers() -> dict[Any, Any]:
@@ -86,13 +90,16 @@ def require_unscoped_key(connection: ASGIConnection, handler: BaseRouteHandler) 
     require_key(connection, handler)
     key: ApiKey = connection.state.key
     if key.models is not None:
-        raise Forbidden(f"the key {key.name!r} is limited to some models and may not read {connection.url.path}; "
-                        "use a key without a model scope (such as the key named default)")
+        raise Forbidden(
+            f"the key {key.name!r} is limited to some models and may not read {connection.url.path}; "
+            "use a key without a model scope (such as the key named default)"
+        )
 
 
 @get("/v1/models", guards=[require_key], sync_to_thread=False)
-def list_models(request: Request, fleet: FleetDep, started: StartedDep,
-                admission: AdmissionDep) -> Response[dict[str, Any]]:
+def list_models(
+    request: Request, fleet: FleetDep, started: StartedDep, admission: AdmissionDep
+) -> Response[dict[str, Any]]:
     """Lists deployments with their state, queue and measured start time; never starts, wakes or loads
     anything. A key limited to some models sees only them."""
     key: ApiKey = request.state.key
@@ -134,8 +141,10 @@ def model_entry(runner: Controller, started: float, admission: AdmissionService)
             "state": state,
             "instances": 1,
             "max_concurrent": engine_slots(family, spec.engine_config.extra_args),
-            "queue": {"in_flight": admission.state.in_flight(runner.name),
-                      "waiting": admission.state.waiting(runner.name)},
+            "queue": {
+                "in_flight": admission.state.in_flight(runner.name),
+                "waiting": admission.state.waiting(runner.name),
+            },
         },
     }
 
@@ -151,16 +160,25 @@ def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@route("/v1/{rest:path}", http_method=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
-       guards=[require_key], sync_to_thread=False)
+@route(
+    "/v1/{rest:path}",
+    http_method=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+    guards=[require_key],
+    sync_to_thread=False,
+)
 def unknown_v1(rest: str) -> None:
     """Any other /v1/ path: the key is checked first (a caller without one learns nothing), then 404."""
-    raise NotFound(f"no endpoint /v1{rest}; CapyCTL answers POST /v1/chat/completions, POST /v1/systemone "
-                   "and GET /v1/models")
+    raise NotFound(
+        f"no endpoint /v1{rest}; CapyCTL answers POST /v1/chat/completions, POST /v1/systemone and GET /v1/models"
+    )
 
 
 def create_inference_app(
-    fleet: Fleet, clock: Clock, keys: Keyring, stats: RequestStats, admission: AdmissionService,
+    fleet: Fleet,
+    clock: Clock,
+    keys: Keyring,
+    stats: RequestStats,
+    admission: AdmissionService,
 ) -> Callable[..., Any]:
     started = clock.wall()  # "created" of every model: when this server started
     models = Litestar(

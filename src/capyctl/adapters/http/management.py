@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
 from litestar import Litestar, delete, get, post, put
 from litestar.connection import ASGIConnection
@@ -122,7 +122,9 @@ async def delete_deployment(fleet: FleetDep, name: str) -> dict[str, Any]:
 
 
 @get("/events", sync_to_thread=False)
-def list_events(fleet: FleetDep, deployment: str | None = None, after: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+def list_events(
+    fleet: FleetDep, deployment: str | None = None, after: int = 0, limit: int = 200
+) -> list[dict[str, Any]]:
     if not 0 <= after < 2**63:
         raise InvalidRequest("'after' must be an event ID: a whole number from 0", param="after")
     return fleet.events(deployment, after, min(max(limit, 1), 1000))
@@ -140,7 +142,7 @@ def create_key(keys: KeysDep, data: dict[str, Any]) -> dict[str, Any]:
 
 @get("/keys", sync_to_thread=False)
 def list_keys(keys: KeysDep) -> list[dict[str, Any]]:
-    return [key_view(key, usage) for key, usage in keys.keys()]
+    return [key_view(key, usage) for key, usage in keys.with_usage()]
 
 
 @get("/keys/{name:str}", sync_to_thread=False)
@@ -187,7 +189,9 @@ def invite_host(hosts: HostsDep, data: dict[str, Any]) -> dict[str, Any]:
     """A join file for one host; the answer is the only place its secret is ever shown."""
     for field in data:
         if field not in ("name", "ttl_s", "server"):
-            raise InvalidRequest(f"{field!r} is not a field of an invitation; it takes name, ttl_s, server", param=field)
+            raise InvalidRequest(
+                f"{field!r} is not a field of an invitation; it takes name, ttl_s, server", param=field
+            )
     ttl = data.get("ttl_s", 900.0)
     if isinstance(ttl, bool) or not isinstance(ttl, int | float):
         raise InvalidRequest("'ttl_s' must be a number of seconds", param="ttl_s")
@@ -199,8 +203,9 @@ async def add_host_engine(hosts: HostsDep, name: str, data: dict[str, Any]) -> d
     for field in data:
         if field not in ("path", "name", "family"):
             raise InvalidRequest(f"{field!r} is not a field of an engine; it takes path, name, family", param=field)
-    engine = await _hosts(hosts).registry.add_engine(name, _text(data, "path") or "", _text(data, "name", required=False),
-                                                     _text(data, "family", required=False))
+    engine = await _hosts(hosts).registry.add_engine(
+        name, _text(data, "path") or "", _text(data, "name", required=False), _text(data, "family", required=False)
+    )
     return {**engine_view(engine), "host": name}
 
 
@@ -210,43 +215,51 @@ async def revoke_host(hosts: HostsDep, name: str) -> dict[str, Any]:
     return {"revoked": record.name, "revoked_at": record.revoked_at}
 
 
-def create_management_app(fleet: Fleet, clock: Clock, admin_token: str, keys: Keyring,
-                          records: RequestLog | None = None, hosts: Hosts | None = None) -> Callable[..., Any]:
-    return with_request_ids(Litestar(
-        route_handlers=[
-            list_engines,
-            add_engine,
-            remove_engine,
-            list_deployments,
-            apply_deployment,
-            get_deployment,
-            start_deployment,
-            stop_deployment,
-            park_deployment,
-            list_devices,
-            delete_deployment,
-            list_events,
-            create_key,
-            list_keys,
-            get_key,
-            revoke_key,
-            list_hosts,
-            get_host,
-            invite_host,
-            add_host_engine,
-            revoke_host,
-            *(RECORD_HANDLERS if records is not None else ()),
-        ],
-        guards=[require_admin],
-        dependencies={
-            "fleet": Provide(lambda: fleet, sync_to_thread=False),
-            "clock": Provide(lambda: clock, sync_to_thread=False),
-            "keys": Provide(lambda: keys, sync_to_thread=False),
-            "records": Provide(lambda: records, sync_to_thread=False),
-            "hosts": Provide(lambda: hosts, sync_to_thread=False),
-        },
-        exception_handlers=error_handlers(),
-        openapi_config=None,
-        logging_config=None,
-        state=State({"admin_token": admin_token}),
-    ))
+def create_management_app(
+    fleet: Fleet,
+    clock: Clock,
+    admin_token: str,
+    keys: Keyring,
+    records: RequestLog | None = None,
+    hosts: Hosts | None = None,
+) -> Callable[..., Any]:
+    return with_request_ids(
+        Litestar(
+            route_handlers=[
+                list_engines,
+                add_engine,
+                remove_engine,
+                list_deployments,
+                apply_deployment,
+                get_deployment,
+                start_deployment,
+                stop_deployment,
+                park_deployment,
+                list_devices,
+                delete_deployment,
+                list_events,
+                create_key,
+                list_keys,
+                get_key,
+                revoke_key,
+                list_hosts,
+                get_host,
+                invite_host,
+                add_host_engine,
+                revoke_host,
+                *(RECORD_HANDLERS if records is not None else ()),
+            ],
+            guards=[require_admin],
+            dependencies={
+                "fleet": Provide(lambda: fleet, sync_to_thread=False),
+                "clock": Provide(lambda: clock, sync_to_thread=False),
+                "keys": Provide(lambda: keys, sync_to_thread=False),
+                "records": Provide(lambda: records, sync_to_thread=False),
+                "hosts": Provide(lambda: hosts, sync_to_thread=False),
+            },
+            exception_handlers=error_handlers(),
+            openapi_config=None,
+            logging_config=None,
+            state=State({"admin_token": admin_token}),
+        )
+    )

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter as PromCounter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from capyctl.domain.deployments import InstanceState
@@ -34,18 +35,25 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         admission = self._admission.state
-        flight = GaugeMetricFamily("capyctl_requests_in_flight", "Requests granted a slot at their deployment's engine",
-                                   labels=["deployment"])
-        queue = GaugeMetricFamily("capyctl_requests_waiting",
-                                  "Requests waiting in line for their deployment (to start, or for a slot)",
-                                  labels=["deployment"])
-        states = GaugeMetricFamily("capyctl_deployment_state", "1 for the state each deployment is in",
-                                   labels=["deployment", "state"])
-        restarts = CounterMetricFamily("capyctl_engine_restarts", "Engine relaunches after a crash or failed start",
-                                       labels=["deployment"])
-        unsettled = GaugeMetricFamily("capyctl_requests_unsettled",
-                                      "Cut requests still counted against their deployment, by how they settle",
-                                      labels=["deployment", "rule"])
+        flight = GaugeMetricFamily(
+            "capyctl_requests_in_flight", "Requests granted a slot at their deployment's engine", labels=["deployment"]
+        )
+        queue = GaugeMetricFamily(
+            "capyctl_requests_waiting",
+            "Requests waiting in line for their deployment (to start, or for a slot)",
+            labels=["deployment"],
+        )
+        states = GaugeMetricFamily(
+            "capyctl_deployment_state", "1 for the state each deployment is in", labels=["deployment", "state"]
+        )
+        restarts = CounterMetricFamily(
+            "capyctl_engine_restarts", "Engine relaunches after a crash or failed start", labels=["deployment"]
+        )
+        unsettled = GaugeMetricFamily(
+            "capyctl_requests_unsettled",
+            "Cut requests still counted against their deployment, by how they settle",
+            labels=["deployment", "rule"],
+        )
         for controller in self._fleet.controllers():
             name = controller.name
             counts = {entry["rule"]: entry["count"] for entry in controller.settlement.ledger.counts()}
@@ -56,11 +64,14 @@ class _LiveCollector(Collector):
             restarts.add_metric([name], controller.status.restarts)
             for state in InstanceState:
                 states.add_metric([name, str(state)], 1.0 if controller.status.state is state else 0.0)
-        charged = GaugeMetricFamily("capyctl_memory_charged_bytes",
-                                    "Device memory CapyCTL counts as held, by device and deployment",
-                                    labels=["device", "deployment"])
-        capacity = GaugeMetricFamily("capyctl_memory_capacity_bytes", "A device's capacity and its reserve",
-                                     labels=["device", "kind"])
+        charged = GaugeMetricFamily(
+            "capyctl_memory_charged_bytes",
+            "Device memory CapyCTL counts as held, by device and deployment",
+            labels=["device", "deployment"],
+        )
+        capacity = GaugeMetricFamily(
+            "capyctl_memory_capacity_bytes", "A device's capacity and its reserve", labels=["device", "kind"]
+        )
         room = self._fleet.room
         for device in room.every_device():
             capacity.add_metric([device.name, "capacity"], device.capacity)
@@ -75,31 +86,69 @@ class RequestStats:
 
     def __init__(self, fleet: Fleet, admission: AdmissionService) -> None:
         self.registry = CollectorRegistry()
-        self.requests = PromCounter("capyctl_requests", "Chat and decision requests answered, by deployment, "
-                                    "code and the name of the API key", ["deployment", "code", "key"],
-                                    registry=self.registry)
-        self.ttft = Histogram("capyctl_time_to_first_token_seconds", "Time to first token of completed answers",
-                              ["deployment"], buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.relay = Histogram("capyctl_relay_latency_seconds",
-                               "Time CapyCTL took to pass an engine's first chunk on to the client",
-                               ["deployment"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.cuts = PromCounter("capyctl_client_connections_cut",
-                                "Client connections cut or refused before a request was read, by reason "
-                                "(slow_headers, slow_body, too_many_connections)", ["reason"], registry=self.registry)
-        self.waits = Histogram("capyctl_queue_wait_seconds",
-                               "Time a request waited in line for its deployment before it was sent to the engine",
-                               ["deployment"], buckets=_WAIT_BUCKETS, registry=self.registry)
-        self.refusals = PromCounter("capyctl_refusals", "Chat requests refused, by code: before a request record "
-                                    "exists (401, 400, 404, 413) and by the scheduler (429, 503)", ["code"],
-                                    registry=self.registry)
-        self.parks = PromCounter("capyctl_parks", "Engines parked (host_backed, deep), by deployment and why "
-                                 "(switch, idle, operator)", ["deployment", "why"], registry=self.registry)
-        self.wakes = PromCounter("capyctl_wakes", "Parked engines woken, by deployment", ["deployment"],
-                                 registry=self.registry)
-        self.wake_seconds = Histogram("capyctl_wake_seconds", "Time from a wake's start to the engine ready again",
-                                      ["deployment"], buckets=_WAIT_BUCKETS, registry=self.registry)
-        self.switches = PromCounter("capyctl_switches", "Switches that made room on a device, by outcome",
-                                    ["device", "outcome"], registry=self.registry)
+        self.requests = PromCounter(
+            "capyctl_requests",
+            "Chat and decision requests answered, by deployment, code and the name of the API key",
+            ["deployment", "code", "key"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "capyctl_time_to_first_token_seconds",
+            "Time to first token of completed answers",
+            ["deployment"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.relay = Histogram(
+            "capyctl_relay_latency_seconds",
+            "Time CapyCTL took to pass an engine's first chunk on to the client",
+            ["deployment"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.cuts = PromCounter(
+            "capyctl_client_connections_cut",
+            "Client connections cut or refused before a request was read, by reason "
+            "(slow_headers, slow_body, too_many_connections)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.waits = Histogram(
+            "capyctl_queue_wait_seconds",
+            "Time a request waited in line for its deployment before it was sent to the engine",
+            ["deployment"],
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.refusals = PromCounter(
+            "capyctl_refusals",
+            "Chat requests refused, by code: before a request record "
+            "exists (401, 400, 404, 413) and by the scheduler (429, 503)",
+            ["code"],
+            registry=self.registry,
+        )
+        self.parks = PromCounter(
+            "capyctl_parks",
+            "Engines parked (host_backed, deep), by deployment and why (switch, idle, operator)",
+            ["deployment", "why"],
+            registry=self.registry,
+        )
+        self.wakes = PromCounter(
+            "capyctl_wakes", "Parked engines woken, by deployment", ["deployment"], registry=self.registry
+        )
+        self.wake_seconds = Histogram(
+            "capyctl_wake_seconds",
+            "Time from a wake's start to the engine ready again",
+            ["deployment"],
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.switches = PromCounter(
+            "capyctl_switches",
+            "Switches that made room on a device, by outcome",
+            ["device", "outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_LiveCollector(fleet, admission))
         admission.on_wait = self.waited
         self._park_reason: dict[str, str] = {}

@@ -7,7 +7,7 @@ the parameter.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from litestar import Request, get
@@ -42,8 +42,11 @@ async def list_requests(request: Request[Any, Any, Any], records: RecordsDep) ->
 async def get_request(records: RecordsDep, request_id: str) -> dict[str, Any]:
     row = await records.get(request_id)
     if row is None:
-        raise NotFound(f"no request record {request_id!r}: it is unknown, or older than the records keep "
-                       "(see: capyctl list requests)", param="request_id")
+        raise NotFound(
+            f"no request record {request_id!r}: it is unknown, or older than the records keep "
+            "(see: capyctl list requests)",
+            param="request_id",
+        )
     return msgspec.to_builtins(row)  # type: ignore[no-any-return]
 
 

@@ -41,11 +41,19 @@ def finished_row(record: RequestRecord, outcome: Ended, path: str, at: float, to
     cut = record.cause is not None and record.instance is not None  # cut once an engine had it: settled later
     waited = record.waited
     return RequestRow(
-        id=record.id, at=at, api=APIS.get(path, path), code=code, status=status,
-        deployment=clip_name(record.deployment), key=record.key, instance=record.instance, stream=record.stream,
+        id=record.id,
+        at=at,
+        api=APIS.get(path, path),
+        code=code,
+        status=status,
+        deployment=clip_name(record.deployment),
+        key=record.key,
+        instance=record.instance,
+        stream=record.stream,
         total_ms=round(total_ms, 2),
         queue_wait_ms=round(waited * 1000, 2) if waited is not None else (0.0 if record.instance is not None else None),
-        ttft_ms=_value(figures, "ttft_ms", outcome.ttft_ms), queue_ms=_value(figures, "queue_ms"),
+        ttft_ms=_value(figures, "ttft_ms", outcome.ttft_ms),
+        queue_ms=_value(figures, "queue_ms"),
         prefill_ms=_value(figures, "prefill_ms"),
         decode_tokens_per_second=_value(figures, "decode_tokens_per_second"),
         prompt_tokens=_count(usage.get("prompt_tokens", _value(figures, "input_tokens"))),  # (decisions: input)
@@ -56,16 +64,31 @@ def finished_row(record: RequestRecord, outcome: Ended, path: str, at: float, to
     )
 
 
-def refused_row(request_id: str, error: CapyError, path: str, at: float, key: str | None = None,
-                deployment: str | None = None) -> RequestRow:
+def refused_row(
+    request_id: str, error: CapyError, path: str, at: float, key: str | None = None, deployment: str | None = None
+) -> RequestRow:
     """The row of a request refused at the front, before it had a record (key, body, headers, daily limit), with
     the key's name and the model named, where the front had read them before it refused."""
-    return RequestRow(id=request_id, at=at, api=APIS.get(path, path), code=error.code, status=status_of(error),
-                      key=key, deployment=None if deployment is None else clip_name(deployment))
+    return RequestRow(
+        id=request_id,
+        at=at,
+        api=APIS.get(path, path),
+        code=error.code,
+        status=status_of(error),
+        key=key,
+        deployment=None if deployment is None else clip_name(deployment),
+    )
 
 
-def broken_row(request_id: str, path: str, at: float, started: bool, key: str | None = None,
-               deployment: str | None = None, stream: bool = False) -> RequestRow:
+def broken_row(
+    request_id: str,
+    path: str,
+    at: float,
+    started: bool,
+    key: str | None = None,
+    deployment: str | None = None,
+    stream: bool = False,
+) -> RequestRow:
     """The row of a request CapyCTL itself failed (the last resort answered ``internal_error``): status 500, or
     200 when its stream had begun before the fault."""
     error = InternalError(request_id)

@@ -52,8 +52,14 @@ class RequestTimeout(CapyError):
 class HttpServer:
     """One listener: ``handlers`` by path, ``fallback`` (an ASGI app) for every other path."""
 
-    def __init__(self, handlers: dict[str, Handler], fallback: Any, limits: Limits,
-                 on_cut: Callable[[str], None], keep_alive: float = KEEP_ALIVE) -> None:
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        fallback: Any,
+        limits: Limits,
+        on_cut: Callable[[str], None],
+        keep_alive: float = KEEP_ALIVE,
+    ) -> None:
         self.handlers = handlers
         self.keep_alive = keep_alive
         self.fallback = fallback
@@ -184,8 +190,13 @@ class Connection(asyncio.Protocol):
         parser = self.parser
         path, _, query = self.url.partition(b"?")
         exchange = Exchange(
-            self, parser.get_method().decode("ascii"), unquote(path.decode("latin-1")), query, self.headers,
-            b"".join(self.body), parser.get_http_version() != "1.0" and parser.should_keep_alive(),
+            self,
+            parser.get_method().decode("ascii"),
+            unquote(path.decode("latin-1")),
+            query,
+            self.headers,
+            b"".join(self.body),
+            parser.get_http_version() != "1.0" and parser.should_keep_alive(),
         )
         self._reset()
         if self.transport is None or self.transport.is_closing():
@@ -253,8 +264,9 @@ class Connection(asyncio.Protocol):
             self.transport.close()
             return
         seconds = self.limits.header_timeout if phase == "headers" else self.limits.body_timeout
-        error = RequestTimeout(f"the request's {phase} did not arrive within {seconds:g} s; the connection was closed",
-                               phase=phase)
+        error = RequestTimeout(
+            f"the request's {phase} did not arrive within {seconds:g} s; the connection was closed", phase=phase
+        )
         self.refuse(error, f"slow_{phase}")
 
     def refuse(self, error: CapyError, kind: str, retry_after: int | None = None) -> None:
@@ -282,6 +294,7 @@ def _parser_error(exc: Exception, data: bytes) -> InvalidRequest:
     (a control character in its value, which no header may hold)."""
     for line in data.split(b"\n"):
         if line[:13].lower() == b"x-request-id:" and any(c < 32 and c not in (9, 13) or c == 127 for c in line):
-            return InvalidRequest("X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
-                                  param="X-Request-Id")
+            return InvalidRequest(
+                "X-Request-Id must be 1 to 128 printable ASCII characters without spaces", param="X-Request-Id"
+            )
     return InvalidRequest(f"the request is not valid HTTP/1.1 ({exc}); the connection was closed")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from litestar.di import NamedDependency
 from litestar.params import SkipValidation
@@ -10,11 +10,11 @@ from litestar.params import SkipValidation
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.keys import ApiKey, Usage
-from capyctl.domain.ports import Clock
 from capyctl.domain.memory import Holding
+from capyctl.domain.ports import Clock
 from capyctl.services.controllers import Controller, ManagedController
-from capyctl.services.switching import NoSwitchboard, Switchboard
 from capyctl.services.fleet import Fleet
+from capyctl.services.switching import NoSwitchboard, Switchboard
 
 
 def engine_view(engine: EngineInstall) -> dict[str, Any]:
@@ -46,15 +46,17 @@ def devices_view(room: Switchboard | NoSwitchboard) -> list[dict[str, Any]]:
     out = []
     for device in room.every_device():
         charged = room.charged(device)
-        out.append({
-            "name": device.name,
-            "capacity_bytes": device.capacity,
-            "reserve_bytes": device.reserve,
-            "charged_bytes": sum(charged.values()),
-            "free_bytes": device.usable - sum(charged.values()),
-            "holders": [{"deployment": name, "bytes": size} for name, size in sorted(charged.items())],
-            "last_switch": room.last_switch.get(device.name),
-        })
+        out.append(
+            {
+                "name": device.name,
+                "capacity_bytes": device.capacity,
+                "reserve_bytes": device.reserve,
+                "charged_bytes": sum(charged.values()),
+                "free_bytes": device.usable - sum(charged.values()),
+                "holders": [{"deployment": name, "bytes": size} for name, size in sorted(charged.items())],
+                "last_switch": room.last_switch.get(device.name),
+            }
+        )
     return out
 
 
@@ -113,10 +115,18 @@ ClockDep = NamedDependency[SkipValidation[Clock]]
 
 def key_view(key: ApiKey, usage: Usage) -> dict[str, Any]:
     """A key as operators see it: never its secret, nor its salt (only whether one is bound)."""
-    return {"name": key.name, "id": key.id, "created": key.created, "last_used": usage.last_used,
-            "daily_limit": key.daily_limit, "used_today": usage.used, "under_way": usage.pending,
-            "models": list(key.models) if key.models is not None else None,
-            "cache_salt": key.cache_salt is not None, "legacy": key.legacy}
+    return {
+        "name": key.name,
+        "id": key.id,
+        "created": key.created,
+        "last_used": usage.last_used,
+        "daily_limit": key.daily_limit,
+        "used_today": usage.used,
+        "under_way": usage.pending,
+        "models": list(key.models) if key.models is not None else None,
+        "cache_salt": key.cache_salt is not None,
+        "legacy": key.legacy,
+    }
 
 
 def host_view(view: dict[str, Any], fleet: Fleet) -> dict[str, Any]:

@@ -21,6 +21,7 @@ Each launch has its own log file; a deployment's folder keeps the newest
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,10 +69,8 @@ class PopenProcessHandle(ProcessHandle):
         return self._process.poll()
 
     def _signal_group(self, signum: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signum)
-        except ProcessLookupError:
-            pass
 
     async def terminate(self, grace: float) -> int:
         if self._process.poll() is None:

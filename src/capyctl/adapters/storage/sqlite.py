@@ -17,8 +17,8 @@ writer thread with the events, and on close.
 
 from __future__ import annotations
 
-import logging
 import collections
+import logging
 import sqlite3
 import threading
 import time
@@ -86,7 +86,9 @@ _key = msgspec.json.Decoder(ApiKey)
 _row = msgspec.json.Decoder(RequestRow)
 _host = msgspec.json.Decoder(HostRecord)
 _invite = msgspec.json.Decoder(Invite)
-_INSERT_REQUEST = "INSERT OR IGNORE INTO requests (id, at, deployment, key, code, status, body) VALUES (?, ?, ?, ?, ?, ?, ?)"
+_INSERT_REQUEST = (
+    "INSERT OR IGNORE INTO requests (id, at, deployment, key, code, status, body) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 class SqliteStore(Store, RequestStore, HostStore):
@@ -145,14 +147,18 @@ class SqliteStore(Store, RequestStore, HostStore):
         self._db.execute("BEGIN")
         try:
             for start in range(0, len(rows), _ROWS_PER_INSERT):  # (executemany steps, and lets go of the
-                group = rows[start:start + _ROWS_PER_INSERT]  # GIL, once a row: a thread switch each time)
-                self._db.execute(_INSERT_EVENTS + ", ".join(["(?, ?, ?, ?)"] * len(group)),
-                                 [value for row in group for value in row])
+                group = rows[start : start + _ROWS_PER_INSERT]  # GIL, once a row: a thread switch each time)
+                self._db.execute(
+                    _INSERT_EVENTS + ", ".join(["(?, ?, ?, ?)"] * len(group)), [value for row in group for value in row]
+                )
             self._db.executemany(
                 "INSERT INTO key_usage VALUES (?, ?, ?) ON CONFLICT (key_id, day) DO UPDATE SET used = excluded.used",
-                [(key_id, day, used) for key_id, (day, used, _) in uses.items()])
-            self._db.executemany("UPDATE api_keys SET last_used = ? WHERE id = ?",
-                                 [(last, key_id) for key_id, (_, _, last) in uses.items() if last is not None])
+                [(key_id, day, used) for key_id, (day, used, _) in uses.items()],
+            )
+            self._db.executemany(
+                "UPDATE api_keys SET last_used = ? WHERE id = ?",
+                [(last, key_id) for key_id, (_, _, last) in uses.items() if last is not None],
+            )
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
@@ -258,7 +264,9 @@ class SqliteStore(Store, RequestStore, HostStore):
         return [_host.decode(row[0]) for row in self._execute("SELECT body FROM hosts ORDER BY name")]
 
     def put_invite(self, invite: Invite) -> None:
-        self._execute("INSERT OR REPLACE INTO invites VALUES (?, ?, ?)", (invite.secret_hash, invite.name, _encode(invite)))
+        self._execute(
+            "INSERT OR REPLACE INTO invites VALUES (?, ?, ?)", (invite.secret_hash, invite.name, _encode(invite))
+        )
 
     def get_invite(self, secret_hash: str) -> Invite | None:
         rows = self._execute("SELECT body FROM invites WHERE secret_hash = ?", (secret_hash,))
@@ -279,8 +287,10 @@ class SqliteStore(Store, RequestStore, HostStore):
                     if isinstance(entry, Settle):
                         self._settle(entry)
                     else:
-                        self._db.execute(_INSERT_REQUEST, (entry.id, entry.at, entry.deployment, entry.key,
-                                                           entry.code, entry.status, _encode(entry)))
+                        self._db.execute(
+                            _INSERT_REQUEST,
+                            (entry.id, entry.at, entry.deployment, entry.key, entry.code, entry.status, _encode(entry)),
+                        )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -289,17 +299,24 @@ class SqliteStore(Store, RequestStore, HostStore):
     def _settle(self, entry: Settle) -> None:
         found = self._db.execute("SELECT body FROM requests WHERE id = ?", (entry.id,)).fetchone()
         if found is not None:  # (a row already gone by retention stays gone)
-            self._db.execute("UPDATE requests SET body = ? WHERE id = ?",
-                             (_encode(settled(_row.decode(found[0]), entry)), entry.id))
+            self._db.execute(
+                "UPDATE requests SET body = ? WHERE id = ?", (_encode(settled(_row.decode(found[0]), entry)), entry.id)
+            )
 
     def prune_requests(self, retention: Retention, now: float) -> None:
-        self._execute("DELETE FROM requests WHERE seq <= (SELECT MAX(seq) FROM requests) - ? OR at < ?",
-                      (retention.max_count, retention.oldest_kept(now)))
+        self._execute(
+            "DELETE FROM requests WHERE seq <= (SELECT MAX(seq) FROM requests) - ? OR at < ?",
+            (retention.max_count, retention.oldest_kept(now)),
+        )
 
     def list_requests(self, where: RowFilter) -> list[RequestRow]:
         query, args = "SELECT body FROM requests WHERE 1", []
-        for column, value in (("deployment", where.deployment), ("key", where.key), ("code", where.code),
-                              ("status", where.status)):
+        for column, value in (
+            ("deployment", where.deployment),
+            ("key", where.key),
+            ("code", where.code),
+            ("status", where.status),
+        ):
             if value is not None:
                 query += f" AND {column} = ?"
                 args.append(value)

@@ -75,8 +75,10 @@ class StateDir:
     def forget_api_key(self) -> None:
         """The key named default was revoked: its line goes, a note says what to do instead."""
         if (self.root / CREDENTIALS).exists():
-            _write_secret(self.root / CREDENTIALS, "# the key named default was revoked; "
-                          "create a key with: capyctl create key NAME\n")
+            _write_secret(
+                self.root / CREDENTIALS,
+                "# the key named default was revoked; create a key with: capyctl create key NAME\n",
+            )
 
     def admin_token(self) -> str:
         path = self.root / ADMIN_TOKEN

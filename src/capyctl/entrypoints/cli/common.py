@@ -22,6 +22,7 @@ class LogFormat(enum.StrEnum):
     TEXT = "text"
     JSON = "json"
 
+
 StateDirOpt = Annotated[
     str | None,
     typer.Option(
@@ -50,11 +51,12 @@ app = _typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-start_app = _typer("Start the server (standalone, or the server of several machines), a host's agent, "
-                   "or a deployment.")
+start_app = _typer("Start the server (standalone, or the server of several machines), a host's agent, or a deployment.")
 stop_app = _typer("Stop a deployment (sticky: requests will not restart it).")
-park_app = _typer("Park a deployment: its engine sleeps (or stops, for restart_only) until a request "
-                  "or `capyctl start deployment` wakes it.")
+park_app = _typer(
+    "Park a deployment: its engine sleeps (or stops, for restart_only) until a request "
+    "or `capyctl start deployment` wakes it."
+)
 delete_app = _typer("Delete a deployment (stops its engine first).")
 status_app = _typer("Show a deployment's state and instances.")
 list_app = _typer("List deployments, engines, devices, API keys, request records or hosts.")
@@ -66,9 +68,19 @@ engine_app = _typer("Register, list and remove engine installations.")
 deploy_app = _typer("Create or update deployments from files.")
 config_app = _typer("The server configuration file: its schema, and checking a file.")
 for name, sub in [
-    ("start", start_app), ("stop", stop_app), ("park", park_app), ("delete", delete_app), ("status", status_app),
-    ("list", list_app), ("engine", engine_app), ("deploy", deploy_app), ("config", config_app),
-    ("create", create_app), ("revoke", revoke_app), ("invite", invite_app), ("join", join_app),
+    ("start", start_app),
+    ("stop", stop_app),
+    ("park", park_app),
+    ("delete", delete_app),
+    ("status", status_app),
+    ("list", list_app),
+    ("engine", engine_app),
+    ("deploy", deploy_app),
+    ("config", config_app),
+    ("create", create_app),
+    ("revoke", revoke_app),
+    ("invite", invite_app),
+    ("join", join_app),
 ]:
     app.add_typer(sub, name=name)
 

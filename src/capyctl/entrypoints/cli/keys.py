@@ -7,7 +7,15 @@ from typing import Annotated, Any
 
 import typer
 
-from capyctl.entrypoints.cli.common import JsonOpt, StateDirOpt, client, create_app, list_app, reports_errors, revoke_app
+from capyctl.entrypoints.cli.common import (
+    JsonOpt,
+    StateDirOpt,
+    client,
+    create_app,
+    list_app,
+    reports_errors,
+    revoke_app,
+)
 from capyctl.entrypoints.cli.output import print_json, show, stamp, table
 
 
@@ -15,15 +23,32 @@ from capyctl.entrypoints.cli.output import print_json, show, stamp, table
 @reports_errors
 def create_key(
     name: Annotated[str, typer.Argument(help="The key's name: 1-64 letters, digits, '.', '_' or '-'.")],
-    daily_limit: Annotated[int | None, typer.Option(
-        "--daily-limit", min=1, help="Calls per UTC day; past it, 429 daily_limit until 00:00 UTC. "
-        "Listing models does not count.", show_default=False)] = None,
-    models: Annotated[str | None, typer.Option(
-        "--models", help="Comma-separated models the key may see and use (others are 'not found' to it). "
-        "Default: every model.", show_default=False)] = None,
-    cache_salt: Annotated[str | None, typer.Option(
-        "--cache-salt", help="A cache_salt sent with every request made with the key (vLLM, SGLang): its "
-        "tenant's prompt cache is kept apart whatever the client sends.", show_default=False)] = None,
+    daily_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--daily-limit",
+            min=1,
+            help="Calls per UTC day; past it, 429 daily_limit until 00:00 UTC. Listing models does not count.",
+            show_default=False,
+        ),
+    ] = None,
+    models: Annotated[
+        str | None,
+        typer.Option(
+            "--models",
+            help="Comma-separated models the key may see and use (others are 'not found' to it). Default: every model.",
+            show_default=False,
+        ),
+    ] = None,
+    cache_salt: Annotated[
+        str | None,
+        typer.Option(
+            "--cache-salt",
+            help="A cache_salt sent with every request made with the key (vLLM, SGLang): its "
+            "tenant's prompt cache is kept apart whatever the client sends.",
+            show_default=False,
+        ),
+    ] = None,
     state_dir: StateDirOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -52,8 +77,10 @@ def create_key(
 
 
 def _limits(key: dict[str, Any]) -> str:
-    parts = [f"daily limit {key['daily_limit']}" if key["daily_limit"] else "no daily limit",
-             f"models {', '.join(key['models'])}" if key["models"] else "every model"]
+    parts = [
+        f"daily limit {key['daily_limit']}" if key["daily_limit"] else "no daily limit",
+        f"models {', '.join(key['models'])}" if key["models"] else "every model",
+    ]
     if key["cache_salt"]:
         parts.append("cache salt bound")
     return "; ".join(parts)
@@ -64,9 +91,18 @@ def _limits(key: dict[str, Any]) -> str:
 def list_keys(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     """List the named API keys: never their secrets."""
     keys = client(state_dir).call("GET", "/keys")
-    rows = [[k["name"], stamp(k["created"]), stamp(k["last_used"]) if k["last_used"] else "never",
-             k["daily_limit"] or "none", k["used_today"], ",".join(k["models"]) if k["models"] else "all",
-             "yes" if k["cache_salt"] else "no"] for k in keys]
+    rows = [
+        [
+            k["name"],
+            stamp(k["created"]),
+            stamp(k["last_used"]) if k["last_used"] else "never",
+            k["daily_limit"] or "none",
+            k["used_today"],
+            ",".join(k["models"]) if k["models"] else "all",
+            "yes" if k["cache_salt"] else "no",
+        ]
+        for k in keys
+    ]
     show(keys, json, table(["NAME", "CREATED", "LAST USED", "DAILY LIMIT", "USED TODAY", "MODELS", "SALT"], rows))
 
 

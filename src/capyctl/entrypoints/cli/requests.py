@@ -9,8 +9,21 @@ import typer
 from capyctl.entrypoints.cli.common import JsonOpt, StateDirOpt, client, list_app, reports_errors
 from capyctl.entrypoints.cli.output import show, stamp, table
 
-_COLUMNS = ["TIME", "ID", "KEY", "DEPLOYMENT", "STATUS", "CODE", "WAIT_MS", "TTFT_MS", "TOK/S", "PROMPT",
-            "CACHED", "OUTPUT", "CUT"]
+_COLUMNS = [
+    "TIME",
+    "ID",
+    "KEY",
+    "DEPLOYMENT",
+    "STATUS",
+    "CODE",
+    "WAIT_MS",
+    "TTFT_MS",
+    "TOK/S",
+    "PROMPT",
+    "CACHED",
+    "OUTPUT",
+    "CUT",
+]
 
 
 def _cut(row: dict[str, Any]) -> str | None:
@@ -24,12 +37,27 @@ def _cut(row: dict[str, Any]) -> str | None:
 
 
 def _rows(rows: list[dict[str, Any]]) -> str:
-    return table(_COLUMNS, [
-        [stamp(r["at"]), r["id"], r["key"], r["deployment"], r["status"], r["code"], r["queue_wait_ms"],
-         r["ttft_ms"], r["decode_tokens_per_second"], r["prompt_tokens"], r["cached_tokens"],
-         r["completion_tokens"], _cut(r)]
-        for r in rows
-    ])
+    return table(
+        _COLUMNS,
+        [
+            [
+                stamp(r["at"]),
+                r["id"],
+                r["key"],
+                r["deployment"],
+                r["status"],
+                r["code"],
+                r["queue_wait_ms"],
+                r["ttft_ms"],
+                r["decode_tokens_per_second"],
+                r["prompt_tokens"],
+                r["cached_tokens"],
+                r["completion_tokens"],
+                _cut(r),
+            ]
+            for r in rows
+        ],
+    )
 
 
 @list_app.command("requests")
@@ -37,8 +65,9 @@ def _rows(rows: list[dict[str, Any]]) -> str:
 def list_requests(
     deployment: Annotated[str | None, typer.Option(help="Only this deployment's requests.")] = None,
     key: Annotated[str | None, typer.Option(help="Only the requests made with this API key (its name).")] = None,
-    code: Annotated[str | None, typer.Option(help="Only this outcome: ok, or an error code such as queue_full.")
-                    ] = None,
+    code: Annotated[
+        str | None, typer.Option(help="Only this outcome: ok, or an error code such as queue_full.")
+    ] = None,
     status: Annotated[int | None, typer.Option(help="Only answers with this HTTP status, such as 429.")] = None,
     since: Annotated[str | None, typer.Option(help="Only the last stretch of time: 90s, 10m, 1h.")] = None,
     limit: Annotated[int, typer.Option(help="Most rows shown (1 to 1000).")] = 100,
@@ -47,8 +76,7 @@ def list_requests(
 ) -> None:
     """List request records, newest first: outcome, wait, TTFT, decode rate, tokens, cut and settlement."""
     params: dict[str, Any] = {"limit": limit}
-    for name, value in (("deployment", deployment), ("key", key), ("code", code), ("status", status),
-                        ("since", since)):
+    for name, value in (("deployment", deployment), ("key", key), ("code", code), ("status", status), ("since", since)):
         if value is not None:
             params[name] = value
     rows = client(state_dir).call("GET", "/requests", params=params)

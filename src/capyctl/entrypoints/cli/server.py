@@ -25,11 +25,11 @@ from capyctl.entrypoints.cli.common import (
 )
 from capyctl.entrypoints.cli.output import print_json, show
 
-
 ListenOpt = Annotated[str, typer.Option(help="Inference API address. Use 127.0.0.1:8443 to keep it on this machine.")]
 ManagementOpt = Annotated[str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")]
 LogFormatOpt = Annotated[
-    LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")]
+    LogFormat, typer.Option(help="text: one line per event for people; json: one JSON object a line.")
+]
 JsonLogOpt = Annotated[bool, typer.Option("--json", help="Same as --log-format json.")]
 
 
@@ -48,41 +48,81 @@ def start_standalone(
     state_dir: StateDirOpt = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="Server configuration file (see `capyctl config schema`). "
-                     "Default: <state-dir>/config.yaml when it exists. Flags given here win over it.",
-                     show_default=False),
+        typer.Option(
+            help="Server configuration file (see `capyctl config schema`). "
+            "Default: <state-dir>/config.yaml when it exists. Flags given here win over it.",
+            show_default=False,
+        ),
     ] = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
     json: JsonLogOpt = False,
     default_model: Annotated[
-        str | None, typer.Option(help="Deployment a chat request without `model` goes to [file: default_model].",
-                                 show_default=False)] = None,
+        str | None,
+        typer.Option(
+            help="Deployment a chat request without `model` goes to [file: default_model].", show_default=False
+        ),
+    ] = None,
     request_deadline: Annotated[
-        str | None, typer.Option(help="Longest wait for an answer to begin (starting the engine included), "
-                                 "e.g. 300s [file: queue.request_deadline; default 30m].", show_default=False)
+        str | None,
+        typer.Option(
+            help="Longest wait for an answer to begin (starting the engine included), "
+            "e.g. 300s [file: queue.request_deadline; default 30m].",
+            show_default=False,
+        ),
     ] = None,
     stream_idle_timeout: Annotated[
-        str | None, typer.Option(help="Longest silence inside an answer before CapyCTL cuts it "
-                                 "[file: queue.stream_idle_timeout; default 120s].", show_default=False)
+        str | None,
+        typer.Option(
+            help="Longest silence inside an answer before CapyCTL cuts it "
+            "[file: queue.stream_idle_timeout; default 120s].",
+            show_default=False,
+        ),
     ] = None,
-    max_body: Annotated[str | None, typer.Option(
-        help="Largest request body, 413 too_large past it [file: limits.max_body; default 32MiB].",
-        show_default=False)] = None,
-    client_header_timeout: Annotated[str | None, typer.Option(
-        help="Time a client has to send its request headers, 408 past it "
-        "[file: limits.client_header_timeout; default 10s].", show_default=False)] = None,
-    client_body_timeout: Annotated[str | None, typer.Option(
-        help="Time a client has to send its body once its headers are in, 408 past it "
-        "[file: limits.client_body_timeout; default 60s].", show_default=False)] = None,
-    max_connections: Annotated[str | None, typer.Option(
-        help="Open client connections per API, 503 too_many_connections past it "
-        "[file: limits.max_connections; default 4096].", show_default=False)] = None,
-    max_event_size: Annotated[str | None, typer.Option(
-        help="Largest engine SSE event, edge_error past it [file: limits.max_event_size; default 4MiB].",
-        show_default=False)] = None,
-    max_tool_calls: Annotated[str | None, typer.Option(
-        help="Most tool calls in one answer, edge_error past it [file: limits.max_tool_calls; default 256].",
-        show_default=False)] = None,
+    max_body: Annotated[
+        str | None,
+        typer.Option(
+            help="Largest request body, 413 too_large past it [file: limits.max_body; default 32MiB].",
+            show_default=False,
+        ),
+    ] = None,
+    client_header_timeout: Annotated[
+        str | None,
+        typer.Option(
+            help="Time a client has to send its request headers, 408 past it "
+            "[file: limits.client_header_timeout; default 10s].",
+            show_default=False,
+        ),
+    ] = None,
+    client_body_timeout: Annotated[
+        str | None,
+        typer.Option(
+            help="Time a client has to send its body once its headers are in, 408 past it "
+            "[file: limits.client_body_timeout; default 60s].",
+            show_default=False,
+        ),
+    ] = None,
+    max_connections: Annotated[
+        str | None,
+        typer.Option(
+            help="Open client connections per API, 503 too_many_connections past it "
+            "[file: limits.max_connections; default 4096].",
+            show_default=False,
+        ),
+    ] = None,
+    max_event_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Largest engine SSE event, edge_error past it [file: limits.max_event_size; default 4MiB].",
+            show_default=False,
+        ),
+    ] = None,
+    max_tool_calls: Annotated[
+        str | None,
+        typer.Option(
+            help="Most tool calls in one answer, edge_error past it [file: limits.max_tool_calls; default 256].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run CapyCTL and its engines in the foreground until Ctrl-C or SIGTERM.
 
@@ -110,7 +150,11 @@ def start_standalone(
     writer = configure_logging(log_format.value)
     try:
         anyio.run(
-            serve_standalone, root, listen, management, settings,
+            serve_standalone,
+            root,
+            listen,
+            management,
+            settings,
             backend_options={"use_uvloop": _has_uvloop()},
         )
     finally:
@@ -126,14 +170,21 @@ def start_server(
         str, typer.Option(help="Where hosts join and keep their control link (TLS, the server's own CA).")
     ] = "0.0.0.0:7445",
     control_advertise: Annotated[
-        str | None, typer.Option(help="The control address join files name, as hosts reach it (ADDR:PORT). "
-                                 "Default: --control-listen, which must then name an address.", show_default=False)
+        str | None,
+        typer.Option(
+            help="The control address join files name, as hosts reach it (ADDR:PORT). "
+            "Default: --control-listen, which must then name an address.",
+            show_default=False,
+        ),
     ] = None,
     state_dir: StateDirOpt = None,
     config: Annotated[
         Path | None,
-        typer.Option(help="Server configuration file (see `capyctl config schema`). "
-                     "Default: <state-dir>/config.yaml when it exists.", show_default=False),
+        typer.Option(
+            help="Server configuration file (see `capyctl config schema`). "
+            "Default: <state-dir>/config.yaml when it exists.",
+            show_default=False,
+        ),
     ] = None,
     log_format: LogFormatOpt = LogFormat.TEXT,
     json: JsonLogOpt = False,
@@ -153,8 +204,16 @@ def start_server(
 
     writer = configure_logging(log_format.value)
     try:
-        anyio.run(serve_server, root, listen, management, control_listen, control_advertise, settings,
-                  backend_options={"use_uvloop": _has_uvloop()})
+        anyio.run(
+            serve_server,
+            root,
+            listen,
+            management,
+            control_listen,
+            control_advertise,
+            settings,
+            backend_options={"use_uvloop": _has_uvloop()},
+        )
     finally:
         writer.stop()
 
@@ -187,24 +246,44 @@ def config_check(
     """Check a server configuration file and show the settings it gives; changes nothing."""
     settings = _resolve(file, decode_file(file, ServerConfig), {})
     limits = settings.limits
-    devices = settings.devices if settings.devices == "auto" else [
-        {"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve} for d in settings.devices]
+    devices = (
+        settings.devices
+        if settings.devices == "auto"
+        else [{"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve} for d in settings.devices]
+    )
     view = {
         "default_model": settings.default_model,
-        "queue": {"request_deadline_s": settings.request_deadline, "stream_idle_timeout_s": settings.stream_idle_timeout},
-        "limits": {"max_body_bytes": limits.max_body, "client_header_timeout_s": limits.header_timeout,
-                   "client_body_timeout_s": limits.body_timeout, "max_connections": limits.max_connections,
-                   "max_event_size_bytes": limits.max_event, "max_tool_calls": limits.max_tool_calls},
+        "queue": {
+            "request_deadline_s": settings.request_deadline,
+            "stream_idle_timeout_s": settings.stream_idle_timeout,
+        },
+        "limits": {
+            "max_body_bytes": limits.max_body,
+            "client_header_timeout_s": limits.header_timeout,
+            "client_body_timeout_s": limits.body_timeout,
+            "max_connections": limits.max_connections,
+            "max_event_size_bytes": limits.max_event,
+            "max_tool_calls": limits.max_tool_calls,
+        },
         "memory": {"devices": devices},
-        "records": {"max_count": settings.records.retention.max_count,
-                    "max_age_s": settings.records.retention.max_age, "buffer": settings.records.buffer},
+        "records": {
+            "max_count": settings.records.retention.max_count,
+            "max_age_s": settings.records.retention.max_age,
+            "buffer": settings.records.buffer,
+        },
     }
     lines = [f"{file}: valid", f"  default_model  {settings.default_model or '-'}"]
     for section in ("queue", "limits", "records"):
         lines += [f"  {section}.{key}  {value}" for key, value in view[section].items()]  # type: ignore[attr-defined]
-    lines += ["  memory.devices  auto"] if devices == "auto" else [
-        f"  memory.devices.{d['name']}  capacity_bytes {d['capacity_bytes']}  reserve_bytes {d['reserve_bytes']}"
-        for d in devices] or ["  memory.devices  -"]
+    lines += (
+        ["  memory.devices  auto"]
+        if devices == "auto"
+        else [
+            f"  memory.devices.{d['name']}  capacity_bytes {d['capacity_bytes']}  reserve_bytes {d['reserve_bytes']}"
+            for d in devices
+        ]
+        or ["  memory.devices  -"]
+    )
     show(view, json, "\n".join(lines))
 
 
