@@ -81,7 +81,8 @@ def has_text(obj: dict[str, Any]) -> bool:
     return False
 
 
-# --- the Python reference of the C scan's facts (``_speedups/scan.c``) ---------------------------------
+# --- the C scan's facts (``_speedups/scan.c``) read from decoded heads, as the check reads them: what its ------
+# --- Python reference (``_speedups/scan_reference.py``) is held to in ``tests/unit/test_run_scan.py`` ----------
 
 
 def payload_spans(body: bytes) -> list[tuple[int, int]]:

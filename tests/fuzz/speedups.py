@@ -5,17 +5,24 @@
 ``_speedups/scan.c``: reads made of the recordings' chunks and of random JSON chunks, then cut, mutated byte
 by byte, spliced, are given to
 
-- ``scan_run``: whatever it accepts, msgspec's typed decode of the heads must accept too, with the same facts
-  (``check_against_decode`` of the unit tests); now and then it is first told other object names and delta
-  keys, some of them refused, which must leave no trace on the next read;
-- the relay's check: over the scan's facts (respelt in C, in Python, or spliced chunk by chunk) it must send,
-  refuse and meter exactly what it does over the typed decode, and what the oracle over dicts does
-  (``tests/oracle``, held to where it reads a read as the check does);
-- ``respell``: at random offsets, the same bytes or the same ValueError as ``streams.respell``.
+- ``scan_run``: whatever it accepts, its Python reference (``_speedups/scan_reference.py``) must accept too,
+  with the same facts (positions aside, which the C may leave out), and the reference is held to msgspec's
+  typed decode of the heads (``check_reference`` and ``check_c`` of the unit tests); now and then the C is
+  first told other object names and delta keys, some of them refused, which must leave no trace on the
+  next read;
+- the relay's check: over the C's facts and over the reference's (respelt in C, in Python, or spliced chunk
+  by chunk) it must send, refuse and meter exactly what it does over the typed decode, and what the oracle
+  over dicts does (``tests/oracle``, held to where it reads a read as the check does);
+- ``respell``: at random offsets, the same bytes or the same ValueError as its reference
+  (``scan_reference.respell``).
 
-``scripts/fuzz-c`` runs this with the module compiled with AddressSanitizer and UndefinedBehaviorSanitizer
-(any memory error or undefined behaviour aborts the run); ``.ci/run`` runs that script. A failing input is
-printed with its seed and case before the assertion.
+Each input the C is handed is a bytes object of its own, freshly allocated at exactly its size (``exact``),
+never one that a larger buffer holds: run under ``PYTHONMALLOC=malloc`` (as ``scripts/fuzz-c`` runs it), each
+is then a heap block of its own, and AddressSanitizer reports a read past its end (past its last byte and
+the NUL that CPython keeps after it; an empty input is CPython's one static empty bytes, which the C
+declines unread). ``scripts/fuzz-c`` runs this with the module compiled with AddressSanitizer and
+UndefinedBehaviorSanitizer (any memory error or undefined behaviour aborts the run); ``.ci/run`` runs that
+script. A failing input is printed with its seed and case before the assertion.
 """
 
 from __future__ import annotations
@@ -30,14 +37,14 @@ from typing import Any
 
 import msgspec
 
-from capyctl._speedups import scan
+from capyctl._speedups import scan, scan_reference
 from capyctl.domain.fields import row_for
 from capyctl.domain.metrics import Meter
-from capyctl.domain.relay_check import OBJECT_NAMES, Refused
-from capyctl.domain.streams import payloads_of, respell
+from capyctl.domain.relay_check import DELTA_KEYS, OBJECT_NAMES, Refused
+from capyctl.domain.streams import payloads_of
 from tests.oracle import OracleCheck
 from tests.unit.test_relay_check import NAME, ROWS, read_unlike_the_oracle, told
-from tests.unit.test_run_scan import body_of, check_against_decode, checked
+from tests.unit.test_run_scan import body_of, check_c, check_reference, checked
 
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
 OTHER_OBJECTS = [
@@ -58,6 +65,13 @@ OTHER_DELTA_KEYS = [
     ("role", 1),
     tuple(f"d{i}" for i in range(17)),
 ]
+
+
+def exact(data: bytes) -> bytes:
+    """``data`` in a bytes object of its own, just allocated at exactly its size (for the C to read)."""
+    copy = bytes(memoryview(data))
+    assert len(copy) == len(data) and (copy is not data or not data)
+    return copy
 
 
 def _recorded_chunks() -> list[bytes]:
@@ -134,8 +148,8 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
 
 def _check_respell(rng: random.Random, body: bytes, facts: Any) -> None:
     """C respell against the Python one: at the scan's positions, or near them, or anywhere."""
-    if facts is not None and facts[7] is not None and rng.randrange(2):
-        at, old = array.array("I", facts[7]), facts[1]
+    if facts is not None and facts.positions is not None and rng.randrange(2):
+        at, old = array.array("I", facts.positions), facts.model
         if rng.randrange(2) and at:
             i = rng.randrange(len(at))
             at[i] = (at[i] + rng.choice([-1, 1, 2**31])) % 2**32
@@ -145,20 +159,22 @@ def _check_respell(rng: random.Random, body: bytes, facts: Any) -> None:
         old = (body[at[0] : at[0] + rng.randrange(1, 4)] if at and rng.randrange(2) else b"") or b'"m"'
     new = rng.choice([b'"my-model"', b"", b'"x"', old])
     answers = []
-    for way in (scan.respell, respell):
+    for way in (scan.respell, scan_reference.respell):
         try:
-            answers.append(way(body, at.tobytes(), old, new))
+            answers.append(way(exact(body), exact(at.tobytes()), exact(old), exact(new)))
         except ValueError:
             answers.append(ValueError)
     assert answers[0] == answers[1], ("respell", at.tolist(), old, new, answers)
 
 
-def _check_relay(rng: random.Random, body: bytes, facts: Any) -> None:
-    """The check over the facts, over the decode, and the oracle's answer, for one read."""
+def _check_relay(rng: random.Random, body: bytes, facts: Any, want: Any) -> None:
+    """The check over the C's facts and the reference's, over the decode, and the oracle's answer, for one
+    read."""
     row, limit, name = rng.choice(ROWS), rng.choice([2, 256]), rng.choice([NAME, "tiny-llama"])
     decoded = checked(body, None, None, row, limit, name)
-    for respelling in (scan.respell, respell, None):
-        assert checked(body, facts, respelling, row, limit, name) == decoded, ("check", row, limit, name)
+    for scanned in (facts, want):
+        for respelling in (scan.respell, scan_reference.respell, None):
+            assert checked(exact(body), scanned, respelling, row, limit, name) == decoded, ("check", row, limit, name)
     if read_unlike_the_oracle([body]) is None:
         oracle = OracleCheck(row_for(*row).row, "here", name, limit)
         meter = Meter(lambda: 0.0)
@@ -191,11 +207,12 @@ def fuzz_scan(seconds: float, seed: int) -> tuple[int, int]:
         try:
             if rng.randrange(8) == 0:  # other names first, some refused: the next read must not see them
                 with contextlib.suppress(TypeError):
-                    scan.scan_run(body, rng.choice(OTHER_OBJECTS), rng.choice(OTHER_DELTA_KEYS))
-            facts = check_against_decode(body)
+                    scan.scan_run(exact(body), rng.choice(OTHER_OBJECTS), rng.choice(OTHER_DELTA_KEYS))
+            want = check_reference(body)
+            facts = check_c(exact(body), want, OBJECT_NAMES, DELTA_KEYS)
             if facts is not None:
                 taken += 1
-                _check_relay(rng, body, facts)
+                _check_relay(rng, body, facts, want)
             _check_respell(rng, body, facts)
         except AssertionError:
             print(f"scan: seed {seed}, case {count}: {body!r}")
@@ -213,8 +230,9 @@ def main() -> None:
     print(f"fuzzing the C module against its references, {args.seconds:g} s, seed {seed}")
     count, taken = fuzz_scan(args.seconds, seed)
     print(
-        f"  scan.c: {count} reads ({taken} taken by the scan, their facts checked against the decode and the "
-        f"check over them against the decode's and the oracle's), respell against Python's; no disagreement"
+        f"  scan.c: {count} reads ({taken} taken by the scan, their facts checked against its Python reference's "
+        f"and the decode's, and the check over them against the decode's and the oracle's), respell against "
+        f"its reference's; no disagreement"
     )
 
 

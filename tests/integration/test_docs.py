@@ -25,6 +25,7 @@ Markers in the pages, on the line right before a code block:
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -512,14 +513,31 @@ def test_documented_prometheus_metrics_match_a_scrape(served: CapyServer) -> Non
         assert not exposed[name].samples or seen == set(re.findall(r"`(\w+)`", labels)), name
 
 
+def _kinds_in(arg: ast.expr, outcomes: set[str]) -> set[str]:
+    """The event kinds an argument of ``emit`` can be: a string, either string of a conditional, or
+    ``f"PREFIX{outcome}"`` with each outcome ``fleet.py`` sets."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.isidentifier():
+        return {arg.value}
+    if isinstance(arg, ast.IfExp):
+        return _kinds_in(arg.body, outcomes) | _kinds_in(arg.orelse, outcomes)
+    if isinstance(arg, ast.JoinedStr) and len(arg.values) == 2:
+        prefix, value = arg.values
+        named = isinstance(value, ast.FormattedValue) and ast.unparse(value.value) == "outcome"
+        if isinstance(prefix, ast.Constant) and named:
+            return {f"{prefix.value}{outcome}" for outcome in outcomes}
+    return set()
+
+
 def test_documented_event_kinds_match_the_code() -> None:
     services = {p.name: p.read_text() for p in (SRC / "services").glob("*.py")}
     kinds = {"router_selection"}
     assert '"router_selection"' in services["events.py"]
     outcomes = set(re.findall(r'outcome = "(\w+)"', services["fleet.py"]))
-    for call in re.findall(r"\.emit\((.*)", "\n".join(services.values())):
-        kinds |= set(re.findall(r'(?<!f)"(\w+)"', call))
-        kinds |= {prefix + outcome for prefix in re.findall(r'f"(\w+)\{outcome\}"', call) for outcome in outcomes}
+    for text in services.values():  # every .emit(...) call, however it is laid out: the kinds it can name
+        for call in ast.walk(ast.parse(text)):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "emit":
+                for arg in call.args:
+                    kinds |= _kinds_in(arg, outcomes)
     documented = set(re.findall(r"^\| `(\w+)` \|", section("observability.md", "Events"), re.M))
     assert documented == kinds
 

@@ -41,11 +41,12 @@ from capyctl.domain.keys import (
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.domain.streams import DONE
 from capyctl.services.admission import AdmissionService
-from capyctl.services.chat import ChatService, ChatSettings
+from capyctl.services.chat import ChatService
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from capyctl.services.keys import Keyring
+from capyctl.services.requests import RequestSettings as ChatSettings
 from tests.fakes.answers import ScriptedAnswer, chunks
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -19,13 +20,13 @@ from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.domain.request_rows import RowFilter
-from capyctl.domain.requests import RequestRecord
-from capyctl.domain.streams import DONE, Chunks, sse_of
-from capyctl.services.chat import ChatService, ChatSettings
+from capyctl.domain.streams import DONE, Chunks, Relayed, sse_of
+from capyctl.services.chat import ChatService
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from capyctl.services.request_log import RequestLog
+from capyctl.services.requests import Call, RequestSettings
 from tests.fakes.answers import ScriptedAnswer
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore, keyring_with
@@ -46,7 +47,7 @@ class BrokenService:
     def now(self) -> float:
         return 0.0
 
-    def overdue(self, record: RequestRecord, received_at: float) -> bool:
+    def overdue(self, call: Call) -> bool:
         return False
 
     def knows(self, name: str) -> bool:
@@ -55,22 +56,28 @@ class BrokenService:
     def names(self) -> list[str]:
         return ["m"]
 
-    def start(self, record: RequestRecord, obj: dict[str, Any]) -> None:
+    def start(self, call: Call) -> None:
         return None  # nothing done before the request's task runs
 
-    async def complete(
-        self, record: RequestRecord, obj: dict[str, Any], wait: float | None, started: Any = None
-    ) -> dict[str, Any]:
+    async def complete(self, call: Call) -> dict[str, Any]:
         raise RuntimeError("a bug in the assembler")
 
     @asynccontextmanager
-    async def open(self, record: RequestRecord, obj: dict[str, Any], wait: float | None, started: Any = None):
-        async def pump(write: Any, drain: Any) -> bytes:
-            if write(b'data: {"choices":[]}\n\n'):
-                await drain()
-            raise RuntimeError("a bug in the relay")
+    async def open(self, call: Call) -> AsyncIterator[Call]:
+        class Check:  # relays what it is given
+            failure = None
 
-        yield SimpleNamespace(pump=pump, failure=None, metrics=lambda: {})
+            def check(self, chunks: Chunks) -> bytes:
+                return chunks.sse
+
+        class Answer:
+            async def pump(self, deliver: Any, drain: Any) -> bool:
+                if deliver([Chunks(b'data: {"choices":[]}\n\n', [b'{"choices":[]}'])]) is Relayed.FULL:
+                    await drain()
+                raise RuntimeError("a bug in the relay")
+
+        call.check, call.meter, call.answer = Check(), SimpleNamespace(first_text_at=None), Answer()  # type: ignore[assignment]  # fakes of the check and meter
+        yield call
 
 
 class Stats:
@@ -203,11 +210,11 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
 
     fleet = SimpleNamespace(resolve=lambda name, api="chat": controller)
     events = SimpleNamespace(selection=lambda *args: None)
-    settings = ChatSettings(crash_notice=3600.0)  # were it waited for, the bound below would fail the test
+    settings = RequestSettings(crash_notice=3600.0)  # were it waited for, the bound below would fail the test
     service = ChatService(fleet, Session(), FakeClock(), events, settings)  # type: ignore[arg-type]
-    record = RequestRecord(id="r", deployment="m", stream=False)
+    call = Call(id="r", deployment="m", stream=False, obj={"model": "m", "messages": []})
     with anyio.fail_after(5), pytest.raises(EngineUnavailable):
-        await service.complete(record, {"model": "m", "messages": []})
+        await service.complete(call)
     assert controller.status.state is InstanceState.UNAVAILABLE  # the next request checks it again
 
 
@@ -237,7 +244,7 @@ async def test_a_chunk_relayed_unread_that_cannot_be_assembled_is_an_edge_error(
 
     fleet = SimpleNamespace(resolve=lambda name, api="chat": controller)
     events = SimpleNamespace(selection=lambda *args: None)
-    service = ChatService(fleet, Session(), FakeClock(), events, ChatSettings())  # type: ignore[arg-type]
-    record = RequestRecord(id="r", deployment="m", stream=False)
+    service = ChatService(fleet, Session(), FakeClock(), events, RequestSettings())  # type: ignore[arg-type]
+    call = Call(id="r", deployment="m", stream=False, obj={"model": "m", "messages": []})
     with anyio.fail_after(5), pytest.raises(EdgeError, match="cannot assemble"):
-        await service.complete(record, {"model": "m", "messages": []})
+        await service.complete(call)

@@ -1,4 +1,4 @@
-"""The layer rules of ARCHITECTURE.md, checked by import-linter's contracts in pyproject.toml."""
+"""The layer rules of docs/development.md ("Layers"), checked by import-linter's contracts in pyproject.toml."""
 
 import subprocess
 import sys

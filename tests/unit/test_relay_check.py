@@ -4,7 +4,9 @@ A stream's bytes, cut into network reads, go through the engine adapter's
 ``SseParser`` and then the check, both ways the product has: over the C
 scan's facts (``"c"``, where ``_speedups.scan`` was built) and over msgspec's
 typed decode (``"python"``, ``SseParser(scan=False)``, the way of a build
-without a C compiler). Each must send the same bytes, end on the same error,
+without a C compiler); and over the facts of the C scan's Python reference
+(``"reference"``, ``_speedups.scan_reference``, run everywhere). Each must
+send the same bytes, end on the same error,
 keep the same engine error event and leave the meter with the same figures
 as ``OracleCheck`` over the same reads, but where the check reads a chunk
 otherwise by design (``read_unlike_the_oracle``: then the two ways are held
@@ -25,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from capyctl._speedups import scan_reference
 from capyctl.adapters.engines._sse import SseParser
 from capyctl.domain.errors import CapyError, EdgeError
 from capyctl.domain.fields import FIELD_TABLE, row_for
@@ -52,7 +55,8 @@ RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings"
 NAME = "my-model"  # the deployment: what the client sent as model
 ROWS = [("vllm", "0.32.0"), ("vllm", "0.33.0"), ("sglang", "0.5.21"), ("llamacpp", "0.6.0"), ("tensorfold", "0.6.3")]
 NO_SCAN = "the C scan was not built (no C compiler): its way is not there to test"
-WAYS = ["python", pytest.param("c", marks=pytest.mark.skipif(_scan is None, reason=NO_SCAN))]
+WAYS = ["python", "reference", pytest.param("c", marks=pytest.mark.skipif(_scan is None, reason=NO_SCAN))]
+SCAN_OF = {"python": False, "reference": scan_reference, "c": True}  # SseParser's scan for each way
 MANY_EXAMPLES = settings(
     max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
@@ -96,7 +100,7 @@ def relay(
     else:
         checker = StreamCheck(ChunkRules(row, where, max_tool_calls), meter, name, clock)
         check = checker.check
-    parser = SseParser(scan=way == "c")
+    parser = SseParser(scan=SCAN_OF.get(way, False))
     sent: list[bytes] = []
     error = None
     for data in [*reads, None]:
@@ -453,16 +457,20 @@ def test_the_check_relays_exactly_what_the_oracle_relays(
 ) -> None:
     out = relay(way, reads, *row, max_tool_calls, name)
     hypothesis.event(f"ends with {out['error'][0] if out['error'] else 'no error'}")
-    if way == "c":
-        parser = SseParser()
+    if way != "python":
+        parser = SseParser(scan=SCAN_OF[way])
         scanned = sum(1 for read in reads for e in parser.feed(read) if isinstance(e, Chunks) and e.facts is not None)
-        hypothesis.event(f"the C scan read {min(scanned, 2)}+ reads")
+        hypothesis.event(f"the {way} scan read {min(scanned, 2)}+ reads")
     hypothesis.event(f"relays {min(sum(s.count(b'data: {') for s in out['sent']), 3)}+ chunks")
     unlike = read_unlike_the_oracle(reads)
     if unlike:  # held to the other way only (see read_unlike_the_oracle)
         hypothesis.event(f"a chunk {unlike}")
         assert out == relay(
-            "python" if way == "c" else "c" if _scan is not None else way, reads, *row, max_tool_calls, name
+            "python" if way != "python" else "c" if _scan is not None else "reference",
+            reads,
+            *row,
+            max_tool_calls,
+            name,
         )
     else:
         assert out == relay("oracle", reads, *row, max_tool_calls, name)
@@ -535,16 +543,16 @@ def test_a_plain_recording_read_whole_is_checked_once_not_chunk_by_chunk(path: P
     (a check chunk by chunk reads it once each); over the scan's facts, the payloads are not even split."""
     family, version = path.parent.parent.name, path.parent.name
     data = path.read_bytes().replace(b"\r\n", b"\n")
-    chunks = [e for e in SseParser(scan=way == "c").feed(data) if isinstance(e, Chunks)]
-    assert len(chunks) == 1 and (chunks[0].facts is not None) == (way == "c")
+    chunks = [e for e in SseParser(scan=SCAN_OF[way]).feed(data) if isinstance(e, Chunks)]
+    assert len(chunks) == 1 and (chunks[0].facts is not None) == (way != "python")
     clock = Ticks()
     meter = Meter(clock)
     clock.reads = 0
     sent = StreamCheck(ChunkRules(row_for(family, version).row, "here"), meter, NAME, clock).check(chunks[0])
     assert clock.reads <= 2 and sent.count(b'"model":"my-model"') == data.count(b'"model":') > 1
     assert meter.text_chunks > 0 and meter.first_text_at == meter.last_at == clock.now
-    if way == "c":
-        assert chunks[0].payloads is None  # respelt in C at the scan's positions
+    if way != "python":
+        assert chunks[0].payloads is None  # respelt at the scan's positions
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -670,7 +678,7 @@ def test_the_clock_is_read_once_a_read_and_once_more_after_the_first_text(way: s
         b'{"model":"m","choices":[{"index":0,"delta":{"content":"%b"}}]}' % (b"t" if i == text_at else b"")
         for i in range(5)
     ]
-    (event,) = SseParser(scan=way == "c").feed(b"".join(b"data: " + c + b"\n\n" for c in chunks))
+    (event,) = SseParser(scan=SCAN_OF[way]).feed(b"".join(b"data: " + c + b"\n\n" for c in chunks))
     readings = iter([1.0, 2.0, 3.0])
     meter = Meter(lambda: 0.0)
     StreamCheck(ChunkRules(row_for("vllm", "0.32.0").row, "here"), meter, NAME, lambda: next(readings)).check(event)

@@ -11,8 +11,9 @@ from capyctl.adapters.http.front import FrontDoor
 from capyctl.domain.request_rows import RowFilter
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
-from capyctl.services.chat import ChatService, ChatSettings
+from capyctl.services.chat import ChatService
 from capyctl.services.request_log import RequestLog
+from capyctl.services.requests import RequestSettings as ChatSettings
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import VirtualClock, keyring_with, virtual_time
 from tests.fakes.request_store import FakeRequestStore

@@ -1,21 +1,21 @@
-"""How the front door makes a request's row from its record and outcome (``adapters/http/request_rows``)."""
+"""A request's row, made from its call: its record and how it ended (``adapters/http/request_rows``)."""
 
 from __future__ import annotations
 
-from capyctl.adapters.http.front import Outcome
 from capyctl.adapters.http.request_rows import finished_row, refused_row
 from capyctl.domain.errors import InvalidRequest, QueueFull
-from capyctl.domain.requests import CancelCause, RequestRecord
+from capyctl.domain.requests import CancelCause
+from capyctl.services.requests import Call
 
 
-def record(**fields: object) -> RequestRecord:
-    return RequestRecord(id="01REQ", deployment="m", stream=False, key="ci", **fields)  # type: ignore[arg-type]
+def record(**fields: object) -> Call:
+    return Call(id="01REQ", deployment="m", stream=False, key="ci", obj={}, **fields)  # type: ignore[arg-type]
 
 
 def test_an_answer_gives_its_figures_tokens_and_a_wait_of_zero_when_it_was_granted_at_once() -> None:
-    outcome = Outcome()
-    outcome.code = "ok"
-    outcome.measured(
+    rec = record()
+    rec.code = "ok"
+    rec.measured(
         {
             "ttft_ms": {"value": 12.5, "source": "router"},
             "queue_ms": {"value": 0.02, "source": "engine"},
@@ -24,9 +24,8 @@ def test_an_answer_gives_its_figures_tokens_and_a_wait_of_zero_when_it_was_grant
         },
         {"prompt_tokens": 37, "completion_tokens": 4, "total_tokens": 41},
     )
-    rec = record()
     rec.sent(0)
-    got = finished_row(rec, outcome, "/v1/chat/completions", 5.0, 20.123)
+    got = finished_row(rec, "/v1/chat/completions", 5.0, 20.123)
     assert (got.id, got.at, got.api, got.code, got.status, got.key, got.instance) == (
         "01REQ",
         5.0,
@@ -42,9 +41,9 @@ def test_an_answer_gives_its_figures_tokens_and_a_wait_of_zero_when_it_was_grant
 
 
 def test_a_wait_in_line_is_in_milliseconds_and_a_refused_request_has_no_engine_figures() -> None:
-    outcome = Outcome()
-    outcome.code = "queue_full"
-    got = finished_row(record(waited=1.5), outcome, "/v1/systemone", 5.0, 1500.0)
+    refused = record(waited=1.5)
+    refused.code = "queue_full"
+    got = finished_row(refused, "/v1/systemone", 5.0, 1500.0)
     assert (got.api, got.status, got.queue_wait_ms, got.instance, got.ttft_ms, got.prompt_tokens) == (
         "decisions",
         429,
@@ -61,14 +60,13 @@ def test_a_cut_names_its_cause_and_the_rule_that_settles_it() -> None:
         rec.sent(0)
         rec.cancelled(CancelCause.CLIENT_GONE)
     answered.answered = True
-    outcome = Outcome()
-    outcome.started = True  # a stream began: its status was 200
-    got = finished_row(answered, outcome, "/v1/chat/completions", 1.0, 1.0)
+    answered.started = True  # a stream began: its status was 200
+    got = finished_row(answered, "/v1/chat/completions", 1.0, 1.0)
     assert (got.code, got.status, got.cause, got.settlement) == ("client_gone", 200, "client_gone", "engine_idle")
-    assert finished_row(silent, Outcome(), "/v1/chat/completions", 1.0, 1.0).settlement == "engine_stop"
+    assert finished_row(silent, "/v1/chat/completions", 1.0, 1.0).settlement == "engine_stop"
     never_sent = record()
     never_sent.cancelled(CancelCause.DEADLINE)
-    assert finished_row(never_sent, Outcome(), "/v1/chat/completions", 1.0, 1.0).settlement is None  # nothing to settle
+    assert finished_row(never_sent, "/v1/chat/completions", 1.0, 1.0).settlement is None  # nothing to settle
 
 
 def test_a_refusal_at_the_front_has_its_code_and_status_only() -> None:

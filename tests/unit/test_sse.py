@@ -424,8 +424,9 @@ def test_a_plain_reads_facts_are_what_its_payloads_say_and_the_c_scans_where_it_
     if scan_run is None:
         assert chunks.facts is None and chunks.respell is None
     else:
-        assert chunks.facts[:7] == reference and array.array("I", chunks.facts[7]).tolist() == at
-        assert chunks.respell(chunks.sse, chunks.facts[7], model, b'"other"') == renamed
+        facts = chunks.facts
+        assert msgspec.structs.astuple(facts)[:7] == reference and array.array("I", facts.positions).tolist() == at
+        assert chunks.respell(chunks.sse, facts.positions, model, b'"other"') == renamed
 
 
 def test_a_read_the_c_scan_will_not_vouch_for_is_parsed_the_general_way() -> None:

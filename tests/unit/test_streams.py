@@ -3,13 +3,14 @@
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from capyctl.adapters.engines._sse import SseParser
 from capyctl.domain.engines import EngineFamily as F
 from capyctl.domain.fields import row_for
 from capyctl.domain.metrics import Meter
 from capyctl.domain.relay_check import ChunkRules, StreamCheck
-from capyctl.domain.streams import Assembler, Chunks, payloads_of, sse_of
+from capyctl.domain.streams import Assembler, Chunks, ScanFacts, payloads_of, sse_of
 
 RECORDINGS = Path(__file__).parents[1] / "contract" / "recordings" / "llamacpp" / "0.6.0"
 
@@ -117,3 +118,26 @@ def test_a_payload_of_several_lines_is_relayed_as_as_many_data_lines() -> None:
         {"model": "mine", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
     ]
     assert payloads_of(relayed) == again.payload_list() and meter.text_chunks == 1
+
+
+def test_the_scans_facts_are_read_by_name_and_by_position_as_the_tuple_they_replace() -> None:
+    """The scan's answer (``ScanFacts``, built in C by a call of the type): named fields, in the order the C
+    passes them; read by position too, as the tuple the scan answered with before; frozen."""
+    facts = ScanFacts(2, b'"m"', 0b101, 7, 1, 0, (6, 20), None)
+    assert ScanFacts.__struct_fields__ == (
+        "count",
+        "model",
+        "delta_keys",
+        "top_index",
+        "text_count",
+        "first_text",
+        "objects",
+        "positions",
+    )
+    assert (facts.count, facts.model, facts.delta_keys, facts.top_index) == (2, b'"m"', 0b101, 7)
+    assert (facts.text_count, facts.first_text, facts.objects, facts.positions) == (1, 0, (6, 20), None)
+    with pytest.raises(TypeError):
+        facts[0]  # type: ignore[index]  # read by name only, never by position
+    with pytest.raises(AttributeError):
+        facts.count = 3  # frozen
+    assert facts == ScanFacts(2, b'"m"', 0b101, 7, 1, 0, (6, 20), None) and hash(facts) == hash(facts)

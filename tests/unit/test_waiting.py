@@ -24,10 +24,11 @@ from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import row_for
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
-from capyctl.services.chat import ChatService, ChatSettings
+from capyctl.services.chat import ChatService
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
+from capyctl.services.requests import RequestSettings as ChatSettings
 from tests.fakes.answers import ScriptedAnswer, chunks
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, keyring_with, virtual_time

@@ -6,9 +6,10 @@
    table knows, as the fields of ``Delta``) and none is the engine's failure event, the facts
    ``StreamCheck`` works from. The names are the caller's data: the C knows no engine's vocabulary, only
    the shape of an OpenAI chunk (model, choices, error; a choice's index and delta; a delta's role and
-   tool_calls; a tool call's index).
+   tool_calls; a tool call's index). The facts are a ``ScanFacts`` (``domain/streams.py``), the type the
+   module takes from there when it loads (and checks the fields of), built by a call of it:
 
-       (count, model, delta_keys, top_index, text_count, first_text, objects, positions)
+       ScanFacts(count, model, delta_keys, top_index, text_count, first_text, objects, positions)
 
    - count: the chunks;
    - model: the token every chunk sends as ``model`` (a JSON string with its quotes; the same bytes in
@@ -27,17 +28,22 @@
    respell(body, positions, old, new) writes ``body`` again with ``new`` in place of the ``old`` token at
    each of ``positions``, checking that ``old`` is there (ValueError where it is not).
 
-   It returns None for anything it is not sure of, and the caller then decodes (msgspec): so what it
-   accepts must be a subset of what msgspec accepts, and its facts must be what the decoded heads say.
+   Its Python reference is ``scan_reference.py`` beside it (``scan_run`` and ``respell`` by the same names,
+   worked out of msgspec's typed decode), which the tests and the fuzz (``tests/fuzz/speedups.py``) hold it
+   to. It returns None for anything it is not sure of, and the caller then decodes (msgspec): so what it
+   accepts must be a subset of what the reference accepts, and its facts the reference's (positions aside,
+   which it may leave out where the reference gives them).
    Fields the structs do not name are skipped, as msgspec skips them, but read as strictly as the rest.
    It refuses, among others: a delta key outside ``delta_keys``, a repeated field of the structs, a field name
    with an escape, a model that is not the same plain string (no escapes) in every chunk or absent from
    all, an index that is not a plain non-negative integer of at most 18 digits, a \\u escape of a surrogate,
    a number of more than 40 characters or with an exponent of three digits or more, nesting deeper than
-   64, a line feed inside a payload, and invalid UTF-8 (checked strictly, as Python's decoder does). The
-   fixed field lists are exported (HEAD_FIELDS ...) so that a test holds them to the structs.
+   64, a line feed or a carriage return anywhere inside a payload, and invalid UTF-8 (checked strictly, as
+   Python's decoder does). The fixed field lists are exported (HEAD_FIELDS ...) so that a test holds them to
+   the structs, and FACT_FIELDS, the order in which it passes the facts to ``ScanFacts``.
 
-   No allocation happens before the result is built; every read is bounds-checked against the end. */
+   No allocation happens and no Python code runs before the result is built; every read is bounds-checked
+   against the end. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,6 +60,7 @@ typedef struct {
     const unsigned char *end;
     int non_ascii;
     int nested_model;  /* an object below the head has a key "model" */
+    const struct Names *names;  /* the names this scan reads by (its own copy) */
 } Scan;
 
 /* Per chunk: what its head says */
@@ -82,34 +89,55 @@ typedef struct {
 #define F(name) {name, sizeof(name) - 1}
 
 /* The head's fields: the three the relay reads, then the engine objects the caller names (scan_run's
-   ``objects``, at most MAX_OBJECTS), set when the caller passes another tuple than the last. */
+   ``objects``, at most MAX_OBJECTS). */
 #define MAX_OBJECTS 16
 static const Field HEAD_FIELDS[] = {F("model"), F("choices"), F("error"), {NULL, 0}};
 enum {H_MODEL = 0, H_CHOICES = 1, H_ERROR = 2, H_OBJECTS = 3};
-static Field head_fields[H_OBJECTS + MAX_OBJECTS + 1] = {F("model"), F("choices"), F("error"), {NULL, 0}};
-static PyObject *head_objects = NULL;  /* the caller's tuple the names in head_fields point into (a reference) */
 
 static const Field CHOICE_FIELDS[] = {F("index"), F("delta"), {NULL, 0}};
 enum {C_INDEX = 0, C_DELTA = 1};
 
-/* The delta's keys: the caller's (scan_run's ``delta_keys``, the field table's keys, at most MAX_DELTA), set
-   when the caller passes another tuple than the last. Two are read by name, as OpenAI's chunk shape has
-   them: "role" (no text) and "tool_calls" (a list of tool calls); any other is text when truthy. */
+/* The delta's keys: the caller's (scan_run's ``delta_keys``, the field table's keys, at most MAX_DELTA). Two
+   are read by name, as OpenAI's chunk shape has them: "role" (no text) and "tool_calls" (a list of tool
+   calls); any other is text when truthy. */
 #define MAX_DELTA 16
-static Field delta_fields[MAX_DELTA + 1] = {{NULL, 0}};
-static PyObject *delta_names = NULL;  /* the caller's tuple the names in delta_fields point into (a reference) */
-static int d_role = -1, d_tool_calls = -1;  /* their places in delta_fields, -1 when absent */
+
+/* The names one scan reads by: the head's fields and the delta's, pointing into the caller's two tuples of
+   names (``objects``, ``delta_keys``). Each call of scan_run reads by a copy of its own, and holds references
+   to those tuples until it returns, so that nothing another call does meanwhile (a call made from a
+   finalizer that a reference dropped here runs, or from the garbage collector that an allocation here
+   starts) can change or free the names under it. */
+typedef struct Names {
+    Field head[H_OBJECTS + MAX_OBJECTS + 1];
+    Field delta[MAX_DELTA + 1];
+    int n_objects, n_delta;
+    int d_role, d_tool_calls;  /* their places in delta, -1 when absent */
+} Names;
+
+/* The names of the last call, and the tuples they point into (references): a call with the same two tuples
+   (the SSE parser passes the same ones at every read) copies them instead of reading the tuples again. */
+static Names cached = {{F("model"), F("choices"), F("error"), {NULL, 0}}, {{NULL, 0}}, 0, 0, -1, -1};
+static PyObject *cached_objects = NULL, *cached_delta = NULL;
 
 static const Field TOOL_CALL_FIELDS[] = {F("index"), {NULL, 0}};
 enum {T_INDEX = 0};
+
+/* The type scan_run answers with: ``domain/streams.ScanFacts``, its fields in the order of FACT_FIELDS (checked
+   when the module loads), built by a call of the type. */
+static const Field FACT_FIELDS[] = {F("count"), F("model"), F("delta_keys"), F("top_index"), F("text_count"),
+                                    F("first_text"), F("objects"), F("positions"), {NULL, 0}};
+#define N_FACTS 8
+static PyObject *facts_type = NULL;
 
 /* ---- lexing ---- */
 
 static inline void
 skip_ws(Scan *s)
 {
-    /* JSON's whitespace less the line feed: a payload is one line */
-    while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\r')) s->p++;
+    /* JSON's whitespace less the line feed and the carriage return: a payload is one line, and a CR is for
+       the SSE parser's general way to read (a line end, whatever JSON makes of it), so it is refused here, as
+       the Python reference refuses it */
+    while (s->p < s->end && *s->p <= ' ' && (*s->p == ' ' || *s->p == '\t')) s->p++;  /* (most bytes: one test) */
 }
 
 static inline int
@@ -428,13 +456,13 @@ delta_field(Scan *s, int index, void *context)
     ChoiceContext *choice = (ChoiceContext *)context;
     int truthy = 0;
     choice->facts->delta_keys |= 1u << index;
-    if (index == d_tool_calls) {
+    if (index == s->names->d_tool_calls) {
         if (!scan_struct_list(s, TOOL_CALL_FIELDS, tool_call_field, choice->facts, 5, &truthy)) return 0;
     }
     else if (!scan_value(s, 3, &truthy)) {
         return 0;
     }
-    if (truthy && index != d_role) choice->text = 1;  /* a role is no text */
+    if (truthy && index != s->names->d_role) choice->text = 1;  /* a role is no text */
     return 1;
 }
 
@@ -448,7 +476,7 @@ choice_field(Scan *s, int index, void *context)
     }
     if (index == C_DELTA) {
         if (at(s, 'n')) return scan_literal(s, "null", 4);
-        return scan_struct(s, delta_fields, delta_field, context, 0);
+        return scan_struct(s, s->names->delta, delta_field, context, 0);
     }
     return scan_value(s, 3, &ignored);
 }
@@ -550,9 +578,9 @@ make_room(Chunks *chunks, Py_ssize_t count)
 }
 
 static PyObject *
-scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
+scan(const unsigned char *body, Py_ssize_t size, Chunks *room, const Names *names)
 {
-    Scan s = {body, body, body + size, 0, 0};
+    Scan s = {body, body, body + size, 0, 0, names};
     Facts facts = {0, -1};
     Py_ssize_t count = 0;
     if (size < 8 || memcmp(body, "data: {", 7) != 0) Py_RETURN_NONE;
@@ -569,7 +597,7 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
         chunk->text = 0;
         chunk->objects = 0;
         HeadContext head = {&facts, chunk, 0, 0};
-        if (!scan_struct(&s, head_fields, head_field, &head, 1)) Py_RETURN_NONE;
+        if (!scan_struct(&s, names->head, head_field, &head, 1)) Py_RETURN_NONE;
         if (head.error && !head.choices) Py_RETURN_NONE;  /* the engine's failure event */
         skip_ws(&s);
         if (s.end - s.p < 2 || s.p[0] != '\n' || s.p[1] != '\n') Py_RETURN_NONE;
@@ -597,79 +625,76 @@ scan(const unsigned char *body, Py_ssize_t size, Chunks *room)
         }
         objects += chunks[i].objects;
     }
-    PyObject *offsets = PyTuple_New(2 * objects);
-    if (offsets == NULL) return NULL;
+
+    /* the facts, in the order of FACT_FIELDS */
+    PyObject *items[N_FACTS] = {NULL};
+    PyObject *result = NULL;
+    PyObject *offsets = items[6] = PyTuple_New(2 * objects);
+    if (offsets == NULL) goto done;
     for (Py_ssize_t i = 0, j = 0; i < count; i++) {
         if (chunks[i].objects) {
             PyObject *start = PyLong_FromSsize_t(chunks[i].payload - body);
-            PyObject *end = PyLong_FromSsize_t(chunks[i].payload_end - body);
-            if (start == NULL || end == NULL) {
-                Py_XDECREF(start);
-                Py_XDECREF(end);
-                Py_DECREF(offsets);
-                return NULL;
-            }
+            if (start == NULL) goto done;
             PyTuple_SET_ITEM(offsets, j++, start);
+            PyObject *end = PyLong_FromSsize_t(chunks[i].payload_end - body);
+            if (end == NULL) goto done;  /* (the tuple's unset items are NULL: its dealloc skips them) */
             PyTuple_SET_ITEM(offsets, j++, end);
         }
     }
-    PyObject *token, *positions;
     if (model == NULL) {
-        token = Py_NewRef(Py_None);
+        items[1] = Py_NewRef(Py_None);
     }
-    else if ((token = PyBytes_FromStringAndSize((const char *)model, model_len)) == NULL) {
-        Py_DECREF(offsets);
-        return NULL;
+    else if ((items[1] = PyBytes_FromStringAndSize((const char *)model, model_len)) == NULL) {
+        goto done;
     }
     if (!spliceable) {
-        positions = Py_NewRef(Py_None);
+        items[7] = Py_NewRef(Py_None);
     }
-    else if ((positions = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t))) != NULL) {
-        char *out = PyBytes_AS_STRING(positions);
+    else if ((items[7] = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(uint32_t))) != NULL) {
+        char *out = PyBytes_AS_STRING(items[7]);
         for (Py_ssize_t i = 0; i < count; i++) {
             uint32_t at = (uint32_t)(chunks[i].model - body);
             memcpy(out + i * sizeof(uint32_t), &at, sizeof(uint32_t));
         }
     }
     else {
-        Py_DECREF(offsets);
-        Py_DECREF(token);
-        return NULL;
+        goto done;
     }
-    return Py_BuildValue("(nNILnnNN)", count, token, facts.delta_keys, (long long)facts.top_index, text_count,
-                         first_text, offsets, positions);
+    if ((items[0] = PyLong_FromSsize_t(count)) == NULL ||
+        (items[2] = PyLong_FromUnsignedLong(facts.delta_keys)) == NULL ||
+        (items[3] = PyLong_FromLongLong(facts.top_index)) == NULL ||
+        (items[4] = PyLong_FromSsize_t(text_count)) == NULL || (items[5] = PyLong_FromSsize_t(first_text)) == NULL)
+        goto done;
+    result = PyObject_Vectorcall(facts_type, items, N_FACTS, NULL);
+done:
+    for (int i = 0; i < N_FACTS; i++) Py_XDECREF(items[i]);
+    return result;
 }
 
-/* ``dest`` (room for ``max`` names and the end mark) set from ``names`` (a tuple of at most ``max`` ASCII
-   names), unless it is the tuple ``*cache`` already holds; all are checked before anything changes, so a
-   refused tuple leaves ``dest`` as it was. */
+/* The names of ``names`` (a tuple of at most ``max`` ASCII names) in ``dest`` (room for ``max`` and the end
+   mark): their count, or -1 (TypeError set) for anything else. Reads the tuple only: no Python code runs. */
 static int
-set_names(PyObject *names, Field *dest, Py_ssize_t max, PyObject **cache, const char *what)
+read_names(PyObject *names, Field *dest, Py_ssize_t max, const char *what)
 {
-    if (names == *cache) return 1;
     Py_ssize_t n = PyTuple_Check(names) ? PyTuple_GET_SIZE(names) : -1;
     if (n < 0 || n > max) {
         PyErr_Format(PyExc_TypeError, "scan_run(): %s must be a tuple of at most %zd names", what, max);
-        return 0;
+        return -1;
     }
-    Field fields[MAX_OBJECTS > MAX_DELTA ? MAX_OBJECTS : MAX_DELTA];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name = PyTuple_GET_ITEM(names, i);
         Py_ssize_t len;
         const char *text = PyUnicode_Check(name) && PyUnicode_IS_ASCII(name) ? PyUnicode_AsUTF8AndSize(name, &len) : NULL;
         if (text == NULL) {
             PyErr_Format(PyExc_TypeError, "scan_run(): each name in %s must be an ASCII str", what);
-            return 0;
+            return -1;
         }
-        fields[i].name = text;
-        fields[i].len = len;
+        dest[i].name = text;
+        dest[i].len = len;
     }
-    memcpy(dest, fields, n * sizeof(Field));
     dest[n].name = NULL;
     dest[n].len = 0;
-    Py_INCREF(names);
-    Py_XSETREF(*cache, names);
-    return 1;
+    return (int)n;
 }
 
 static int
@@ -681,6 +706,52 @@ place_of(const Field *fields, const char *name)
     return -1;
 }
 
+/* The names a call reads by, in ``names``: copied from the cache where ``objects`` and ``delta`` are the tuples
+   it holds, read from them otherwise (a refused tuple leaves the cache as it was: TypeError, 0); then the
+   cache set to them. The references the cache dropped are left in ``*old_objects`` and ``*old_delta`` (or
+   NULL), for the caller to drop once its scan is done: dropping one may run Python code (a finalizer), which
+   may call scan_run again and set the cache anew. */
+static int
+set_names(PyObject *objects, PyObject *delta, Names *names, PyObject **old_objects, PyObject **old_delta)
+{
+    *old_objects = *old_delta = NULL;
+    if (objects == cached_objects) {
+        memcpy(names->head, cached.head, (H_OBJECTS + cached.n_objects + 1) * sizeof(Field));
+        names->n_objects = cached.n_objects;
+    }
+    else {
+        memcpy(names->head, HEAD_FIELDS, H_OBJECTS * sizeof(Field));
+        if ((names->n_objects = read_names(objects, &names->head[H_OBJECTS], MAX_OBJECTS, "objects")) < 0) return 0;
+    }
+    if (delta == cached_delta) {
+        memcpy(names->delta, cached.delta, (cached.n_delta + 1) * sizeof(Field));
+        names->n_delta = cached.n_delta;
+        names->d_role = cached.d_role;
+        names->d_tool_calls = cached.d_tool_calls;
+    }
+    else {
+        if ((names->n_delta = read_names(delta, names->delta, MAX_DELTA, "delta_keys")) < 0) return 0;
+        names->d_role = place_of(names->delta, "role");
+        names->d_tool_calls = place_of(names->delta, "tool_calls");
+    }
+    /* nothing above ran Python code; the cache takes its new references before it lets go of the old ones */
+    if (objects != cached_objects) {
+        memcpy(cached.head, names->head, (H_OBJECTS + names->n_objects + 1) * sizeof(Field));
+        cached.n_objects = names->n_objects;
+        *old_objects = cached_objects;
+        cached_objects = Py_NewRef(objects);
+    }
+    if (delta != cached_delta) {
+        memcpy(cached.delta, names->delta, (names->n_delta + 1) * sizeof(Field));
+        cached.n_delta = names->n_delta;
+        cached.d_role = names->d_role;
+        cached.d_tool_calls = names->d_tool_calls;
+        *old_delta = cached_delta;
+        cached_delta = Py_NewRef(delta);
+    }
+    return 1;
+}
+
 static PyObject *
 scan_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -688,20 +759,23 @@ scan_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "scan_run(body, objects, delta_keys) takes bytes and two tuples of names");
         return NULL;
     }
-    if (!set_names(args[1], &head_fields[H_OBJECTS], MAX_OBJECTS, &head_objects, "objects")) return NULL;
-    if (args[2] != delta_names) {
-        if (!set_names(args[2], delta_fields, MAX_DELTA, &delta_names, "delta_keys")) return NULL;
-        d_role = place_of(delta_fields, "role");
-        d_tool_calls = place_of(delta_fields, "tool_calls");
-    }
+    Names names;
+    PyObject *old_objects, *old_delta;
+    if (!set_names(args[1], args[2], &names, &old_objects, &old_delta)) return NULL;
+    /* the call's own references to the names it reads by, held until it returns */
+    PyObject *objects = Py_NewRef(args[1]), *delta = Py_NewRef(args[2]);
     PyObject *arg = args[0];
     const unsigned char *body = (const unsigned char *)PyBytes_AS_STRING(arg);
     Py_ssize_t size = PyBytes_GET_SIZE(arg);
     Chunks chunks;
     chunks.items = chunks.stack;
     chunks.room = STACK_CHUNKS;
-    PyObject *result = scan(body, size, &chunks);
+    PyObject *result = scan(body, size, &chunks, &names);
     if (chunks.items != chunks.stack) PyMem_Free(chunks.items);
+    Py_XDECREF(old_objects);
+    Py_XDECREF(old_delta);
+    Py_DECREF(objects);
+    Py_DECREF(delta);
     return result;
 }
 
@@ -750,38 +824,75 @@ respell(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"scan_run", (PyCFunction)(void (*)(void))scan_run, METH_FASTCALL,
-     "scan_run(body, objects, delta_keys) -> (count, model, delta_keys, top_index, text_count, first_text, objects, "
-     "positions) | None"},
+     "scan_run(body, objects, delta_keys) -> ScanFacts (domain/streams.py) | None"},
     {"respell", (PyCFunction)(void (*)(void))respell, METH_FASTCALL,
      "respell(body, positions, old, new) -> body with new in place of old at each position"},
     {NULL, NULL, 0, NULL},
 };
 
-static int
-add_fields(PyObject *module, const char *name, const Field *fields)
+/* ``fields``' names as a tuple of str */
+static PyObject *
+fields_tuple(const Field *fields)
 {
     Py_ssize_t n = 0;
     while (fields[n].name != NULL) n++;
     PyObject *tuple = PyTuple_New(n);
-    if (tuple == NULL) return -1;
+    if (tuple == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *field = PyUnicode_FromStringAndSize(fields[i].name, fields[i].len);
         if (field == NULL) {
             Py_DECREF(tuple);
-            return -1;
+            return NULL;
         }
         PyTuple_SET_ITEM(tuple, i, field);
     }
+    return tuple;
+}
+
+static int
+add_fields(PyObject *module, const char *name, const Field *fields)
+{
+    PyObject *tuple = fields_tuple(fields);
+    if (tuple == NULL) return -1;
     return PyModule_AddObject(module, name, tuple) < 0 ? (Py_DECREF(tuple), -1) : 0;
+}
+
+/* ``domain/streams.ScanFacts``, held in facts_type: its positional fields (``__match_args__``) must be
+   FACT_FIELDS, in that order, as scan() passes them */
+static int
+load_facts_type(void)
+{
+    PyObject *streams = PyImport_ImportModule("capyctl.domain.streams");
+    if (streams == NULL) return -1;
+    PyObject *type = PyObject_GetAttrString(streams, "ScanFacts");
+    Py_DECREF(streams);
+    if (type == NULL) return -1;
+    PyObject *fields = PyType_Check(type) ? PyObject_GetAttrString((PyObject *)type, "__match_args__") : NULL;
+    PyObject *expected = fields != NULL ? fields_tuple(FACT_FIELDS) : NULL;
+    int same = expected != NULL ? PyObject_RichCompareBool(fields, expected, Py_EQ) : -1;
+    Py_XDECREF(fields);
+    Py_XDECREF(expected);
+    if (same != 1) {
+        if (same == 0 || !PyErr_Occurred())
+            PyErr_SetString(PyExc_ImportError,
+                            "capyctl._speedups.scan: domain.streams.ScanFacts is not a type whose fields are, in "
+                            "order, count, model, delta_keys, top_index, text_count, first_text, objects, positions");
+        Py_DECREF(type);
+        return -1;
+    }
+    Py_XSETREF(facts_type, type);
+    return 0;
 }
 
 static int
 exec_module(PyObject *module)
 {
     init_stop();
+    if (load_facts_type() < 0) return -1;
     if (add_fields(module, "HEAD_FIELDS", HEAD_FIELDS) < 0) return -1;
     if (add_fields(module, "CHOICE_FIELDS", CHOICE_FIELDS) < 0) return -1;
     if (add_fields(module, "TOOL_CALL_FIELDS", TOOL_CALL_FIELDS) < 0) return -1;
+    if (add_fields(module, "FACT_FIELDS", FACT_FIELDS) < 0) return -1;
     return 0;
 }
 

@@ -202,7 +202,7 @@ class BatchedWriter(logging.Handler):
         self._due = False  # what is appended from here on sets it again
         while records:
             record = records.popleft()
-            if type(record) is tuple:
+            if isinstance(record, tuple):
                 created, name, line, values = record
                 try:
                     message, args, extra = line(*values)

@@ -36,6 +36,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from capyctl.domain.errors import InvalidConfig, InvalidRequest
@@ -159,7 +160,7 @@ class CertificateAuthority:
 
     def _issue(
         self,
-        public: x509.CertificatePublicKeyTypes,
+        public: CertificatePublicKeyTypes,
         common_name: str,
         alt: list[x509.GeneralName],
         usage: list[x509.ObjectIdentifier],
@@ -281,7 +282,7 @@ def _load_chain(context: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> Non
 
 
 def _builder(
-    subject: x509.Name, issuer: x509.Name, public: x509.CertificatePublicKeyTypes, days: int
+    subject: x509.Name, issuer: x509.Name, public: CertificatePublicKeyTypes, days: int
 ) -> x509.CertificateBuilder:
     """A certificate's common part: who, by whom, its key, a random serial, valid from a little in the past."""
     now = datetime.datetime.now(datetime.UTC)
@@ -347,5 +348,5 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _public(key: x509.CertificatePublicKeyTypes) -> bytes:
+def _public(key: CertificatePublicKeyTypes) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)

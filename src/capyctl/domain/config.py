@@ -28,7 +28,7 @@ Count = Annotated[int, msgspec.Meta(gt=0)]
 Limit = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class QueueConfig(Strict):
+class QueueConfig(Strict, frozen=True):
     """How long a request may take (LIFE-5, CAN-1)."""
 
     request_deadline: Duration = "30m"
@@ -39,7 +39,7 @@ class QueueConfig(Strict):
     max_open: Limit = 0  # open engine calls over all deployments (503 device_busy); 0: no limit
 
 
-class LimitsConfig(Strict):
+class LimitsConfig(Strict, frozen=True):
     """What one client or one engine may take (docs/errors.md, "Limits")."""
 
     max_body: Size = "32MiB"
@@ -50,7 +50,7 @@ class LimitsConfig(Strict):
     max_tool_calls: Count = 256
 
 
-class DeviceConfig(Strict):
+class DeviceConfig(Strict, frozen=True):
     """One GPU (or other accelerator) whose memory CapyCTL hands out to deployments."""
 
     name: str
@@ -58,27 +58,27 @@ class DeviceConfig(Strict):
     reserve: SizeOrZero | None = None  # kept free for the driver and other programs
 
 
-class MemoryConfig(Strict):
+class MemoryConfig(Strict, frozen=True):
     """The devices deployments are charged against (LIFE-3). Empty: no memory limit applies."""
 
     devices: list[DeviceConfig] | Literal["auto"] = []  # "auto": read the GPUs at start
 
 
-class SwitchingConfig(Strict):
+class SwitchingConfig(Strict, frozen=True):
     """How a model that holds the room gives it up to one that needs it (LIFE-5)."""
 
     admission_window: DurationOrZero = "2s"  # a victim still admits its own traffic this long, then drains
     drain_timeout: Duration = "30s"  # past it the switch fails and the victim keeps serving
 
 
-class IdleConfig(Strict):
+class IdleConfig(Strict, frozen=True):
     """Idle timers for every deployment that does not set its own; both off by default."""
 
     park_after: Duration | None = None
     stop_after: Duration | None = None
 
 
-class RecordsConfig(Strict):
+class RecordsConfig(Strict, frozen=True):
     """The request records (docs/observability.md, "Request records"): how many are kept, for how long."""
 
     max_count: Count = 100_000  # rows kept at most; the oldest go first
@@ -86,14 +86,14 @@ class RecordsConfig(Strict):
     buffer: Count = 10_000  # rows waiting to be written at most; past it a row is dropped and counted
 
 
-class HostsConfig(Strict):
+class HostsConfig(Strict, frozen=True):
     """Several machines: when a silent host stops taking requests, and when it is counted lost."""
 
     suspend_after: Duration = "5s"  # no heartbeat for this long: suspended (takes no new request)
     lost_after: Duration = "30s"  # no heartbeat for this long: lost (its charges stay until it proves what runs)
 
 
-class ServerConfig(Strict):
+class ServerConfig(Strict, frozen=True):
     """The whole file. Every key is optional; an empty file is the defaults."""
 
     default_model: str | None = None  # MOD-3: the deployment a chat request without `model` goes to

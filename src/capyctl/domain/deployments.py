@@ -30,13 +30,13 @@ class Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     """
 
 
-class EngineConfig(Strict):
+class EngineConfig(Strict, frozen=True):
     context_length: int | None = None
     extra_args: list[str] = []
     env: dict[str, str] = {}  # extra environment variables for the engine process
 
 
-class Resources(Strict):
+class Resources(Strict, frozen=True):
     """What the deployment holds on its device (LIFE-3); without ``memory`` it is not accounted."""
 
     memory: Size | None = None  # awake footprint: weights, KV cache, the engine's own
@@ -52,7 +52,7 @@ class Resources(Strict):
         return 0 if self.parked_memory is None else size(self.parked_memory, "resources.parked_memory", zero=True)
 
 
-class IdleConfig(Strict):
+class IdleConfig(Strict, frozen=True):
     """Idle timers for this deployment; each unset key takes the server's (LIFE-5)."""
 
     park_after: Duration | None = None
@@ -63,7 +63,7 @@ ENGINE_FAMILIES = ("vllm", "sglang", "llamacpp", "tensorfold")
 URL_PATTERN = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?(/[^\s]*)?$")
 
 
-class DeploymentSpec(Strict):
+class DeploymentSpec(Strict, frozen=True):
     """A deployment file.
 
     Managed (the usual case): ``engine`` names a registered engine and
@@ -243,7 +243,7 @@ class Deployment(msgspec.Struct, kw_only=True):
 
 def restart_delay(consecutive_failures: int, base: float = 0.5, ceiling: float = 30.0) -> float:
     """Backoff before restarting a crashed engine: 0.5 s, 1 s, 2 s ... at most 30 s."""
-    return min(ceiling, base * (2 ** max(0, consecutive_failures - 1)))
+    return min(ceiling, base * 2.0 ** max(0, consecutive_failures - 1))
 
 
 # Citadel's model states (GET /v1/models), from CapyCTL's own.

@@ -35,7 +35,7 @@ from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.link import Command, CommandResult, RunningInstance
 
 
-class HostRecord(Strict, kw_only=True):
+class HostRecord(Strict, kw_only=True, frozen=True):
     """What the server keeps of a host that joined: the certificate it holds now, and every one refused."""
 
     name: str
@@ -227,10 +227,10 @@ def adoption(expected: Sequence[ExpectedInstance], running: Sequence[RunningInst
     device until the host reports its exit; the caller charges it till then.
     """
     wanted: dict[str, ExpectedInstance] = {}
-    for belief in expected:
-        if belief.instance in wanted:
-            raise ValueError(f"instance {belief.instance!r} is expected twice on one host")
-        wanted[belief.instance] = belief
+    for one in expected:
+        if one.instance in wanted:
+            raise ValueError(f"instance {one.instance!r} is expected twice on one host")
+        wanted[one.instance] = one
     steps: list[AdoptionStep] = []
     kept: set[str] = set()
     for process in sorted(running, key=lambda p: (p.instance, p.launch_id, p.pid)):  # input order never matters

@@ -31,7 +31,7 @@ import binascii
 import hashlib
 import hmac
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -42,7 +42,7 @@ DEFAULT_TTL = 900.0  # seconds an invitation lasts unless the operator says othe
 MAX_TTL = 3600.0  # the longest an invitation may last (1 h)
 SECRET_BYTES = 32  # what ``capyctl invite host`` draws; 256 bits
 MIN_SECRET_BYTES = 16  # 128 bits: the least ``invite_for`` takes
-JOIN_FILE_VERSION = 1
+JOIN_FILE_VERSION: Final = 1
 
 HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label in lower case; fullmatch
 RESERVED_NAME = "capyctl-server"  # the name every host checks the control listener's certificate for
@@ -63,7 +63,7 @@ class JoinRefused(CapyError):
         self.reason = reason
 
 
-class Invite(Strict, kw_only=True):
+class Invite(Strict, kw_only=True, frozen=True):
     """One invitation as the server keeps it: the hash of its secret, whom it is for, and its times."""
 
     name: str  # the host it admits
@@ -73,7 +73,7 @@ class Invite(Strict, kw_only=True):
     used_at: float | None = None  # set once, when a host joined with it
 
 
-class JoinFile(Strict, kw_only=True):
+class JoinFile(Strict, kw_only=True, frozen=True):
     """What ``capyctl invite host`` writes for one GPU machine (0600): everything it needs to join.
 
     Decoded strictly: an unknown field, a missing one or a value of the wrong

@@ -39,7 +39,7 @@ Action = Literal[
 ]
 
 
-class _Message(Strict, tag_field="type"):
+class _Message(Strict, tag_field="type", frozen=True):
     """Base of the link's messages: each subclass names its ``type`` with ``tag=``.
 
     msgspec's ``kw_only`` holds only for the fields a class defines itself, so
@@ -48,7 +48,7 @@ class _Message(Strict, tag_field="type"):
     """
 
 
-class RunningInstance(Strict, kw_only=True):
+class RunningInstance(Strict, kw_only=True, frozen=True):
     """An engine process a host runs for the server, as the host reports it in its hello.
 
     The pid alone does not identify a process (the kernel reuses pids);
@@ -67,26 +67,26 @@ class RunningInstance(Strict, kw_only=True):
     launch_id: str  # chosen by the server for each launch; the ingress's gate key is tied to it
 
 
-class DeviceReport(Strict, kw_only=True):
+class DeviceReport(Strict, kw_only=True, frozen=True):
     name: str
     capacity: int  # bytes
     reserve: int  # bytes kept free for things CapyCTL does not run
 
 
-class EngineReport(Strict, kw_only=True):
+class EngineReport(Strict, kw_only=True, frozen=True):
     name: str
     family: str  # vllm, sglang, llamacpp, tensorfold
     version: str
     path: str
 
 
-class InstanceLoad(Strict, kw_only=True):
+class InstanceLoad(Strict, kw_only=True, frozen=True):
     instance: str
     running: int
     waiting: int
 
 
-class Hello(_Message, tag="hello", kw_only=True):
+class Hello(_Message, tag="hello", kw_only=True, frozen=True):
     host: str
     version: str  # the host's CapyCTL version, for operators
     protocol: int  # PROTOCOL_VERSION as the host speaks it
@@ -95,12 +95,12 @@ class Hello(_Message, tag="hello", kw_only=True):
     ingress_port: int | None = None  # where the host's ingress listens (HTTPS, its certificate), if it runs one
 
 
-class Inventory(_Message, tag="inventory", kw_only=True):
+class Inventory(_Message, tag="inventory", kw_only=True, frozen=True):
     devices: list[DeviceReport] = []
     engines: list[EngineReport] = []
 
 
-class LoadSample(_Message, tag="load_sample", kw_only=True):
+class LoadSample(_Message, tag="load_sample", kw_only=True, frozen=True):
     """The counts each engine reported, read at ``at``; they settle cut requests as a local engine's do."""
 
     at: float
@@ -110,7 +110,7 @@ class LoadSample(_Message, tag="load_sample", kw_only=True):
 ExitCause = Literal["exited", "agent_stopped"]
 
 
-class ProcessExit(_Message, tag="process_exit", kw_only=True):
+class ProcessExit(_Message, tag="process_exit", kw_only=True, frozen=True):
     """An engine the host ran for the server ended: by itself (``exited``: it crashed, or was killed on the
     host), or stopped by its agent on the way out (``agent_stopped``: the agent was asked to stop)."""
 
@@ -121,7 +121,7 @@ class ProcessExit(_Message, tag="process_exit", kw_only=True):
     cause: ExitCause = "exited"
 
 
-class Command(_Message, tag="command", kw_only=True):
+class Command(_Message, tag="command", kw_only=True, frozen=True):
     id: str
     generation: int
     instance: str
@@ -129,7 +129,7 @@ class Command(_Message, tag="command", kw_only=True):
     args: dict[str, Any] = {}
 
 
-class CommandResult(_Message, tag="command_result", kw_only=True):
+class CommandResult(_Message, tag="command_result", kw_only=True, frozen=True):
     """The answer to the command ``id``; ``code`` and ``message`` say why when ``ok`` is false."""
 
     id: str
@@ -140,17 +140,17 @@ class CommandResult(_Message, tag="command_result", kw_only=True):
     detail: dict[str, Any] = {}
 
 
-class Heartbeat(_Message, tag="heartbeat", kw_only=True):
+class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
     seq: int
     at: float  # the sender's monotonic clock: for its own round trips, never compared with the other side's
 
 
-class Goodbye(_Message, tag="goodbye", kw_only=True):
+class Goodbye(_Message, tag="goodbye", kw_only=True, frozen=True):
     code: str
     message: str
 
 
-class Callers(_Message, tag="callers", kw_only=True):
+class Callers(_Message, tag="callers", kw_only=True, frozen=True):
     """The certificate the host's ingress must require of whoever calls it: the server's own, made at its
     start and sent first on every link (the link itself is mutual TLS under the pinned CA, so what comes
     on it is the server's word). Any other client, a host's certificate included, fails the handshake."""
@@ -158,13 +158,13 @@ class Callers(_Message, tag="callers", kw_only=True):
     cert_pem: str
 
 
-class JoinRequest(_Message, tag="join_request", kw_only=True):
+class JoinRequest(_Message, tag="join_request", kw_only=True, frozen=True):
     host: str
     secret: str  # the invitation's secret, base64url without padding
     csr_pem: str
 
 
-class JoinAccepted(_Message, tag="join_accepted", kw_only=True):
+class JoinAccepted(_Message, tag="join_accepted", kw_only=True, frozen=True):
     host: str
     cert_pem: str  # the host's certificate, signed by the server's CA
 

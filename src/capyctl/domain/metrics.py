@@ -67,7 +67,8 @@ def total(*paths: str) -> Rule:
 
     def rule(seen: Seen) -> float | None:
         parts = [_timing(_get(seen, path)) for path in split]
-        return None if None in parts else sum(parts)  # type: ignore[arg-type]
+        known = [part for part in parts if part is not None]
+        return None if len(known) < len(parts) else sum(known)
 
     return rule
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec
-from capyctl.domain.engines import EngineInstall
+from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import CapyError
 from capyctl.domain.hosts import HostRecord
 from capyctl.domain.joining import Invite
@@ -111,7 +111,7 @@ class ProcessControl(Protocol):
 class EngineAdapter(Protocol):
     """What CapyCTL knows about one engine family."""
 
-    family: str
+    family: EngineFamily
     owned_options: dict[str, str]  # flag -> what CapyCTL controls with it
     owned_env: tuple[str, ...]  # environment variables CapyCTL controls; a trailing "_" makes a prefix
 

@@ -15,10 +15,11 @@ its row refuses and a tool-call index at the limit fail that decode too, in
 every value of a repeated key (msgspec checks each as it reads it), so no
 repeat can hide one from the check.
 
-Where the engine adapter ran the C scan over a read (``Chunks.facts``, see
-``_speedups/scan.c``), the check works from its facts instead of decoding;
-the scan only answers for reads whose typed decode would give the same facts,
-and leaves the rest (``facts`` None) to the decode.
+Where the engine adapter ran the C scan over a read (``Chunks.facts``, a
+``streams.ScanFacts``, see ``_speedups/scan.c``), the check works from its
+facts, read by name, instead of decoding; the scan only answers for reads
+whose typed decode would give the same facts, and leaves the rest (``facts``
+None) to the decode.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from msgspec import UNSET, UnsetType
 from capyctl.domain.errors import CapyError, EdgeError
 from capyctl.domain.fields import FIELD_TABLE, DeltaVerifier, FieldRow
 from capyctl.domain.metrics import ENGINE_OBJECTS, Meter
-from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, sse_of
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, ScanFacts, sse_of
 
 _encode = msgspec.json.encode
 _decode_dict = msgspec.json.Decoder(dict[str, Any]).decode
@@ -61,7 +62,7 @@ Delta = msgspec.defstruct(
 
 class Choice(msgspec.Struct, gc=False):
     index: Index | None = None
-    delta: Delta | None = None
+    delta: Delta | None = None  # type: ignore[valid-type]  # Delta is made by defstruct: a variable to mypy
 
 
 Head = msgspec.defstruct(
@@ -179,21 +180,23 @@ class StreamCheck:
             return self._one_by_one(payloads)
         return self._take(chunks.sse, payloads, heads)
 
-    def _scanned(self, chunks: Chunks, facts: tuple[Any, ...]) -> bytes | None:
-        """``check`` from the C scan's facts; None where the decode must answer (a refusal to explain)."""
-        count, model, keys, top_index, text_count, first_text, objects, positions = facts
+    def _scanned(self, chunks: Chunks, facts: ScanFacts) -> bytes | None:
+        """``check`` from the scan's facts; None where the decode must answer (a refusal to explain)."""
         rules = self._rules
-        if keys & rules.refused_bits or top_index >= rules.max_tool_calls:
+        if facts.delta_keys & rules.refused_bits or facts.top_index >= rules.max_tool_calls:
             return None
         sse = chunks.sse
+        model = facts.model
         if model is not None and model != self._token:  # every chunk sent this same plain string
+            positions = facts.positions
             if positions is not None and chunks.respell is not None:
                 sse = chunks.respell(sse, positions, model, self._token)
             else:
-                sse = self._rename_alike(sse, b'"model":' + model, count) or self._rename(
+                sse = self._rename_alike(sse, b'"model":' + model, facts.count) or self._rename(
                     chunks.payload_list(), [rules.decode(p) for p in chunks.payload_list()]
                 )
-        self._metered(text_count, first_text, count)
+        self._metered(facts.text_count, facts.first_text, facts.count)
+        objects = facts.objects
         for i in range(0, len(objects), 2):  # (begin, end) of each payload that carries an engine object
             self._keep(_decode_head(chunks.sse[objects[i] : objects[i + 1]]))
         return sse

@@ -16,6 +16,8 @@ Pure: times are passed in (the ``Clock`` port's monotonic seconds).
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import msgspec
 
 ENGINE_IDLE = "engine_idle"
@@ -25,6 +27,13 @@ ENGINE_STOP = "engine_stop"
 def rule_for(answered: bool) -> str:
     """What settles a cut request: the engine's idle report once it had answered, else its stop."""
     return ENGINE_IDLE if answered else ENGINE_STOP
+
+
+class RuleCount(TypedDict):
+    """One rule's unsettled cut requests, as ``counts`` lists them."""
+
+    rule: str
+    count: int
 
 
 class Cut(msgspec.Struct, frozen=True):
@@ -66,11 +75,11 @@ class Ledger:
     def waits_for_idle(self) -> bool:
         return any(c.rule == ENGINE_IDLE for c in self._cuts)
 
-    def counts(self) -> list[dict[str, str | int]]:
+    def counts(self) -> list[RuleCount]:
         """Per rule, how many are unsettled: ``[{"rule": ..., "count": N}]`` (rules with none left out)."""
-        out = []
+        out: list[RuleCount] = []
         for rule in (ENGINE_IDLE, ENGINE_STOP):
             n = sum(1 for c in self._cuts if c.rule == rule)
             if n:
-                out.append({"rule": rule, "count": n})
+                out.append(RuleCount(rule=rule, count=n))
         return out

@@ -22,17 +22,36 @@ from capyctl.domain.errors import EdgeError
 _encode = msgspec.json.encode
 
 
+class ScanFacts(msgspec.Struct, frozen=True, gc=False):
+    """What the scan of a read of plain SSE chunks (``data: {...}\\n\\n`` each) found in it, for the relay check
+    (``relay_check.StreamCheck``) to work from instead of decoding the chunks: the answer of the C scan
+    (``_speedups/scan.c``, which builds it by a call of this type, its fields in this order) and of its
+    Python reference (``_speedups/scan_reference.py``). ``delta_keys`` and ``objects`` are read by the names
+    the scan was told (the field table's delta keys, the engine objects the meter keeps)."""
+
+    count: int  # the chunks
+    model: bytes | None  # the JSON string every chunk sends as model, quotes included; None: none sends one
+    delta_keys: int  # a bit per delta key (in the order told) that some choice's delta sent, null included
+    top_index: int  # the highest tool-call index any delta sent; -1: none did
+    text_count: int  # the chunks that carry generated text (a truthy delta value but a role, or a tool call)
+    first_text: int  # the first of them; -1: none
+    objects: tuple[int, ...]  # where each payload that sends an engine object (not null) begins and ends, flat
+    positions: bytes | None  # each chunk's model token's offset (native uint32), where respelling it there is
+    # each chunk's first-occurrence splice of "model":<model>; None where the scan does not vouch for that
+
+
 class Chunks(msgspec.Struct, gc=False):
     """The ``data:`` payloads of one read, in order, as SSE: ``data: <payload>\\n\\n`` each.
 
     ``payloads`` is None when each payload is one line: they are split from ``sse`` when first asked for
     (``payload_list``). A payload of several lines comes in a ``Chunks`` of its own. ``facts`` and
-    ``respell`` are the C scan's reading of ``sse`` (``_speedups.scan``), when the parser ran it.
+    ``respell`` are the C scan's reading of ``sse`` and the respelling at its positions
+    (``_speedups.scan``), when the parser ran it.
     """
 
     sse: bytes
     payloads: list[bytes] | None = None
-    facts: Any = None
+    facts: ScanFacts | None = None
     respell: Callable[[bytes, bytes, bytes, bytes], bytes] | None = None
 
     def payload_list(self) -> list[bytes]:
@@ -79,7 +98,8 @@ def payloads_of(sse: bytes) -> list[bytes]:
 
 def respell(sse: bytes, positions: bytes, old: bytes, new: bytes) -> bytes:
     """``sse`` with ``new`` in place of the ``old`` token at each offset in ``positions`` (native uint32 values,
-    in order): the Python reference of the C scan's ``respell``. ValueError where ``old`` is not there."""
+    in order): the Python reference of the C scan's ``respell`` (``_speedups/scan_reference.py`` gives it by
+    that name, beside ``scan_run``). ValueError where ``old`` is not there."""
     if len(positions) % 4:
         raise ValueError("positions must be whole uint32 values")
     parts: list[bytes] = []

@@ -32,7 +32,7 @@ from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.domain.request_rows import RecordSettings
 from capyctl.services.admission import AdmissionService
 from capyctl.services.canary import Canary
-from capyctl.services.chat import ChatService, ChatSettings
+from capyctl.services.chat import ChatService
 from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
 from capyctl.services.events import Events
@@ -40,6 +40,7 @@ from capyctl.services.fleet import Fleet
 from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
+from capyctl.services.requests import RequestSettings
 from capyctl.services.switching import Switchboard
 
 
@@ -65,10 +66,10 @@ def open_keyring(store: SqliteStore, clock: SystemClock, events: Events, state_d
 
 
 def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
-    """The fleet, with the switchboard reading its controllers (and the hosts' devices, on a server of
+    """The fleet, with the switchboard reading its managed controllers (and the hosts' devices, on a server of
     several machines)."""
     fleet = Fleet(room=room, **parts)
-    room.bind(fleet.controllers)
+    room.bind(fleet.managed)
     hosts = parts.get("hosts")
     if hosts is not None:
         room.bind_hosts(hosts.devices)
@@ -115,7 +116,7 @@ class Container(containers.DeclarativeContainer):
 
     controller_settings = providers.Singleton(ControllerSettings)
     chat_settings = providers.Singleton(
-        ChatSettings,
+        RequestSettings,
         request_deadline=config.request_deadline,
         stream_idle_timeout=config.stream_idle_timeout,
         max_tool_calls=config.max_tool_calls,

@@ -61,7 +61,8 @@ def server_role(
             secret=secret_text(secret),
             expires_at=made.expires_at,
         )
-        return msgspec.to_builtins(join)
+        document: dict[str, Any] = msgspec.to_builtins(join)
+        return document
 
     return Hosts(registry, invite), ControlListener(registry, authority, tls, caller_pem)
 

@@ -7,6 +7,7 @@ and ``id``/``created``/``model``/``system_fingerprint`` from the stream's chunks
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -15,7 +16,7 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
 
-def _payloads(events: tuple[bytes, ...]):
+def _payloads(events: tuple[bytes, ...]) -> Iterator[Any]:
     for event in events:
         for line in event.split(b"\n"):
             if line.startswith(b"data:"):

@@ -96,8 +96,9 @@ def _model_of(events: tuple[bytes, ...]) -> str | None:
                 obj = msgspec.json.decode(event[6:])
             except msgspec.DecodeError:
                 continue
-            if isinstance(obj, dict) and isinstance(obj.get("model"), str):
-                return obj["model"]
+            model = obj.get("model") if isinstance(obj, dict) else None
+            if isinstance(model, str):
+                return model
     return None
 
 

@@ -25,11 +25,17 @@ from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import GRANTED, Admission, Loading, QueueLimits, Refused, Route, loading_retry_after
 
 
-class Schedulable(Protocol):
-    """What admission asks of a deployment's controller (a part of ``controllers.Serving``)."""
+class Ready(Protocol):
+    """What admission's grants look at: whether the deployment's engine is ready (the switchboard's
+    ``Occupant`` tells it too, when it grants again after a switch)."""
 
     @property
     def ready(self) -> bool: ...
+
+
+class Schedulable(Ready, Protocol):
+    """What admission asks of a deployment's controller (a part of ``controllers.Serving``)."""
+
     def ask(self) -> None: ...
     async def route(self, timeout: float) -> Route: ...
     def loading(self) -> Loading: ...
@@ -51,7 +57,7 @@ class AdmissionService:
         """Grant nothing more to ``name`` (its drain before a switch); arrivals wait in its queue."""
         self._held.add(name)
 
-    def unhold(self, name: str, runner: Schedulable) -> None:
+    def unhold(self, name: str, runner: Ready) -> None:
         """Grant again (the switch is over); its waiters look again at once."""
         self._held.discard(name)
         self._wake(name, runner)
@@ -65,7 +71,7 @@ class AdmissionService:
         queued = self.state.queued(name)
         return self._arrived.get(queued[0]) if queued else None
 
-    def _open(self, name: str, runner: Schedulable) -> bool:
+    def _open(self, name: str, runner: Ready) -> bool:
         return runner.ready and name not in self._held
 
     def admit(self, runner: Schedulable, record: RequestRecord, wait: float | None) -> Lease:
@@ -141,7 +147,7 @@ class AdmissionService:
         finally:
             del self._wakers[me], self._arrived[me]
 
-    def _wake(self, name: str, runner: Schedulable) -> None:
+    def _wake(self, name: str, runner: Ready) -> None:
         for granted in self.state.grants(name, self._open(name, runner)):
             waker = self._wakers.get(granted)
             if waker is not None:

@@ -41,14 +41,22 @@ class AttachedController(ControllerBase):
         fields: RowChoice,
     ) -> None:
         super().__init__(deployment, engine, adapter, clock, events, fields)
-        self.desired = initial_desire(deployment)
-        self.status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
-        self.status.state = S.STOPPED if self.desired is Desired.STOP else S.UNAVAILABLE
+        self._desired = initial_desire(deployment)
+        self._status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
+        self._status.state = S.STOPPED if self._desired is Desired.STOP else S.UNAVAILABLE
         self._task_group: anyio.abc.TaskGroup | None = None
 
     @property
     def base_url(self) -> str:
         return str(self.deployment.spec.endpoint).rstrip("/")
+
+    @property
+    def status(self) -> InstanceStatus:
+        return self._status
+
+    @property
+    def desired(self) -> Desired:
+        return self._desired
 
     def bind(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
@@ -61,7 +69,7 @@ class AttachedController(ControllerBase):
 
     def want(self, desired: Desired) -> None:
         """Stop routing (stop), or resume it and check the engine now, so `--wait` sees it ready."""
-        self.desired = desired
+        self._desired = desired
         if desired is Desired.STOP:
             self._set(S.STOPPED)
             return
@@ -87,15 +95,19 @@ class AttachedController(ControllerBase):
     def route_now(self) -> Route | None:
         return Route(self.base_url, self.launch) if self.status.state is S.READY else None
 
+    def _stopped(self) -> bool:
+        """An operator's stop holds (a call, so that it is read afresh after each wait)."""
+        return self.desired is Desired.STOP
+
     async def route(self, timeout: float) -> Route:
         if (ready := self.route_now()) is not None:
             return ready
         with anyio.move_on_after(min(timeout, self.attach_wait)):
             while True:
-                if self.desired is Desired.STOP:
+                if self._stopped():
                     raise DeploymentStopped(self.name)
                 answers = await self.adapter.ready(self.base_url)
-                if self.desired is Desired.STOP:  # stopped while it was being checked
+                if self._stopped():  # stopped while it was being checked
                     raise DeploymentStopped(self.name)
                 if answers:
                     self._set(S.READY)

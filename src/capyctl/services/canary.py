@@ -40,7 +40,7 @@ class Canary:
         def deliver(batch: list[StreamEvent]) -> Relayed:
             for event in batch:
                 if type(event) is Chunks:
-                    for payload in event.payload_list():  # type: ignore[union-attr]
+                    for payload in event.payload_list():
                         obj = _decode(payload)
                         if "error" in obj and "choices" not in obj:
                             error = obj["error"]

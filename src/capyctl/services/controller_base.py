@@ -105,9 +105,6 @@ def move(status: InstanceStatus, state: InstanceState, name: str, clock: Clock, 
 class ControllerBase:
     """The deployment, its engine and the settlement of its cut requests; each kind keeps its own state."""
 
-    status: InstanceStatus
-    desired: Desired
-
     def __init__(
         self,
         deployment: Deployment,
@@ -135,6 +132,14 @@ class ControllerBase:
 
     @property
     def base_url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def status(self) -> InstanceStatus:
+        raise NotImplementedError
+
+    @property
+    def desired(self) -> Desired:
         raise NotImplementedError
 
     @property

@@ -22,9 +22,9 @@ from capyctl.domain.errors import (
     EngineUnavailable,
     InvalidJson,
 )
-from capyctl.domain.requests import Phase, RequestRecord
-from capyctl.services.chat import RequestService
+from capyctl.domain.requests import Phase
 from capyctl.services.controllers import Serving
+from capyctl.services.requests import Call, RequestService
 
 _encode = msgspec.json.encode
 # Engines whose decision route keeps prompt caches apart by cache_salt: vLLM's takes the field; SGLang's
@@ -38,24 +38,24 @@ class DecisionService(RequestService):
         """The model named, and False: a decision is never streamed."""
         return read_decision(obj), False
 
-    async def decide(
-        self, record: RequestRecord, obj: dict[str, Any], received_at: float, wait: float | None = None
-    ) -> dict[str, Any]:
-        controller: Serving = self._fleet.resolve(record.deployment, "decisions")
-        engine = controller.engine
+    async def decide(self, call: Call) -> dict[str, Any]:
+        """The engine's answer to the decision ``call``, with ``capyctl.metrics``."""
+        controller: Serving = self._fleet.resolve(call.deployment, "decisions")
+        engine, obj = controller.engine, call.obj
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes
         if "cache_salt" in obj and engine.family not in DECISION_SALTED:  # only a salted key adds it
-            raise CacheSaltUnsupported(record.key)
+            raise CacheSaltUnsupported(call.key)
         try:
             body = _encode({**obj, "model": controller.spec.served_model})
         except RecursionError as exc:
             raise InvalidJson("JSON nested too deeply (CapyCTL relays up to several hundred levels)") from exc
-        self.live[record.id] = record
+        self.live[call.id] = call
         try:
-            record.phase = Phase.WAITING
-            async with self._admitted(controller, record, wait):
+            call.phase = Phase.WAITING
+            async with self._admission.admit(controller, call, call.wait):
+                self._counted(call)
                 route = await controller.route(self._settings.request_deadline)
-                self._selected(record, controller)
+                self._selected(call, controller)
                 sent_at = self._clock.monotonic()
                 try:
                     raw = await self._session.decide(route.url, body)
@@ -68,11 +68,12 @@ class DecisionService(RequestService):
                     raise
                 done = self._clock.monotonic()
         finally:
-            del self.live[record.id]
+            del self.live[call.id]
         try:
             answer = _decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise EdgeError(f"the engine's decision answer is not a JSON object: {raw[:200]!r}") from exc
-        answer["model"] = record.deployment
-        answer["capyctl"] = {"metrics": decision_metrics(answer, (done - received_at) * 1000, (done - sent_at) * 1000)}
+        answer["model"] = call.deployment
+        since = call.received_at
+        answer["capyctl"] = {"metrics": decision_metrics(answer, (done - since) * 1000, (done - sent_at) * 1000)}
         return answer

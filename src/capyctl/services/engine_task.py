@@ -70,7 +70,7 @@ class EngineTask:
                 while True:
                     try:
                         await self.step()
-                    except Exception as exc:  # noqa: BLE001 - one deployment's fault must not end the others
+                    except Exception as exc:  # one deployment's fault must not end the others
                         log.exception("the controller of %s met an unexpected error", self._name)
                         state.status.last_error = f"CapyCTL's controller failed: {type(exc).__name__}: {exc}"
                         self._events.emit(self._name, "controller_failed", instance=0, reason=state.status.last_error)
@@ -114,7 +114,7 @@ class EngineTask:
                 state.refuse(refusal, Desired.ON_DEMAND)
                 state.to_stopped()
                 return
-            except Exception as exc:  # noqa: BLE001 - a launch that broke (no log folder, a failed fork ...)
+            except Exception as exc:  # a launch that broke (no log folder, a failed fork ...)
                 # is a failed start, after the launch's own cleanup ended its engine: backoff, then FAILED
                 log.exception("the launch of %s's engine failed", self._name)
                 state.status.last_error = f"could not launch the engine: {type(exc).__name__}: {exc}"

@@ -41,7 +41,7 @@ from capyctl.domain.fields import row_for
 from capyctl.domain.hosts import HostState, place
 from capyctl.domain.link import RunningInstance
 from capyctl.domain.memory import Device, Residency
-from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl, Store
+from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
 from capyctl.services.hosts import HostRegistry
@@ -249,6 +249,7 @@ class Fleet:
         if not fields.verified:
             self._events.emit(deployment.spec.name, "unverified_engine_version", **fields.describe(engine.version))
         controller: Controller
+        effects: EngineEffects
         if deployment.spec.attached:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
         elif deployment.host is not None and self._hosts is not None:
@@ -453,6 +454,11 @@ class Fleet:
 
     def controllers(self) -> list[Controller]:
         return [self._controllers[name] for name in self.names()]
+
+    def managed(self) -> list[ManagedController]:
+        """The controllers of the engines CapyCTL runs: what the switchboard charges, parks and stops (an attached
+        engine holds nothing on CapyCTL's devices and is never parked or stopped by it)."""
+        return [c for c in self.controllers() if isinstance(c, ManagedController)]
 
     async def start(self, name: str) -> Controller:
         """An operator's start: run the engine now; lifts a stop, gives a FAILED one a new start budget."""

@@ -205,7 +205,8 @@ class HostRegistry:
         if state != HostState.ONLINE or link is None or link.send is None:
             raise DeviceOffline(name, state.value)
         command = Command(id=uuid.uuid4().hex, generation=generation, instance=instance, action=action, args=args)
-        done, answer = anyio.Event(), []
+        done = anyio.Event()
+        answer: list[CommandResult] = []
         self._waiting[command.id] = (name, done, answer)
         try:
             await link.send(command)

@@ -67,11 +67,11 @@ class ManagedController(ControllerBase):
         self._task_scope: anyio.CancelScope | None = None
 
     @property
-    def status(self) -> InstanceStatus:  # type: ignore[override]
+    def status(self) -> InstanceStatus:
         return self._state.status
 
     @property
-    def desired(self) -> Desired:  # type: ignore[override]
+    def desired(self) -> Desired:
         return self._state.desired
 
     @property

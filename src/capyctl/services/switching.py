@@ -58,22 +58,27 @@ LOOK_AGAIN = 0.05  # seconds between looks while a claim waits or a victim drain
 IDLE_CHECK = 1.0  # seconds between looks at the idle timers
 
 
-class Occupant(Protocol):
-    """A deployment's controller as the switchboard sees it."""
+class Placed(Protocol):
+    """What says which device a deployment is charged against: its spec, and its host (any controller)."""
+
+    @property
+    def spec(self) -> DeploymentSpec: ...
+    @property
+    def host(self) -> str | None:
+        """The host its engine runs on; None: the server's own machine."""
+
+
+class Occupant(Placed, Protocol):
+    """The controller of an engine CapyCTL runs (a managed one), as the switchboard sees it."""
 
     @property
     def name(self) -> str: ...
-    @property
-    def spec(self) -> DeploymentSpec: ...
     @property
     def holding(self) -> Holding: ...
     @property
     def movable(self) -> bool: ...
     @property
     def ready(self) -> bool: ...
-    @property
-    def host(self) -> str | None:
-        """The host its engine runs on; None: the server's own machine."""
 
     def unsettled_before_output(self) -> int: ...
     def grant_room(self) -> None: ...
@@ -140,7 +145,7 @@ class Switchboard:
                 await anyio.sleep(LOOK_AGAIN)
             await occupant.give_way(park=True, why="operator_park")
         finally:
-            self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
+            self._admission.unhold(occupant.name, occupant)
 
     async def run(self, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Apply the idle timers (``idle.park_after``, ``idle.stop_after``) until cancelled."""
@@ -152,7 +157,7 @@ class Switchboard:
                     step = self._idle_step(occupant)
                     if step is not None:
                         await self._idle_away(occupant, step)
-                except Exception:  # noqa: BLE001 - one model's fault must not end the timers, or the fleet
+                except Exception:  # one model's fault must not end the timers, or the fleet
                     log.exception("the idle timer of %s met an unexpected error", occupant.name)
 
     def _idle_step(self, occupant: Occupant) -> str | None:
@@ -187,9 +192,9 @@ class Switchboard:
                 self._events.emit(occupant.name, "idle_stop", after_s=quiet)
             await occupant.give_way(park=step == "park", why=f"idle_{step}")
         finally:
-            self._admission.unhold(occupant.name, occupant)  # type: ignore[arg-type]
+            self._admission.unhold(occupant.name, occupant)
 
-    def device_of(self, occupant: Occupant) -> Device | None:
+    def device_of(self, occupant: Placed) -> Device | None:
         """The device a deployment is charged against (on its host's, when it runs on one); None when it is
         not accounted."""
         return self._device_for(occupant.spec, occupant.host)
@@ -202,7 +207,7 @@ class Switchboard:
             return devices.get(spec.resources.device)
         return next(iter(devices.values())) if len(devices) == 1 else None
 
-    def is_on(self, occupant: Occupant, device: Device) -> bool:
+    def is_on(self, occupant: Placed, device: Device) -> bool:
         on = self.device_of(occupant)
         return on is not None and on.name == device.name
 
@@ -293,7 +298,7 @@ class Switchboard:
                 tg.start_soon(self._drain, victim, began, outcomes)
         if any(outcome is Gate.TIMED_OUT for outcome in outcomes.values()):
             for victim in victims:  # they keep serving: nothing of theirs was cut
-                self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]
+                self._admission.unhold(victim.name, victim)
             slow = [name for name, outcome in outcomes.items() if outcome is Gate.TIMED_OUT]
             reason = (
                 f"{', '.join(slow)} did not finish its requests within switching.drain_timeout "
@@ -335,7 +340,7 @@ class Switchboard:
         try:
             await victim.give_way(park, why)
         finally:
-            self._admission.unhold(victim.name, victim)  # type: ignore[arg-type]  # its waiters ask for it again
+            self._admission.unhold(victim.name, victim)  # its waiters ask for it again
 
     def _retry_after(self, name: str) -> int:
         return self._admission.state.retry_after(name, 1)
@@ -359,7 +364,7 @@ class NoSwitchboard:
     def charged(self, device: Device) -> dict[str, int]:
         return {}
 
-    def device_of(self, occupant: Occupant) -> Device | None:
+    def device_of(self, occupant: Placed) -> Device | None:
         return None
 
     def every_device(self) -> list[Device]:

@@ -54,6 +54,7 @@ import enum
 import logging
 import socket
 import ssl
+from typing import cast
 
 import anyio
 import httptools
@@ -285,7 +286,7 @@ class _Engine(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's: a full Transport
 
     def data_received(self, data: bytes) -> None:
         client = self._client

@@ -297,8 +297,10 @@ async def live(request: Request[Any, Any, Any], page: str = "fleet", deployment:
         return env.get_template(f"_{name}.html").render(**context)
 
     async def messages() -> Any:
+        def alive() -> bool:
+            return parts.sessions.get(session_id) is not None
+
         with hub.feed() as feed:
-            alive = lambda: parts.sessions.get(session_id) is not None  # noqa: E731
             async for message in stream(feed, read, render, alive, parts.stopping):
                 yield message
 

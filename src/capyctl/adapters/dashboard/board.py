@@ -124,7 +124,9 @@ class Timeline:
         names = sorted((n for n in self.by_deployment if n is not None), key=str)
         if deployment is not None:
             names = [n for n in names if n == deployment]
-        groups = [(n, tuple(reversed(self.by_deployment[n]))) for n in names]
+        groups: list[tuple[str | None, tuple[Entry, ...]]] = [
+            (n, tuple(reversed(self.by_deployment[n]))) for n in names
+        ]
         if deployment is None and None in self.by_deployment:
             groups.append((None, tuple(reversed(self.by_deployment[None]))))
         return tuple(groups)

@@ -181,7 +181,7 @@ def _pct(size: int, capacity: int) -> float:
     return round(100.0 * size / capacity, 2) if capacity > 0 else 0.0
 
 
-def outlook(room: Switchboard, controller: Controller, others: Sequence[Controller]) -> Outlook:
+def outlook(room: Switchboard, controller: ManagedController, others: Sequence[ManagedController]) -> Outlook:
     device = room.device_of(controller)
     assert device is not None
     return _outlook(device, room.resident(controller), [room.resident(o) for o in others])
@@ -214,14 +214,15 @@ def bars(
         return []
     out = []
     for device in room.every_device():
-        on = [c for c in controllers if room.is_on(c, device)]
+        # managed ones only: an attached engine is charged against no device
+        on = [c for c in controllers if isinstance(c, ManagedController) and room.is_on(c, device)]
         charged = room.charged(device)
         segments, at = [], 0
         for c in on:
             size = charged.get(c.name, 0)
             if not size:
                 continue
-            holding = c.holding if isinstance(c, ManagedController) else Holding.NONE
+            holding = c.holding
             unsettled = sum(int(entry["count"]) for entry in c.settlement.ledger.counts())
             kind = "parked" if holding is Holding.PARKED else "awake"
             segments.append(
@@ -236,7 +237,7 @@ def bars(
             outlooks = tuple(
                 _outlook(device, residents[c.name], [r for n, r in residents.items() if n != c.name])
                 for c in on
-                if isinstance(c, ManagedController) and c.holding is Holding.NONE
+                if c.holding is Holding.NONE
             )
             if memo is not None:
                 memo[device.name] = (residents, outlooks)
@@ -290,7 +291,11 @@ def consequences(
             and isinstance(controller, ManagedController)
             and controller.holding is Holding.NONE
         ):
-            others = [c for c in controllers if c is not controller and room.is_on(c, device)]
+            others = [
+                c
+                for c in controllers
+                if c is not controller and isinstance(c, ManagedController) and room.is_on(c, device)
+            ]
             out.append(f"Memory on {device.name}: {outlook(room, controller, others).text}.")
         if waiting:
             out.append(f"{counted(waiting, 'waiting request')} {_verb(waiting, 'is', 'are')} served once it is ready.")

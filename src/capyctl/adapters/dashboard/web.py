@@ -223,6 +223,6 @@ def http_error_page(request: Request[Any, Any, Any], error: HTTPException) -> Re
 
 
 def unexpected_error_page(request: Request[Any, Any, Any], error: Exception) -> Response[Any]:
-    request_id = request.scope.get(REQUEST_ID_KEY, "-")  # type: ignore[call-overload]
+    request_id = str(request.scope.get(REQUEST_ID_KEY, "-"))  # a str: with_request_ids set it
     log.error("request %s: internal error on %s %s", request_id, request.method, request.url.path, exc_info=error)
     return error_page(request, InternalError(request_id))

@@ -31,12 +31,12 @@ def _device(index: int, total: int) -> Device:
 
 def from_nvml() -> list[Device] | None:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError and its subclasses: no driver, no GPU
+    except Exception as exc:  # NVMLError and its subclasses: no driver, no GPU
         log.info("NVML did not load (%s); trying nvidia-smi", exc)
         return None
     try:

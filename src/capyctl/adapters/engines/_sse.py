@@ -9,8 +9,9 @@ a ``Comment``. Nothing is decoded here: the relay check reads the payloads.
 A read of whole plain events (``data: {...}``, one line each, LF line ends,
 nothing held from before), which is every read of an engine streaming at
 its pace and most at full speed, is handed on as it came, with the C scan's
-facts when the package was built with it (``_speedups/scan.c``). Any other
-read takes the general way, which gives the same events.
+facts (a ``ScanFacts``) when the package was built with it
+(``_speedups/scan.c``). Any other read takes the general way, which gives
+the same events.
 
 The parser is linear in the bytes it reads: an event that spans many reads
 is kept as a list of pieces, only the new bytes are searched for its end,
@@ -21,19 +22,24 @@ instead of being buffered without limit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
 from capyctl.domain.errors import EdgeError
 from capyctl.domain.relay_check import DELTA_KEYS, OBJECT_NAMES
-from capyctl.domain.streams import DONE, Chunks, Comment, StreamEvent, sse_of
+from capyctl.domain.streams import DONE, Chunks, Comment, ScanFacts, StreamEvent, sse_of
 
 try:  # the scan in C, built with the package where a compiler was found; the check decodes without it
-    from capyctl._speedups.scan import respell as _respell
-    from capyctl._speedups.scan import scan_run as _scan_run
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _scan_run = _respell = None
+    from capyctl._speedups import scan as _built
 
-scan_run: Callable[[bytes, tuple[str, ...], tuple[str, ...]], Any] | None = _scan_run
+    _c_scan: ModuleType | None = _built
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _c_scan = None
+
+# The C scan's scan_run where it was built, else None (its Python reference, ``_speedups.scan_reference``, gives
+# the same facts, slower than the check decodes a read: the parser runs it only when handed it, in the tests)
+scan_run: Callable[[bytes, tuple[str, ...], tuple[str, ...]], ScanFacts | None] | None = (
+    _c_scan.scan_run if _c_scan is not None else None
+)
 DEFAULT_MAX_EVENT = 4 * 1024 * 1024
 _DONE = b"[DONE]"
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -49,14 +55,20 @@ def _payload(block: bytes) -> bytes | None:
 
 
 class SseParser:
-    __slots__ = ("_pending", "_size", "_cr", "_max", "_scan", "failed")
+    """``scan``: True, the C scan where it was built; False, none (the check decodes every read: the way of a
+    build without a C compiler); or a scan module of one's own (``scan_run`` and ``respell``: the tests hand
+    the Python reference, ``_speedups.scan_reference``)."""
 
-    def __init__(self, max_event: int = DEFAULT_MAX_EVENT, scan: bool = True) -> None:
+    __slots__ = ("_pending", "_size", "_cr", "_max", "_scan", "_respell", "failed")
+
+    def __init__(self, max_event: int = DEFAULT_MAX_EVENT, scan: bool | ModuleType = True) -> None:
         self._pending: list[bytes] = []  # the start of an event whose end has not arrived
         self._size = 0
         self._cr = False  # the last read ended on a CR whose LF may be next
         self._max = max_event
-        self._scan = scan_run if scan else None  # scan=False: the check decodes every read (the reference way)
+        scanner = (_c_scan if scan else None) if isinstance(scan, bool) else scan
+        self._scan = scanner.scan_run if scanner is not None else None
+        self._respell = scanner.respell if scanner is not None else None
         self.failed: EdgeError | None = None  # an event past the limit: feed gave those before it; raised next
 
     def feed(self, data: bytes) -> list[StreamEvent]:
@@ -128,7 +140,7 @@ class SseParser:
             facts = scan(body, OBJECT_NAMES, DELTA_KEYS)
             if facts is None:
                 return None
-            chunks = Chunks(body, None, facts, _respell)
+            chunks = Chunks(body, None, facts, self._respell)
         elif body.find(b"\n") == len(body) - 2:  # one event: its only LF is the first of its blank line
             chunks = Chunks(body, [body[6:-2]])
         else:

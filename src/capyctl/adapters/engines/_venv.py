@@ -16,9 +16,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, overload
 
 from capyctl.domain.engines import version_key
 from capyctl.domain.errors import InvalidEngine
+
+T = TypeVar("T")
 
 _SEPARATORS = re.compile(r"[-_.]+")
 
@@ -157,6 +160,12 @@ class ArgparseOptions(dict[str, str]):
             raise KeyError(flag)
         return dict.__getitem__(self, canonical)
 
-    def get(self, flag: str, default: str | None = None) -> str | None:  # type: ignore[override]
+    @overload
+    def get(self, flag: str, default: None = None) -> str | None: ...
+    @overload
+    def get(self, flag: str, default: str) -> str: ...
+    @overload
+    def get(self, flag: str, default: T) -> str | T: ...
+    def get(self, flag: str, default: object = None) -> object:
         canonical = self.canonical(flag)
         return default if canonical is None else dict.__getitem__(self, canonical)

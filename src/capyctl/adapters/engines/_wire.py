@@ -29,7 +29,7 @@ import hashlib
 import os
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import anyio
@@ -76,7 +76,7 @@ class _Response(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # (a connection's transport: a stream's)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -139,6 +139,11 @@ class _Response(asyncio.Protocol):
 
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and self.transport is not None and not self.transport.is_closing()
+
+    def send(self, data: bytes) -> None:
+        """Write ``data`` on the connection; on one closed meanwhile, nothing (``lost`` says why)."""
+        if self.transport is not None:
+            self.transport.write(data)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -244,7 +249,7 @@ class WireEngineSession(EngineSession):
             try:
                 if conn is not written:
                     conn.reset()
-                    conn.transport.write(_request(head, body))  # type: ignore[union-attr]
+                    conn.send(_request(head, body))
                 written = None
                 while not conn.headers_done and conn.lost is None:
                     await conn.wait()
@@ -267,7 +272,7 @@ class WireEngineSession(EngineSession):
         conn = self._idle_connection(host, port)
         if conn is not None:
             conn.reset()
-            conn.transport.write(_request(head, body))  # type: ignore[union-attr]
+            conn.send(_request(head, body))
         return _ChatStream(self, host, port, head, body, conn)
 
     async def decide(self, base_url: str, body: bytes) -> bytes:
@@ -400,12 +405,14 @@ def _close_unreleased(conn: _Response) -> None:
 
 
 class _ChatStream:
-    """``chat_stream``'s context: the request sent and the answer's head read on entry, the stream's events
-    yielded; on the way out the connection goes back to the pool, or is closed when the stream was cut
-    short (client gone, refused chunk, error): closing tells the engine to stop. A class rather than a
-    generator: a request's way in and out of it is two calls, not a generator's machinery."""
+    """``chat_stream``'s answer, one object from the request to the answer's end: the request sent and the
+    answer's head read on entry, which gives the stream itself (``EngineAnswer``: its events pumped, each
+    read parsed and handed on in the connection's own callback, with no wake-up of the relaying task per
+    read); on the way out the connection goes back to the pool, or is closed when the stream was cut short
+    (client gone, refused chunk, error): closing tells the engine to stop. A class rather than a generator:
+    a request's way in and out of it is two calls, not a generator's machinery."""
 
-    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_conn", "_written")
+    __slots__ = ("_session", "_host", "_port", "_head", "_body", "_conn", "_written", "_parser")
 
     def __init__(
         self, session: WireEngineSession, host: str, port: int, head: bytes, body: bytes, written: _Response | None
@@ -414,6 +421,7 @@ class _ChatStream:
         self._host, self._port, self._head, self._body = host, port, head, body
         self._conn: _Response | None = None
         self._written = written  # the pooled connection the request went out on already, if any
+        self._parser: SseParser | None = None
 
     def abandon(self) -> None:
         """Never to be entered: a request written already is cut (its connection closed)."""
@@ -421,7 +429,7 @@ class _ChatStream:
             self._written.close()
             self._written = None
 
-    async def __aenter__(self) -> _Stream:
+    async def __aenter__(self) -> _ChatStream:
         written, self._written = self._written, None
         conn = self._conn = await self._session._send(self._host, self._port, self._head, self._body, written)
         try:
@@ -431,7 +439,8 @@ class _ChatStream:
                 raise self._session._refusal(self._host, self._port, conn.status, conn.take())
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
-            return _Stream(conn, SseParser(self._session._max_event))
+            self._parser = SseParser(self._session._max_event)
+            return self
         except BaseException:
             conn.close()
             raise
@@ -453,37 +462,16 @@ class _ChatStream:
                     await conn.wait()
         self._session._release(conn, (self._host, self._port))
 
-
-async def _not_a_stream(conn: _Response) -> EdgeError:
-    """The engine answered 200 with something else than SSE (an HTML page, one JSON object ...)."""
-    with anyio.move_on_after(1.0):
-        while not conn.complete and conn.lost is None and conn.buffered < 512:
-            await conn.wait()
-    start = conn.take()[:200].decode("utf-8", "replace")
-    kind = conn.content_type.decode("latin-1")
-    hint = (
-        " (an engine that ignores stream: true answers one JSON object)" if kind.startswith("application/json") else ""
-    )
-    return EdgeError(f"the engine answered 200 with content type {kind!r} instead of an SSE stream{hint}: {start!r}")
-
-
-class _Stream:
-    """An engine's SSE answer on one connection, pumped: each read is parsed and handed on in the connection's
-    own callback, with no wake-up of the relaying task per read."""
-
-    def __init__(self, conn: _Response, parser: SseParser) -> None:
-        self._conn = conn
-        self._parser = parser
-
-    def _events(self, data: bytes) -> list[StreamEvent]:
-        events = self._parser.feed(data)
+    def _events(self, conn: _Response, parser: SseParser, data: bytes) -> list[StreamEvent]:
+        events = parser.feed(data)
         if events and type(events[-1]) is Done:
-            self._conn.saw_done = True
+            conn.saw_done = True
         return events
 
     async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]) -> bool:
         """(see ``EngineAnswer``)"""
-        conn = self._conn
+        conn, parser = self._conn, self._parser
+        assert conn is not None and parser is not None, "pump() runs inside the stream's async with"
         loop = asyncio.get_running_loop()
         state: list[Any] = [None]  # the waiter of this turn
 
@@ -494,7 +482,7 @@ class _Stream:
             try:
                 full = False
                 while conn.body:  # a read is relayed whole, even past a full client: it is in memory already
-                    batch = self._events(conn.take())
+                    batch = self._events(conn, parser, conn.take())
                     if batch:
                         said = deliver(batch)
                         if said is Relayed.ENDED:
@@ -502,19 +490,19 @@ class _Stream:
                             return
                         if waiter.done():  # cut meanwhile
                             return
-                        if self._parser.failed is not None:  # the events before an oversized one went out
-                            raise self._parser.failed
+                        if parser.failed is not None:  # the events before an oversized one went out
+                            raise parser.failed
                         full = full or said is Relayed.FULL
                 if full:
                     if conn.transport is not None:
                         conn.transport.pause_reading()
                     waiter.set_result(_PAUSED)
                 elif conn.complete:
-                    last = self._parser.close()
+                    last = parser.close()
                     waiter.set_result(bool(last) and deliver(last) is Relayed.ENDED)
                 elif conn.lost is not None:
                     waiter.set_exception(EngineUnavailable(f"the engine connection broke: {conn.lost!r}"))
-            except BaseException as exc:  # noqa: BLE001 - handed to the task, which raises it
+            except BaseException as exc:  # handed to the task, which raises it
                 waiter.set_exception(exc)
 
         conn.sink = sink
@@ -530,6 +518,19 @@ class _Stream:
                     conn.transport.resume_reading()
         finally:
             conn.sink = None
+
+
+async def _not_a_stream(conn: _Response) -> EdgeError:
+    """The engine answered 200 with something else than SSE (an HTML page, one JSON object ...)."""
+    with anyio.move_on_after(1.0):
+        while not conn.complete and conn.lost is None and conn.buffered < 512:
+            await conn.wait()
+    start = conn.take()[:200].decode("utf-8", "replace")
+    kind = conn.content_type.decode("latin-1")
+    hint = (
+        " (an engine that ignores stream: true answers one JSON object)" if kind.startswith("application/json") else ""
+    )
+    return EdgeError(f"the engine answered 200 with content type {kind!r} instead of an SSE stream{hint}: {start!r}")
 
 
 _PAUSED = object()

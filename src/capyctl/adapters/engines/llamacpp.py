@@ -73,9 +73,7 @@ class LlamaCppEngine(RestartOnly, EngineAdapter):
         if not path.is_file():
             raise InvalidEngine(f"{path} is not a file: give the path of the llama-server binary")
         try:
-            done = subprocess.run(  # noqa: S603
-                [str(path), "--version"], capture_output=True, timeout=30, check=False
-            )
+            done = subprocess.run([str(path), "--version"], capture_output=True, timeout=30, check=False)
         except OSError as exc:
             raise InvalidEngine(f"could not run {path} --version: {exc}") from exc
         except subprocess.TimeoutExpired as exc:

@@ -68,7 +68,7 @@ class SglangEngine(DecisionsByVersion, EngineAdapter):
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         argv = [str(_venv.python(Path(engine.path))), "-m", "sglang.launch_server"]
-        argv += ["--model-path", spec.model, "--served-model-name", spec.name]
+        argv += ["--model-path", str(spec.model), "--served-model-name", spec.name]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--enable-metrics", "--enable-cache-report"]
         if spec.engine_config.context_length is not None:
             argv += ["--context-length", str(spec.engine_config.context_length)]

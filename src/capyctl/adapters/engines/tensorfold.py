@@ -56,7 +56,7 @@ class TensorfoldEngine(DecisionsByVersion, RestartOnly, EngineAdapter):
         return _venv.probe(path, (DISTRIBUTION,), "TensorFold", PROGRAM)
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
-        argv = [str(_venv.program(Path(engine.path), PROGRAM)), "serve", spec.model]
+        argv = [str(_venv.program(Path(engine.path), PROGRAM)), "serve", str(spec.model)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--alias", spec.name]
         if spec.engine_config.context_length is not None:
             argv += ["--context", str(spec.engine_config.context_length)]

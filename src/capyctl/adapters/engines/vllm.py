@@ -89,7 +89,7 @@ class VllmEngine(DecisionsByVersion, EngineAdapter):
 
     def command(self, engine: EngineInstall, spec: DeploymentSpec, port: int) -> list[str]:
         argv = [str(_venv.python(Path(engine.path))), "-m", "vllm.entrypoints.openai.api_server"]
-        argv += ["--model", spec.model, "--served-model-name", spec.name]
+        argv += ["--model", str(spec.model), "--served-model-name", spec.name]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         if has_per_request_metrics(engine.version):
             argv.append("--enable-per-request-metrics")

@@ -12,12 +12,11 @@ import time
 from typing import Any
 
 from capyctl.adapters.http.errors import error_body, retry_after, sse_error_event, status_of
-from capyctl.adapters.http.exchange import Exchange
-from capyctl.adapters.http.front import Headers, Outcome, send_one_answer
+from capyctl.adapters.http.front import Request, send_one_answer
 from capyctl.adapters.http.prometheus import RequestStats
 from capyctl.domain.errors import CapyError, InvalidRequest
-from capyctl.domain.requests import Phase, RequestRecord
-from capyctl.services.chat import ChatService, Started, failure_error, read_target
+from capyctl.domain.requests import Phase
+from capyctl.services.chat import ChatService, failure_error, read_target
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store"), (b"x-accel-buffering", b"no")]
 # Refusals a streaming client gets as an SSE error event rather than a JSON answer (SALT-2).
@@ -40,85 +39,65 @@ class ChatEndpoint:
             raise InvalidRequest("'return_hidden_states' is not supported", param="return_hidden_states")
         return read_target(obj, self._service.default_model)
 
-    def start(self, record: RequestRecord, obj: dict[str, Any]) -> Started:
-        return self._service.start(record, obj)
+    def start(self, request: Request) -> None:
+        self._service.start(request)
 
-    async def answer(
-        self,
-        record: RequestRecord,
-        obj: dict[str, Any],
-        wait: float | None,
-        exchange: Exchange,
-        headers: Headers,
-        outcome: Outcome,
-        received_at: float,
-        started: Started | None = None,
-    ) -> None:
-        if record.stream:
-            await self._stream(record, obj, wait, exchange, headers, outcome, started)
+    async def answer(self, request: Request) -> None:
+        if request.stream:
+            await self._stream(request)
         else:
-            await send_one_answer(
-                self._service.complete(record, obj, wait, started), record, exchange, headers, outcome
-            )
+            await send_one_answer(self._service.complete(request), request)
 
-    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
-        if outcome.started:
-            await exchange.end(sse_error_event(error))
+    async def late_error(self, error: CapyError, request: Request) -> None:
+        if request.started:
+            await request.exchange.end(sse_error_event(error))
         else:
-            await exchange.json(status_of(error), error_body(error), headers)
+            await request.exchange.json(status_of(error), error_body(error), request.headers)
 
-    async def _stream(
-        self,
-        record: RequestRecord,
-        obj: dict[str, Any],
-        wait: float | None,
-        exchange: Exchange,
-        headers: Headers,
-        outcome: Outcome,
-        started: Started | None,
-    ) -> None:
+    async def _stream(self, request: Request) -> None:
+        exchange, headers = request.exchange, request.headers
         opened = False
         try:
-            async with self._service.open(record, obj, wait, started) as call:
+            async with self._service.open(request):
                 opened = True
                 exchange.start(_SSE_HEADERS + headers[1:])  # made while the engine works on the first token
-                last = await call.pump(functools.partial(self._write, record, exchange, outcome), exchange.drain)
-            failure = call.failure
+                last = await request.pump(functools.partial(self._write, request), exchange.drain)
+            failure = request.failure
             if failure is None:
-                record.phase = Phase.DONE
-                outcome.code = "ok"
-                outcome.measured(call.metrics(), call.usage)
+                request.phase = Phase.DONE
+                request.code = "ok"
+                request.measured(request.metrics(), request.seen_usage)
             else:
-                record.phase = Phase.FAILED
-                outcome.code = failure_error(failure).code
+                request.phase = Phase.FAILED
+                request.code = failure_error(failure).code
         except CapyError as error:
-            record.phase = Phase.FAILED
-            outcome.code = error.code
-            if not outcome.started and not opened and error.code not in _STREAMED_REFUSALS:
-                outcome.status = status_of(error)
-                await exchange.json(outcome.status, error_body(error), headers + retry_after(error))
+            request.phase = Phase.FAILED
+            request.code = error.code
+            if not request.started and not opened and error.code not in _STREAMED_REFUSALS:
+                request.status = status_of(error)
+                await exchange.json(request.status, error_body(error), headers + retry_after(error))
                 return
-            if not outcome.started:  # the engine accepted the request: the client gets a stream with the error
-                outcome.started = True
+            if not request.started:  # the engine accepted the request: the client gets a stream with the error
+                request.started = True
                 exchange.start(_SSE_HEADERS + headers[1:])
             await exchange.end(sse_error_event(error))
             return
-        if outcome.started:
+        if request.started:
             await exchange.end(last)
         else:  # the whole answer came in one read
             began = time.perf_counter()
-            outcome.started = True
+            request.started = True
             await exchange.end(last)
             if last:
-                self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+                self._stats.relayed_first_chunk(request.deployment, time.perf_counter() - began)
 
-    def _write(self, record: RequestRecord, exchange: Exchange, outcome: Outcome, data: bytes) -> bool:
+    def _write(self, request: Request, data: bytes) -> bool:
         """One read's relayed bytes, written at once from the engine connection's callback: True when the client
         cannot take more for now. The headers go out with the first (one wake-up for the client)."""
-        if outcome.started:
-            return exchange.write_now(data)
+        if request.started:
+            return request.exchange.write_now(data)
         began = time.perf_counter()
-        outcome.started = True
-        full = exchange.write_now(data)
-        self._stats.relayed_first_chunk(record.deployment, time.perf_counter() - began)
+        request.started = True
+        full = request.exchange.write_now(data)
+        self._stats.relayed_first_chunk(request.deployment, time.perf_counter() - began)
         return full

@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from capyctl.adapters.http.errors import error_body, status_of
-from capyctl.adapters.http.exchange import Exchange
-from capyctl.adapters.http.front import Headers, Outcome, send_one_answer
+from capyctl.adapters.http.front import Request, send_one_answer
 from capyctl.domain.errors import CapyError
-from capyctl.domain.requests import RequestRecord
 from capyctl.services.decisions import DecisionService
 
 DECISIONS_PATH = "/v1/systemone"
@@ -23,21 +21,11 @@ class DecisionEndpoint:
     def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
         return self.service.target(obj)
 
-    def start(self, record: RequestRecord, obj: dict[str, Any]) -> None:
+    def start(self, request: Request) -> None:
         """Nothing is done for a decision before its task runs."""
 
-    async def answer(
-        self,
-        record: RequestRecord,
-        obj: dict[str, Any],
-        wait: float | None,
-        exchange: Exchange,
-        headers: Headers,
-        outcome: Outcome,
-        received_at: float,
-        started: Any = None,
-    ) -> None:
-        await send_one_answer(self.service.decide(record, obj, received_at, wait), record, exchange, headers, outcome)
+    async def answer(self, request: Request) -> None:
+        await send_one_answer(self.service.decide(request), request)
 
-    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None:
-        await exchange.json(status_of(error), error_body(error), headers)
+    async def late_error(self, error: CapyError, request: Request) -> None:
+        await request.exchange.json(status_of(error), error_body(error), request.headers)

@@ -238,7 +238,8 @@ class Exchange:
             head = b"" if self.started else self._head
             self.started = True
             self._connection.transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data) if data else head)
-        return self._connection.write_paused
+        paused: bool = self._connection.write_paused
+        return paused
 
     async def drain(self) -> None:
         """Return once the client can take more (or is gone)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -36,10 +36,10 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.keys import ApiKey, bind_salt, check_scope
 from capyctl.domain.requests import CancelCause, Phase, RequestRecord, check_caller_id
-from capyctl.services.chat import RequestService
 from capyctl.services.context import caller_request_id
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
+from capyctl.services.requests import Call, RequestService
 
 log = logging.getLogger("capyctl.chat")
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
@@ -87,26 +87,7 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
-class Outcome:
-    """How one request ended, for Prometheus, its record and errors sent after a cut."""
-
-    __slots__ = ("code", "ttft_ms", "started", "status", "figures", "usage")
-
-    def __init__(self) -> None:
-        self.code = "client_gone"
-        self.ttft_ms: float | None = None
-        self.started = False  # a stream's 200 and headers were sent
-        self.status: int | None = None  # the status answered, where it is known here
-        self.figures: dict[str, Any] | None = None  # the answer's capyctl.metrics
-        self.usage: dict[str, Any] | None = None  # the answer's usage, as the engine reported it
-
-    def measured(self, figures: dict[str, Any], usage: Any) -> None:
-        """An answer's figures (``capyctl.metrics``) and the engine's ``usage``, for its record."""
-        self.figures, self.usage = figures, usage if isinstance(usage, dict) else None
-        self.ttft_ms = figures.get("ttft_ms", {}).get("value")
-
-
-_TIMEOUTS = {
+_TIMEOUTS: dict[CancelCause | None, Callable[[RequestRecord], CapyError]] = {
     CancelCause.DEADLINE: lambda record: DeadlineExceeded(
         f"no answer from the engine serving {record.deployment!r} within the request deadline; "
         "the request was cut and the engine told to stop",
@@ -121,24 +102,19 @@ _TIMEOUTS = {
 }
 
 
-async def send_one_answer(
-    answering: Awaitable[dict[str, Any]],
-    record: RequestRecord,
-    exchange: Exchange,
-    headers: Headers,
-    outcome: Outcome,
-) -> None:
+async def send_one_answer(answering: Awaitable[dict[str, Any]], request: Request) -> None:
     """A whole answer as one JSON body (a non-streamed chat answer, a decision), or its error with its status."""
+    exchange, headers = request.exchange, request.headers
     try:
         answer = await answering
     except CapyError as error:
-        record.phase = Phase.FAILED
-        outcome.code, outcome.status = error.code, status_of(error)
-        await exchange.json(outcome.status, error_body(error), headers + retry_after(error))
+        request.phase = Phase.FAILED
+        request.code, request.status = error.code, status_of(error)
+        await exchange.json(request.status, error_body(error), headers + retry_after(error))
         return
-    record.phase = Phase.DONE
-    outcome.code = "ok"
-    outcome.measured(answer["capyctl"]["metrics"], answer.get("usage"))
+    request.phase = Phase.DONE
+    request.code = "ok"
+    request.measured(answer["capyctl"]["metrics"], answer.get("usage"))
     await exchange.json(200, _encode(answer), headers)
 
 
@@ -151,23 +127,23 @@ class Endpoint(Protocol):
     def target(self, obj: dict[str, Any]) -> tuple[str, bool]:
         """The model named and whether the client wants a stream; raises for what cannot be served."""
 
-    def start(self, record: RequestRecord, obj: dict[str, Any]) -> Any:
-        """What can be done for the request at once, before its task runs (never raises; None for nothing):
-        handed to ``answer``, and closed (``close()``) by the front door once the request is answered."""
+    def start(self, request: Request) -> None:
+        """What can be done for the request at once, before its task runs (never raises: an error is kept on
+        the request for ``answer``); whatever the request still holds once answered, its ``close`` gives
+        back."""
 
-    async def answer(
-        self,
-        record: RequestRecord,
-        obj: dict[str, Any],
-        wait: float | None,
-        exchange: Exchange,
-        headers: Headers,
-        outcome: Outcome,
-        received_at: float,
-        started: Any,
-    ) -> None: ...
+    async def answer(self, request: Request) -> None: ...
 
-    async def late_error(self, error: CapyError, exchange: Exchange, headers: Headers, outcome: Outcome) -> None: ...
+    async def late_error(self, error: CapyError, request: Request) -> None: ...
+
+
+class Request(Call, kw_only=True):
+    """A call (``services.requests.Call``) as the front door serves it: the exchange it came on, the endpoint
+    that answers it, and the headers every answer to it carries (its request IDs)."""
+
+    exchange: Exchange
+    endpoint: Endpoint
+    headers: Headers
 
 
 class FrontDoor:
@@ -199,42 +175,41 @@ class FrontDoor:
         headers: Headers = [NO_STORE, (b"x-capyctl-request-id", request_id.encode())]
         named: list[str] = []  # the key's name and the model, as far as the front read them (for a refusal's row)
         try:
-            front = self._front(exchange, request_id, headers, named)
+            request = self._front(exchange, request_id, headers, named)
         except CapyError as error:
             self._stats.refused(error.code)
             if self._records is not None:
-                self._records.add(refused_row(request_id, error, exchange.path, self._records.wall(), *named))
+                row = refused_row(request_id, error, exchange.path, self._records.wall(), *_key_and_model(named))
+                self._records.add(row)
             return exchange.json(status_of(error), error_body(error), headers + retry_after(error) + _allow(error))
         except Exception:
             log.exception("request %s: internal error", request_id)
             if self._records is not None:
-                self._records.add(broken_row(request_id, exchange.path, self._records.wall(), False, *named))
+                row = broken_row(request_id, exchange.path, self._records.wall(), False, *_key_and_model(named))
+                self._records.add(row)
             return internal_error(exchange, request_id, headers)
-        return self._last_resort(self._answer(exchange, front, headers), exchange, front, headers)
+        return self._last_resort(request)
 
-    async def _last_resort(
-        self, answering: Awaitable[None], exchange: Exchange, front: Front, headers: Headers
-    ) -> None:
+    async def _last_resort(self, request: Request) -> None:
+        exchange = request.exchange
         try:
-            await answering
+            await self._answer(request)
         except Exception:  # the last resort: whatever broke inside CapyCTL, the client gets an answer
-            log.exception("request %s: internal error", front.record.id)
+            log.exception("request %s: internal error", request.id)
             if self._records is not None:
-                record = front.record
-                self._records.add(
-                    broken_row(
-                        record.id,
-                        exchange.path,
-                        self._records.wall(),
-                        exchange.started,
-                        record.key,
-                        record.deployment,
-                        record.stream,
-                    )
+                row = broken_row(
+                    request.id,
+                    exchange.path,
+                    self._records.wall(),
+                    exchange.started,
+                    request.key,
+                    request.deployment,
+                    request.stream,
                 )
-            await internal_error(exchange, front.record.id, headers)
+                self._records.add(row)
+            await internal_error(exchange, request.id, request.headers)
         finally:
-            front.close()
+            request.close()
 
     def _key(self, exchange: Exchange, endpoint: Endpoint) -> ApiKey:
         """The first checks: the method, then the key."""
@@ -246,7 +221,7 @@ class FrontDoor:
         self, endpoint: Endpoint, key: ApiKey, body: bytes, request_id: str, named: list[str]
     ) -> tuple[dict[str, Any], str, bool]:
         """The body decoded and its target read (into ``named``), the key's scope and salt applied, and the key's
-        place for the day taken (``let_in``, last: given back by ``done``)."""
+        place for the day taken (``let_in``, last: given back by the request's ``close``)."""
         obj = decode_body(body)
         model, stream = endpoint.target(obj)
         named.append(model)
@@ -255,7 +230,7 @@ class FrontDoor:
         self._keys.let_in(key, request_id)
         return obj, model, stream
 
-    def _front(self, exchange: Exchange, request_id: str, headers: Headers, named: list[str]) -> Front:
+    def _front(self, exchange: Exchange, request_id: str, headers: Headers, named: list[str]) -> Request:
         """The checks of the front, in order, then the endpoint's ``start``; raises what is to be answered.
         ``named`` gets the key's name once it is known, then the model's."""
         endpoint = self.endpoints[exchange.path]
@@ -268,90 +243,63 @@ class FrontDoor:
             caller_request_id.set(caller)  # (the request's task runs in the context this runs in)
         wait = llm_wait(header_values(exchange.headers, b"x-llm-wait"))
         obj, model, stream = self._body(endpoint, key, exchange.body, request_id, named)
-        record = _record(request_id, model, stream, key)
-        front = Front(endpoint, key, wait, obj, record, endpoint.service.now(), self._keys)
+        request = Request(
+            id=request_id,
+            deployment=model,
+            stream=stream,
+            key=key.name,
+            salt_bound=key.cache_salt is not None,
+            obj=obj,
+            wait=wait,
+            received_at=endpoint.service.now(),
+            keyring=self._keys,
+            exchange=exchange,
+            endpoint=endpoint,
+            headers=headers,
+        )
         try:
-            front.started = endpoint.start(record, obj)
+            endpoint.start(request)
         except BaseException:
-            front.close()
+            request.close()
             raise
-        return front
+        return request
 
-    async def _answer(self, exchange: Exchange, front: Front, headers: Headers) -> None:
-        endpoint, key, record = front.endpoint, front.key, front.record
-        service, model, request_id = endpoint.service, record.deployment, record.id
-        outcome = Outcome()
+    async def _answer(self, request: Request) -> None:
+        exchange, endpoint = request.exchange, request.endpoint
+        service, model = endpoint.service, request.deployment
         with exchange.cut_scope() as cut:
-            exchange.watch(
-                cut.cancel, service.check_every, functools.partial(service.overdue, record, front.received_at)
-            )
+            exchange.watch(cut.cancel, service.check_every, functools.partial(service.overdue, request))
             try:
-                await endpoint.answer(
-                    record, front.obj, front.wait, exchange, headers, outcome, front.received_at, front.started
-                )
+                await endpoint.answer(request)
             finally:
                 exchange.unwatch()
-                front.close()
-        if cut.cancelled_caught and record.phase not in (Phase.DONE, Phase.FAILED):
-            if record.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
-                error = _TIMEOUTS[record.cause](record)
-                outcome.code = error.code
-                await endpoint.late_error(error, exchange, headers, outcome)
+                request.close()
+        if cut.cancelled_caught and request.phase not in (Phase.DONE, Phase.FAILED):
+            if request.cause in _TIMEOUTS:  # cut by CapyCTL, the client is still there: tell it why
+                error = _TIMEOUTS[request.cause](request)
+                request.code = error.code
+                await endpoint.late_error(error, request)
             else:
-                record.cancelled(CancelCause.CLIENT_GONE)
-            service.cut(record)
-            log.info("request %s %s: %s, engine connection closed", request_id, model, record.cause)
+                request.cancelled(CancelCause.CLIENT_GONE)
+            service.cut(request)
+            log.info("request %s %s: %s, engine connection closed", request.id, model, request.cause)
         if service.knows(model):  # unknown names must not become label values
-            self._stats.answered(model, outcome.code, outcome.ttft_ms, key.name)
-        if outcome.code in _REFUSALS:
-            self._stats.refused(outcome.code)
+            self._stats.answered(model, request.code, request.ttft_ms, request.key or "-")
+        if request.code in _REFUSALS:
+            self._stats.refused(request.code)
         if self._records is not None:
-            self._records.add(
-                finished_row(
-                    record, outcome, endpoint.path, self._records.wall(), (service.now() - front.received_at) * 1000
-                )
-            )
+            took_ms = (service.now() - request.received_at) * 1000
+            self._records.add(finished_row(request, endpoint.path, self._records.wall(), took_ms))
+
+
+def _key_and_model(named: list[str]) -> tuple[str | None, str | None]:
+    """The key's name and the model, as far as the front read them."""
+    return (named[0] if named else None), (named[1] if len(named) > 1 else None)
 
 
 def _allow(error: CapyError) -> list[tuple[bytes, bytes]]:
     """A 405's ``Allow`` header (RFC 9110): the front door's paths take POST only."""
     return [(b"allow", b"POST")] if isinstance(error, MethodNotAllowed) else []
-
-
-class Front:
-    """What the front made of a request: its endpoint, key, wait, body, record, when it came, and what its
-    endpoint's ``start`` did. ``close`` gives back what was never taken up (and the key's place for the day
-    when no engine used it), once."""
-
-    __slots__ = ("endpoint", "key", "wait", "obj", "record", "received_at", "started", "_keys")
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        key: ApiKey,
-        wait: float | None,
-        obj: dict[str, Any],
-        record: RequestRecord,
-        received_at: float,
-        keys: Keyring | None,
-    ) -> None:
-        self.endpoint, self.key, self.wait, self.obj, self.record = endpoint, key, wait, obj, record
-        self.received_at, self._keys = received_at, keys
-        self.started: Any = None
-
-    def close(self) -> None:
-        if self.started is not None:
-            self.started.close()
-            self.started = None
-        if self._keys is not None:
-            self._keys.done(self.record.id)  # a place it took and never used for an engine is given back
-            self._keys = None
-
-
-def _record(request_id: str, model: str, stream: bool, key: ApiKey) -> RequestRecord:
-    return RequestRecord(
-        id=request_id, deployment=model, stream=stream, key=key.name, salt_bound=key.cache_salt is not None
-    )
 
 
 async def internal_error(exchange: Exchange, request_id: str, headers: Headers) -> None:

@@ -37,14 +37,14 @@ log = logging.getLogger("capyctl.http")
 
 
 def capy_error_response(
-    _: Request, error: CapyError, headers: dict[str, str] | None = None
+    _: Request[Any, Any, Any], error: CapyError, headers: dict[str, str] | None = None
 ) -> Response[dict[str, Any]]:
     return Response(
         envelope(error), status_code=status_of(error), headers={"cache-control": "no-store", **(headers or {})}
     )
 
 
-def http_error_response(request: Request, error: HTTPException) -> Response[dict[str, Any]]:
+def http_error_response(request: Request[Any, Any, Any], error: HTTPException) -> Response[dict[str, Any]]:
     if error.status_code == 404:
         return capy_error_response(request, NotFound(f"no such endpoint: {request.method} {request.url.path}"))
     if error.status_code == 405:  # RFC 9110: a 405 names the methods the path takes (Litestar's router lists them)
@@ -58,13 +58,13 @@ def http_error_response(request: Request, error: HTTPException) -> Response[dict
     return capy_error_response(request, wrapped)
 
 
-def unexpected_error_response(request: Request, error: Exception) -> Response[dict[str, Any]]:
-    request_id = request.scope.get(REQUEST_ID_KEY, "-")  # type: ignore[call-overload]
+def unexpected_error_response(request: Request[Any, Any, Any], error: Exception) -> Response[dict[str, Any]]:
+    request_id = str(request.scope.get(REQUEST_ID_KEY, "-"))  # a str: with_request_ids set it
     log.error("request %s: internal error on %s %s", request_id, request.method, request.url.path, exc_info=error)
     return capy_error_response(request, InternalError(request_id))
 
 
-def too_deep_response(request: Request, _: RecursionError) -> Response[dict[str, Any]]:
+def too_deep_response(request: Request[Any, Any, Any], _: RecursionError) -> Response[dict[str, Any]]:
     """A request body nested deeper than the JSON decoder goes is the client's error, not CapyCTL's."""
     return capy_error_response(
         request, InvalidJson("JSON nested too deeply (CapyCTL decodes up to several hundred levels)")
@@ -80,12 +80,12 @@ def error_handlers() -> dict[Any, Any]:
     }
 
 
-def require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+def require_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """The request's API key, checked (401 otherwise) and kept for the handler; listing never counts."""
     connection.state.key = connection.app.state.keyring.authenticate(connection.headers.get("authorization"))
 
 
-def require_unscoped_key(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+def require_unscoped_key(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """A key limited to some models may not read what concerns the others (CapyCTL's metrics)."""
     require_key(connection, handler)
     key: ApiKey = connection.state.key
@@ -98,7 +98,7 @@ def require_unscoped_key(connection: ASGIConnection, handler: BaseRouteHandler) 
 
 @get("/v1/models", guards=[require_key], sync_to_thread=False)
 def list_models(
-    request: Request, fleet: FleetDep, started: StartedDep, admission: AdmissionDep
+    request: Request[Any, Any, Any], fleet: FleetDep, started: StartedDep, admission: AdmissionDep
 ) -> Response[dict[str, Any]]:
     """Lists deployments with their state, queue and measured start time; never starts, wakes or loads
     anything. A key limited to some models sees only them."""

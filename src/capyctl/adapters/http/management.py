@@ -40,7 +40,7 @@ KeysDep = NamedDependency[SkipValidation[Keyring]]
 _KEY_FIELDS = ("name", "daily_limit", "models", "cache_salt")
 
 
-def require_admin(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     token: str = connection.app.state.admin_token
     given = connection.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):

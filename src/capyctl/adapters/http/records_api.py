@@ -47,7 +47,8 @@ async def get_request(records: RecordsDep, request_id: str) -> dict[str, Any]:
             "(see: capyctl list requests)",
             param="request_id",
         )
-    return msgspec.to_builtins(row)  # type: ignore[no-any-return]
+    document: dict[str, Any] = msgspec.to_builtins(row)
+    return document
 
 
 HANDLERS = [list_requests, get_request]

@@ -1,66 +1,56 @@
 """The request record's row, made by the front door as a request ends (``domain/request_rows``).
 
-Only what the request's own objects already hold is read: its record (key
-name, deployment, instance, wait, cut cause), its outcome (code, status,
-the figures of its answer) and two clock readings the front door passes.
+Only what the request's call (``services.requests.Call``) already holds is
+read: its record (key name, deployment, instance, wait, cut cause), how it
+ended (code, status, the figures of its answer) and two clock readings the
+front door passes.
 Nothing here reads a header: the caller's ``X-Request-Id`` cannot reach a
 row.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
 from capyctl.adapters.http.errors import STATUS, status_of
 from capyctl.domain.errors import CapyError, InternalError
 from capyctl.domain.request_rows import RequestRow, clip_name
-from capyctl.domain.requests import RequestRecord
 from capyctl.domain.settlement import rule_for
+from capyctl.services.requests import Call
 
 APIS = {"/v1/chat/completions": "chat", "/v1/systemone": "decisions"}
 
 
-class Ended(Protocol):
-    """What ``front.Outcome`` tells of a request that ended."""
-
-    code: str
-    status: int | None
-    started: bool
-    ttft_ms: float | None
-    figures: dict[str, Any] | None
-    usage: dict[str, Any] | None
-
-
-def finished_row(record: RequestRecord, outcome: Ended, path: str, at: float, total_ms: float) -> RequestRow:
+def finished_row(call: Call, path: str, at: float, total_ms: float) -> RequestRow:
     """The row of a request that had a record: answered, refused by the scheduler, failed or cut."""
-    figures, usage = outcome.figures or {}, outcome.usage if isinstance(outcome.usage, dict) else {}
-    code = outcome.code
-    status = outcome.status or (200 if code == "ok" or outcome.started else STATUS.get(code))
-    cut = record.cause is not None and record.instance is not None  # cut once an engine had it: settled later
-    waited = record.waited
+    figures, usage = call.figures or {}, call.usage if isinstance(call.usage, dict) else {}
+    code = call.code
+    status = call.status or (200 if code == "ok" or call.started else STATUS.get(code))
+    cut = call.cause is not None and call.instance is not None  # cut once an engine had it: settled later
+    waited = call.waited
     return RequestRow(
-        id=record.id,
+        id=call.id,
         at=at,
         api=APIS.get(path, path),
         code=code,
         status=status,
-        deployment=clip_name(record.deployment),
-        key=record.key,
-        instance=record.instance,
-        stream=record.stream,
+        deployment=clip_name(call.deployment),
+        key=call.key,
+        instance=call.instance,
+        stream=call.stream,
         total_ms=round(total_ms, 2),
-        queue_wait_ms=round(waited * 1000, 2) if waited is not None else (0.0 if record.instance is not None else None),
-        ttft_ms=_value(figures, "ttft_ms", outcome.ttft_ms),
+        queue_wait_ms=round(waited * 1000, 2) if waited is not None else (0.0 if call.instance is not None else None),
+        ttft_ms=_value(figures, "ttft_ms", call.ttft_ms),
         queue_ms=_value(figures, "queue_ms"),
         prefill_ms=_value(figures, "prefill_ms"),
         decode_tokens_per_second=_value(figures, "decode_tokens_per_second"),
         prompt_tokens=_count(usage.get("prompt_tokens", _value(figures, "input_tokens"))),  # (decisions: input)
         cached_tokens=_count(_value(figures, "cached_tokens")),
         completion_tokens=_count(usage.get("completion_tokens")),
-        cause=None if record.cause is None else str(record.cause),
-        settlement=rule_for(record.answered) if cut else None,
+        cause=None if call.cause is None else str(call.cause),
+        settlement=rule_for(call.answered) if cut else None,
     )
 
 

@@ -30,7 +30,7 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
@@ -115,7 +115,7 @@ class Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream server's connection: a full Transport
         self.server.connections.add(self)
         if len(self.server.connections) > self.limits.max_connections:
             self.refuse(TooManyConnections(self.limits.max_connections), "too_many_connections", retry_after=1)

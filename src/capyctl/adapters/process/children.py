@@ -101,7 +101,7 @@ class PopenProcessControl(ProcessControl):
             else:
                 environment[name] = value
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(  # noqa: S603 - argv comes from the engine adapter
+            process = subprocess.Popen(  # argv comes from the engine adapter
                 launcher(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -310,7 +310,8 @@ class SqliteStore(Store, RequestStore, HostStore):
         )
 
     def list_requests(self, where: RowFilter) -> list[RequestRow]:
-        query, args = "SELECT body FROM requests WHERE 1", []
+        query = "SELECT body FROM requests WHERE 1"
+        args: list[str | int | float] = []
         for column, value in (
             ("deployment", where.deployment),
             ("key", where.key),

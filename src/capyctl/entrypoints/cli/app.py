@@ -6,10 +6,10 @@ Each module below registers its commands on the apps of ``common``.
 """
 
 from capyctl.entrypoints.cli import (  # noqa: F401 - they register the commands
-    dashboard,  # noqa: F401 - capyctl dashboard
+    dashboard,  # capyctl dashboard
     deployments,
     engines,
-    hosts,  # noqa: F401 - several machines
+    hosts,  # several machines
     keys,
     requests,
     server,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
@@ -15,7 +15,8 @@ from capyctl.domain.errors import CapyError
 from capyctl.entrypoints.cli.client import ManagementClient
 from capyctl.entrypoints.cli.output import exit_code, print_error, print_json
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class LogFormat(enum.StrEnum):
@@ -85,11 +86,11 @@ for name, sub in [
     app.add_typer(sub, name=name)
 
 
-def reports_errors(fn: F) -> F:
+def reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn CapyCTL errors into `error [code]: message` on stderr and a documented exit code."""
 
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except CapyError as error:
@@ -98,7 +99,7 @@ def reports_errors(fn: F) -> F:
             print_error(error.code, error.message)
             raise typer.Exit(exit_code(error.code)) from None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 def client(state_dir: str | None) -> ManagementClient:

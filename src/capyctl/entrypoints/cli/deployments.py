@@ -67,7 +67,7 @@ def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -
     started = time.monotonic()
     last = None
     while True:
-        deployment = api.call("GET", f"/deployments/{name}")
+        deployment: dict[str, Any] = api.call("GET", f"/deployments/{name}")
         state = deployment["state"]
         if state != last and not quiet:
             sys.stderr.write(f"  {name}: {state}\n")

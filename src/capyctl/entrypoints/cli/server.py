@@ -251,7 +251,7 @@ def config_check(
         if settings.devices == "auto"
         else [{"name": d.name, "capacity_bytes": d.capacity, "reserve_bytes": d.reserve} for d in settings.devices]
     )
-    view = {
+    view: dict[str, Any] = {
         "default_model": settings.default_model,
         "queue": {
             "request_deadline_s": settings.request_deadline,
@@ -274,7 +274,7 @@ def config_check(
     }
     lines = [f"{file}: valid", f"  default_model  {settings.default_model or '-'}"]
     for section in ("queue", "limits", "records"):
-        lines += [f"  {section}.{key}  {value}" for key, value in view[section].items()]  # type: ignore[attr-defined]
+        lines += [f"  {section}.{key}  {value}" for key, value in view[section].items()]
     lines += (
         ["  memory.devices  auto"]
         if devices == "auto"
@@ -290,7 +290,7 @@ def config_check(
 def _has_uvloop() -> bool:
     """uvloop (installed with uvicorn[standard]) makes the relay's sockets markedly cheaper; asyncio otherwise."""
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 - imported only to learn that it is installed
     except ImportError:
         return False
     return True

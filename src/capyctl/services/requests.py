@@ -1,0 +1,257 @@
+"""One request to a model, and what every API's requests share (chat and decisions alike).
+
+A request is one object, ``Call``, from its last byte in to its last byte
+out: its record (it is a ``RequestRecord``), what the front door read, what
+CapyCTL holds for it (the admission lease, the route, the engine stream), the
+relay's check and meter, and how it ended. The services take it and fill it
+in; nothing about a request is handed from one object to another.
+``RequestService`` is the part the APIs share: admission and the key's count,
+the deadline and idle watch, the settlement of cut requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from capyctl.domain.errors import CapyError, EdgeError
+from capyctl.domain.metrics import Meter, MetricsRow
+from capyctl.domain.ports import Clock, EngineAnswer, EngineSession, EngineStream
+from capyctl.domain.relay_check import Refused, StreamCheck
+from capyctl.domain.requests import CancelCause, RequestRecord
+from capyctl.domain.scheduling import QueueLimits, Route
+from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, Comment, Relayed, StreamEvent
+from capyctl.services.admission import AdmissionService, Lease
+from capyctl.services.controllers import Serving
+from capyctl.services.events import Events
+from capyctl.services.fleet import Fleet
+from capyctl.services.keys import Keyring
+
+_encode = msgspec.json.encode
+_DONE = b"data: [DONE]\n\n"
+
+
+class RequestSettings(msgspec.Struct, kw_only=True, frozen=True):
+    request_deadline: float = 1800.0  # seconds to the engine's first answer, start included
+    stream_idle_timeout: float = 120.0  # seconds an answer may go silent once it has begun
+    crash_notice: float = 1.0  # how long to wait for a broken connection to show as an engine exit
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS  # tool calls in one answer; past it, edge_error
+    default_model: str | None = None  # MOD-3: where a request without `model` goes
+    host_name: str = "local"  # the machine serving standalone deployments, as logs name it
+
+
+class Call(RequestRecord, kw_only=True):
+    """One request, from its last byte in to its last byte out (see the module's text).
+
+    The services fill it in as the request goes: what the chat service's ``start`` could do at once (the
+    deployment's controller, the engine's body, and where nothing had to wait the lease, the route and the
+    engine stream, its request written), or the error it found; then the engine's answer, relayed through its
+    check; then how it ended. ``close`` gives back what it still holds, once."""
+
+    obj: dict[str, Any]  # the request's body, decoded
+    wait: float | None = None  # X-LLM-Wait: seconds it may wait for its model (None: the server's rule)
+    received_at: float = 0.0  # the monotonic time its last byte came
+    keyring: Keyring | None = None  # holds the key's place for the day until ``close``
+    # what CapyCTL holds for it
+    controller: Serving | None = None
+    body: bytes = b""  # what the engine is sent
+    lease: Lease | None = None  # granted and not yet entered: ``close`` gives it back
+    route: Route | None = None
+    engine_stream: EngineStream | None = None  # made and not yet entered: ``close`` cuts it
+    error: CapyError | None = None  # what ``start`` found, raised when the request goes on
+    # the relay
+    answer: EngineAnswer | None = None
+    check: StreamCheck | None = None
+    meter: Meter | None = None
+    row: MetricsRow | None = None
+    last: bytes | None = None  # the stream's last bytes (its end included), once [DONE] came
+    # how it ended
+    code: str = "client_gone"
+    status: int | None = None  # the status answered, where it is known
+    started: bool = False  # the answer's status and headers went out (a stream's 200)
+    ttft_ms: float | None = None
+    figures: dict[str, Any] | None = None  # the answer's capyctl.metrics
+    usage: dict[str, Any] | None = None  # the answer's usage, as the engine reported it
+
+    def close(self) -> None:
+        """Give back what was never used (``give_back``), and the key's place for the day when no engine
+        used it. Once the request is answered."""
+        self.give_back()
+        if self.keyring is not None:
+            self.keyring.done(self.id)
+            self.keyring = None
+
+    def give_back(self) -> None:
+        """Give back a granted lease never entered and cut a written request never entered."""
+        if self.engine_stream is not None:
+            self.engine_stream.abandon()
+            self.engine_stream = None
+        if self.lease is not None:
+            self.lease.give_back()
+            self.lease = None
+
+    def measured(self, figures: dict[str, Any], usage: Any) -> None:
+        """An answer's figures (``capyctl.metrics``) and the engine's ``usage``, for its record."""
+        self.figures, self.usage = figures, usage if isinstance(usage, dict) else None
+        self.ttft_ms = figures.get("ttft_ms", {}).get("value")
+
+    # -- the relay ------------------------------------------------------------------------------------
+    @property
+    def failure(self) -> dict[str, Any] | None:
+        """The engine's own error event, when it sent one (the stream then ends without metrics)."""
+        return self.check.failure if self.check is not None else None
+
+    async def pump(self, write: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]) -> bytes:
+        """Relay the answer: each read's events checked and framed as SSE, handed to ``write`` as the read
+        arrives (``write`` returns True when its client cannot take more for now: reading then pauses until
+        ``drain()`` returns). The read that holds ``[DONE]`` is not written: its bytes, with the metrics line
+        and ``[DONE]``, are returned, for the caller to send with the end of its answer.
+
+        Raises as the check refuses a chunk (after writing the chunks before it), ``EdgeError`` when the
+        answer ends without ``[DONE]`` (unless it ended on the engine's own error event), and as the
+        engine's connection breaks."""
+
+        def deliver(batch: list[StreamEvent]) -> Relayed:
+            try:
+                data = self.frame(batch)
+            except Refused as refused:
+                if refused.sent:
+                    write(refused.sent)
+                raise refused.error from refused.error.__cause__
+            if self.last is not None:
+                return Relayed.ENDED
+            return Relayed.FULL if data and write(data) else Relayed.MORE
+
+        assert self.answer is not None, "pump() runs inside the chat service's open()"
+        if not await self.answer.pump(deliver, drain) and self.failure is None:
+            raise EdgeError("the engine's stream ended without [DONE]")
+        return self.last if self.last is not None else b""
+
+    def frame(self, batch: list[StreamEvent]) -> bytes:
+        """A batch of events as the SSE bytes sent on (see ``pump``); raises ``Refused``."""
+        check = self.check
+        assert check is not None, "frame() runs inside the chat service's open()"
+        if len(batch) == 1 and type(first := batch[0]) is Chunks:  # the most usual batch
+            data = check.check(first)
+            if not self.answered:
+                self._note_answer(check)
+            return data
+        parts: list[bytes] = []
+        for event in batch:
+            if type(event) is Chunks:
+                try:
+                    parts.append(check.check(event))
+                except Refused as refused:
+                    raise Refused(b"".join(parts) + refused.sent, refused.error) from refused.error.__cause__
+                if not self.answered:
+                    self._note_answer(check)
+            elif type(event) is Comment:
+                parts += (event.raw, b"\n\n")
+            else:  # Done
+                if check.failure is None:  # an answer that ended on the engine's error has no metrics
+                    parts += (b": x-capyctl-metrics ", _encode(self.metrics()), b"\n\n")
+                parts.append(_DONE)
+                self.last = b"".join(parts)
+                return self.last
+        return b"".join(parts)
+
+    def _note_answer(self, check: StreamCheck) -> None:
+        """The record told that the engine answered, once its first text or its own error came."""
+        if (self.meter is not None and self.meter.first_text_at is not None) or check.failure is not None:
+            self.engine_answered()
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        assert self.meter is not None and self.row is not None, "metrics() follows the relay"
+        return self.meter.figures(self.row)
+
+    @property
+    def seen_usage(self) -> Any:
+        """The engine's ``usage`` object, when its stream carried one."""
+        return self.meter.seen.get("usage") if self.meter is not None else None
+
+
+class RequestService:
+    """What every API's requests share: admission (and the key's count), the deadline and idle watch,
+    settlement of cut requests."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: EngineSession,
+        clock: Clock,
+        events: Events,
+        settings: RequestSettings,
+        admission: AdmissionService | None = None,
+        keys: Keyring | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._keys = keys
+        self._admission = admission or AdmissionService(QueueLimits(), clock, settings.request_deadline)
+        self._events = events
+        self._session = session
+        self._clock = clock
+        self._settings = settings
+        self.live: dict[str, Call] = {}  # requests being served, read by the metrics endpoint
+
+    @property
+    def check_every(self) -> float:
+        """How often ``overdue`` should be asked: a tenth of the shortest limit, within 50 ms..1 s."""
+        settings = self._settings
+        return min(1.0, max(0.05, min(settings.request_deadline, settings.stream_idle_timeout) / 10))
+
+    def overdue(self, call: Call) -> bool:
+        """CAN-1: True (and ``call`` marked cancelled) once it has had no answer within the request deadline,
+        or once its answer has been silent for the stream idle timeout, or once the host its engine runs on
+        is lost. Cheap: no I/O."""
+        if call.instance is not None and self._fleet.lost_host(call.deployment):
+            call.cancelled(CancelCause.HOST_LOST)
+            return True
+        now = self._clock.monotonic()
+        if not call.answered:
+            if now - call.received_at > self._settings.request_deadline:
+                call.cancelled(CancelCause.DEADLINE)
+                return True
+            return False
+        meter = call.meter
+        if meter is not None and meter.last_at is not None and now - meter.last_at > self._settings.stream_idle_timeout:
+            call.cancelled(CancelCause.IDLE)
+            return True
+        return False
+
+    def now(self) -> float:
+        return self._clock.monotonic()
+
+    @property
+    def default_model(self) -> str | None:
+        return self._settings.default_model
+
+    def cut(self, record: RequestRecord) -> None:
+        """CAN-2: a request cut after it was sent stays counted against its instance until settled."""
+        if record.instance is not None and self._fleet.has(record.deployment):
+            self._fleet.get(record.deployment).cut(record)
+
+    def knows(self, name: str) -> bool:
+        return self._fleet.has(name)
+
+    def names(self) -> list[str]:
+        return self._fleet.names()
+
+    def _lease(self, controller: Serving, call: Call) -> tuple[Lease, bool]:
+        """The call's admission lease, taken from it (``async with`` it), and whether it was granted already
+        (``start``'s, its key's count made); else one that waits in line."""
+        lease = call.lease
+        if lease is not None:
+            call.lease = None
+            return lease, True
+        return self._admission.admit(controller, call, call.wait), False
+
+    def _counted(self, call: Call) -> None:
+        """Once its lease is granted, the call counts against its key's day (ID-5)."""
+        if self._keys is not None:
+            self._keys.admitted(call.id)
+
+    def _selected(self, call: Call, controller: Serving) -> None:
+        call.sent(instance=0)
+        self._events.selection(call.id, call.deployment, controller.host or self._settings.host_name, 0, call.key)
