@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from capyctl.domain.relay_check import Index, ToolCall
+from capyctl.domain.relay_check import Index, ToolCall, is_utf8
 from capyctl.domain.streams import ScanFacts, respell
 
 __all__ = ["respell", "scan_run"]
@@ -113,20 +113,12 @@ def _repeats_a_field(payload: bytes, objects: tuple[str, ...], delta_keys: tuple
     return False
 
 
-def _utf8(data: bytes) -> bool:
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def scan_run(body: bytes, objects: tuple[str, ...], delta_keys: tuple[str, ...]) -> ScanFacts | None:
     """The facts of ``body`` (see the module), or None where the check must decode it."""
     if not isinstance(body, bytes):
         raise TypeError("scan_run(body, objects, delta_keys) takes bytes and two tuples of names")
     decode = _decode_head(_names(objects, "objects"), _names(delta_keys, "delta_keys"))
-    if not body.startswith(b"data: ") or not body.endswith(b"\n\n") or 13 in body or not _utf8(body):
+    if not body.startswith(b"data: ") or not body.endswith(b"\n\n") or 13 in body or not is_utf8(body):
         return None
     payloads = body[6:-2].split(b"\n\ndata: ")
     if any(10 in payload for payload in payloads):  # a payload of several lines, or more than a blank line

@@ -169,7 +169,7 @@ class StreamCheck:
             if sent is not None:
                 return sent
         payloads = chunks.payload_list()
-        if not chunks.sse.isascii() and not _utf8(chunks.sse):  # msgspec skips unread fields unchecked
+        if not chunks.sse.isascii() and not is_utf8(chunks.sse):  # msgspec skips unread fields unchecked
             return self._one_by_one(payloads)
         rules = self._rules
         try:
@@ -236,7 +236,7 @@ class StreamCheck:
         """``check`` chunk by chunk, where a read holds a refused chunk or the engine's error event."""
         out: list[bytes] = []
         for i, payload in enumerate(payloads):
-            if not payload.isascii() and not _utf8(payload):
+            if not payload.isascii() and not is_utf8(payload):
                 raise Refused(sse_of(out), EdgeError("the engine sent an event that is not valid UTF-8"))
             try:
                 head = heads[i] if heads is not None else self._rules.decode(payload)
@@ -345,7 +345,8 @@ class StreamCheck:
         return _encode(obj)
 
 
-def _utf8(data: bytes) -> bool:
+def is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is valid UTF-8 (msgspec skips the fields it does not read unchecked)."""
     try:
         data.decode()
     except UnicodeDecodeError:

@@ -26,17 +26,10 @@ from capyctl.domain.errors import (
     InvalidRequest,
     engine_code,
 )
-from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
-from capyctl.domain.ports import Clock, EngineSession
-from capyctl.domain.relay_check import ChunkRules, StreamCheck
 from capyctl.domain.requests import Phase
 from capyctl.domain.streams import Assembler, payloads_of
-from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Serving
-from capyctl.services.events import Events
-from capyctl.services.fleet import Fleet
-from capyctl.services.keys import Keyring
-from capyctl.services.requests import Call, RequestService, RequestSettings
+from capyctl.services.requests import Call, RequestService
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.Decoder(dict[str, Any]).decode
@@ -81,19 +74,6 @@ def failure_error(error: dict[str, Any]) -> EngineError:
 
 
 class ChatService(RequestService):
-    def __init__(
-        self,
-        fleet: Fleet,
-        session: EngineSession,
-        clock: Clock,
-        events: Events,
-        settings: RequestSettings,
-        admission: AdmissionService | None = None,
-        keys: Keyring | None = None,
-    ) -> None:
-        super().__init__(fleet, session, clock, events, settings, admission, keys)
-        self._rules: dict[tuple[str, str], tuple[ChunkRules, MetricsRow]] = {}  # per engine version
-
     def start(self, call: Call) -> None:
         """A request's first steps, done at once as its last byte arrives (no wait, no I/O but one write):
         the deployment resolved and the engine's body made; where nothing has to wait (the model ready, a
@@ -174,19 +154,6 @@ class ChatService(RequestService):
                     call.answer = None
         finally:
             del self.live[call.id]
-
-    def _arm(self, call: Call, controller: Serving) -> None:
-        """The call's meter and check (the rules made once per engine version)."""
-        engine = controller.engine
-        made = self._rules.get((engine.family, engine.version))
-        if made is None:
-            made = self._rules[(engine.family, engine.version)] = (
-                ChunkRules(controller.fields.row, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
-                metrics_row_for(engine.family, engine.version),
-            )
-        rules, call.row = made
-        call.meter = meter = Meter(self._clock.monotonic)
-        call.check = StreamCheck(rules, meter, call.deployment, self._clock.monotonic)
 
     async def complete(self, call: Call) -> dict[str, Any]:
         """A non-streamed answer, assembled from the engine's stream as the relay checked it, with

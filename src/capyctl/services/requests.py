@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 
 from capyctl.domain.errors import CapyError, EdgeError
-from capyctl.domain.metrics import Meter, MetricsRow
+from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineAnswer, EngineSession, EngineStream
-from capyctl.domain.relay_check import Refused, StreamCheck
+from capyctl.domain.relay_check import ChunkRules, Refused, StreamCheck
 from capyctl.domain.requests import CancelCause, RequestRecord
 from capyctl.domain.scheduling import QueueLimits, Route
 from capyctl.domain.streams import DEFAULT_MAX_TOOL_CALLS, Chunks, Comment, Relayed, StreamEvent
@@ -194,6 +194,7 @@ class RequestService:
         self._clock = clock
         self._settings = settings
         self.live: dict[str, Call] = {}  # requests being served, read by the metrics endpoint
+        self._rules: dict[tuple[str, str], tuple[ChunkRules, MetricsRow]] = {}  # a relay's, per engine version
 
     @property
     def check_every(self) -> float:
@@ -255,3 +256,16 @@ class RequestService:
     def _selected(self, call: Call, controller: Serving) -> None:
         call.sent(instance=0)
         self._events.selection(call.id, call.deployment, controller.host or self._settings.host_name, 0, call.key)
+
+    def _arm(self, call: Call, controller: Serving) -> None:
+        """The call's meter and check (the rules made once per engine version)."""
+        engine = controller.engine
+        made = self._rules.get((engine.family, engine.version))
+        if made is None:
+            made = self._rules[(engine.family, engine.version)] = (
+                ChunkRules(controller.fields.row, f"{engine.family} {engine.version}", self._settings.max_tool_calls),
+                metrics_row_for(engine.family, engine.version),
+            )
+        rules, call.row = made
+        call.meter = meter = Meter(self._clock.monotonic)
+        call.check = StreamCheck(rules, meter, call.deployment, self._clock.monotonic)
