@@ -599,6 +599,9 @@ TOOLS = {  # other programs the pages run, and how the test asks for their --hel
     "python bench/streams.py": [sys.executable, "bench/streams.py"],
     "python bench/dashboard.py": [sys.executable, "bench/dashboard.py"],
     "python -m pytest": [sys.executable, "-m", "pytest"],
+    ".venv/bin/ruff check": [sys.executable, "-m", "ruff", "check"],
+    ".venv/bin/ruff format": [sys.executable, "-m", "ruff", "format"],
+    ".venv/bin/mypy": [sys.executable, "-m", "mypy"],
 }
 
 
