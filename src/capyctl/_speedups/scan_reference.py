@@ -69,7 +69,7 @@ def _decode_head(objects: tuple[str, ...], delta_keys: tuple[str, ...]) -> Calla
         "Head",
         [
             ("model", Any, UNSET),
-            ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]  # (a type made here)
+            ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]  # made by defstruct: a variable to mypy
             ("error", Any, UNSET),
             *((name, Any, None) for name in dict.fromkeys(objects) if name not in _READ),
         ],

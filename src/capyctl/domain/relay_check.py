@@ -87,7 +87,7 @@ def _row_head(allowed: frozenset[str], max_tool_calls: int) -> Any:
     delta = msgspec.defstruct(
         "Delta",
         [
-            (key, list[call] | None | UnsetType if key == "tool_calls" else Any, UNSET)  # type: ignore[valid-type]
+            (key, list[call] | None | UnsetType if key == "tool_calls" else Any, UNSET)  # type: ignore[valid-type]  # call: made by defstruct, a variable to mypy
             for key in DELTA_KEYS
             if key in allowed
         ],
@@ -99,7 +99,7 @@ def _row_head(allowed: frozenset[str], max_tool_calls: int) -> Any:
         "Head",
         [
             ("model", Any, UNSET),
-            ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]
+            ("choices", list[choice] | None | UnsetType, UNSET),  # type: ignore[valid-type]  # choice: see above
             ("error", Any, UNSET),
             *((name, Any, None) for name in OBJECT_NAMES),
         ],
