@@ -118,7 +118,6 @@ def one_attached_vllm(clock: VirtualClock) -> tuple[Events, Any]:
         has=lambda name: True,
         get=lambda name: controller,
         names=lambda: ["m"],
-        lost_host=lambda name: False,
     )
     return events, fleet
 

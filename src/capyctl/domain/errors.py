@@ -162,6 +162,7 @@ class DeviceOffline(CapyError):
             **({"model": model} if model is not None else {}),
         )
         self.retry_after = retry_after
+        self.state = state  # the host's state (or "reconnecting", "unreachable"): its reason
 
 
 class HostLost(CapyError):

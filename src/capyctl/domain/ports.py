@@ -199,6 +199,18 @@ class EngineEffects(Protocol):
         """Why the engine's machine cannot be reached now (a host that is not online); None when it can.
         Never blocks: it is asked on each request's way to the engine."""
 
+    @property
+    def host(self) -> str | None:
+        """The host the engines run on; None: this machine."""
+
+    async def reprove(self) -> None:
+        """The engines' host linked again: an engine it kept running while away serves again once it answers
+        as ready on the new link (on this machine: nothing to prove)."""
+
+    def leave(self) -> None:
+        """The server stops: its engines on a host are left running, for the next server to adopt (on this
+        machine: nothing; they end with the server)."""
+
 
 class EngineAnswer(Protocol):
     async def pump(self, deliver: Callable[[list[StreamEvent]], Relayed], drain: Callable[[], Awaitable[None]]) -> bool:

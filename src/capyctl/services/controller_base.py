@@ -58,6 +58,9 @@ class Serving(Protocol):
     def cut(self, record: RequestRecord) -> None:
         """A request sent to this deployment's engine was cut: it stays counted until settled."""
 
+    def held(self) -> CapyError | None:
+        """Why the engine that runs cannot be reached now (its host is not online); None when it can."""
+
 
 class Room(Protocol):
     """Where a managed controller asks for room on its device before each launch (``Switchboard``)."""

@@ -41,6 +41,7 @@ class DecisionService(RequestService):
     async def decide(self, call: Call) -> dict[str, Any]:
         """The engine's answer to the decision ``call``, with ``capyctl.metrics``."""
         controller: Serving = self._fleet.resolve(call.deployment, "decisions")
+        call.controller = controller
         engine, obj = controller.engine, call.obj
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes
         if "cache_salt" in obj and engine.family not in DECISION_SALTED:  # only a salted key adds it

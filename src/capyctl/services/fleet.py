@@ -38,7 +38,7 @@ from capyctl.domain.errors import (
     ModelNotFound,
 )
 from capyctl.domain.fields import row_for
-from capyctl.domain.hosts import HostState, place
+from capyctl.domain.hosts import place
 from capyctl.domain.link import RunningInstance
 from capyctl.domain.memory import Device, Residency
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, Store
@@ -141,7 +141,6 @@ class Fleet:
         self._hosts = hosts  # the server's hosts (start server); None: this machine only
         if hosts is not None:
             hosts.on_linked(self._adopt)
-        self._remote: dict[str, RemoteEngineEffects] = {}  # deployment -> its engine's effects on its host
         self._controllers: dict[str, Controller] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self._changes = anyio.Lock()  # held by every change to the fleet, for its whole length
@@ -187,21 +186,15 @@ class Fleet:
             controller = self._controllers.get(instance.deployment)
             if isinstance(controller, ManagedController) and controller.host == host and controller.status.pid is None:
                 controller.ask()
-        for name, effects in self._remote.items():  # what it kept running while away: ready again?
-            controller = self._controllers.get(name)
-            if (
-                effects.host == host
-                and self._task_group is not None
-                and controller is not None
-                and controller.status.pid is not None
-            ):
-                self._task_group.start_soon(effects.reprove)
+        for managed in self.managed():  # what it kept running while away: ready again?
+            if managed.effects.host == host and self._task_group is not None and managed.status.pid is not None:
+                self._task_group.start_soon(managed.effects.reprove)
 
     def leave_hosts(self) -> None:
         """The server stops: the engines on hosts are left running, for the next server to adopt. Called before
         the controllers are cancelled, whose launches end their engines on their way out."""
-        for effects in self._remote.values():
-            effects.leave()
+        for managed in self.managed():
+            managed.effects.leave()
 
     async def shutdown(self) -> None:
         """Every engine on this machine stopped; those on hosts are left running for the next server to adopt."""
@@ -253,7 +246,7 @@ class Fleet:
         if deployment.spec.attached:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
         elif deployment.host is not None and self._hosts is not None:
-            effects = self._remote[deployment.spec.name] = RemoteEngineEffects(
+            effects = RemoteEngineEffects(
                 deployment.spec, engine, deployment.host, self._hosts, self._clock, self._canary
             )
             controller = ManagedController(  # charged on its host's device: the same switchboard
@@ -415,7 +408,6 @@ class Fleet:
                     self._reachable(current)
                     await current.close()  # the old engine is gone before the new deployment exists
                     del self._controllers[spec.name]
-                    self._remote.pop(spec.name, None)
                     current = None
             if current is not None:  # unchanged: the same record, with what was measured of it
                 deployment = current.deployment
@@ -497,20 +489,13 @@ class Fleet:
             self._reachable(controller)
             await controller.close()
             del self._controllers[name]
-            self._remote.pop(name, None)
             self._store.delete_deployment(name)
             self._events.emit(name, "deployment_deleted")
-
-    def lost_host(self, name: str) -> bool:
-        """True when deployment ``name`` runs on a host that is lost (or revoked) now."""
-        effects = self._remote.get(name)
-        return effects is not None and self._registry().state(effects.host) in (HostState.LOST, HostState.REVOKED)
 
     def _reachable(self, controller: Controller) -> None:
         """Refuses (``device_offline``) to end an engine on a host that cannot be told now: the engine is held
         until its host is back, and the command would wait as long."""
-        effects = self._remote.get(controller.name)
-        if effects is not None and controller.status.pid is not None and (refusal := effects.offline()) is not None:
+        if controller.status.pid is not None and (refusal := controller.held()) is not None:
             raise refusal
 
     def _command(self, controller: Controller, desired: Desired) -> None:

@@ -57,6 +57,17 @@ class LocalEngineEffects(EngineEffects):
             number=number, url=f"http://127.0.0.1:{port}", pid=process.pid, port=port, log_path=str(log_path)
         )
 
+    @property
+    def host(self) -> None:
+        """(see ``EngineEffects``): this machine."""
+        return None
+
+    async def reprove(self) -> None:
+        """(see ``EngineEffects``): an engine on this machine is never away."""
+
+    def leave(self) -> None:
+        """(see ``EngineEffects``): an engine on this machine ends with the server."""
+
     def exited(self, engine: Launched) -> int | None:
         return self._handles[engine.number].returncode()
 

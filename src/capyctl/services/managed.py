@@ -71,6 +71,11 @@ class ManagedController(ControllerBase):
         return self._state.status
 
     @property
+    def effects(self) -> EngineEffects:
+        """What acts on its engines, wherever they run (``EngineEffects``)."""
+        return self._effects
+
+    @property
     def desired(self) -> Desired:
         return self._state.desired
 

@@ -71,7 +71,7 @@ class RemoteEngineEffects(EngineEffects):
     ) -> None:
         self._spec = spec
         self._engine = engine
-        self.host = host
+        self._host = host
         self._hosts = hosts
         self._clock = clock
         self._canary = canary
@@ -82,15 +82,19 @@ class RemoteEngineEffects(EngineEffects):
         self._leaving = False
 
     @property
+    def host(self) -> str:
+        return self._host
+
+    @property
     def _instance(self) -> str:
         return self._spec.name
 
     async def _run(self, action: Action, launch: _Launch | None, **args: Any) -> dict[str, Any]:
         generation = launch.generation if launch is not None else self._generation
-        return await self._hosts.run(self.host, action, args, instance=self._instance, generation=generation)
+        return await self._hosts.run(self._host, action, args, instance=self._instance, generation=generation)
 
     async def launch(self, number: int) -> Launched:
-        await self._hosts.until_online(self.host)
+        await self._hosts.until_online(self._host)
         gate = secrets.token_urlsafe(24)
         running = self._adoptable() if not self._launches else None
         if running is not None:  # what a server before this one launched: taken over, not started again
@@ -105,35 +109,35 @@ class RemoteEngineEffects(EngineEffects):
                 spec=msgspec.to_builtins(self._spec),
                 engine=msgspec.to_builtins(self._engine),
             )
-        address, port = self._hosts.ingress(self.host)
+        address, port = self._hosts.ingress(self._host)
         pid = int(detail.get("pid") or 0)
         self._launches[number] = self._current = _Launch(
-            self._generation, self._hosts.session(self.host), pid, str(detail.get("launch_id") or "")
+            self._generation, self._hosts.session(self._host), pid, str(detail.get("launch_id") or "")
         )
         self._proven = self._current.session
         engine_port = detail.get("port")
         return Launched(
             number=number,
-            url=f"https://{self.host}:{gate}@{address}:{port}",
+            url=f"https://{self._host}:{gate}@{address}:{port}",
             pid=pid,
             port=int(engine_port) if engine_port else None,
             ingress_port=port,
-            log_path=f"{self.host}:{detail.get('log_path')}",
+            log_path=f"{self._host}:{detail.get('log_path')}",
             adopted=running is not None,
         )
 
     def _adoptable(self) -> RunningInstance | None:
-        proof = self._hosts.proven(self.host)
+        proof = self._hosts.proven(self._host)
         return next((r for r in proof[1] if r.instance == self._instance), None) if proof is not None else None
 
     def exited(self, engine: Launched) -> int | None:
         launch = self._launches[engine.number]
-        if launch.code is None and (told := self._hosts.exit_of(self.host, self._instance, launch.pid)) is not None:
+        if launch.code is None and (told := self._hosts.exit_of(self._host, self._instance, launch.pid)) is not None:
             launch.code = told.returncode if told.returncode is not None else GONE
             launch.cause = "agent_stopped" if told.cause == "agent_stopped" else None
-        if launch.code is None and self._hosts.state(self.host) == HostState.REVOKED:
+        if launch.code is None and self._hosts.state(self._host) == HostState.REVOKED:
             launch.gone("host_revoked")  # its agent is cut off and ends its engines; nothing more will be heard
-        proof = self._hosts.proven(self.host) if launch.code is None else None
+        proof = self._hosts.proven(self._host) if launch.code is None else None
         if (
             proof is not None
             and proof[0] > launch.session
@@ -158,7 +162,7 @@ class RemoteEngineEffects(EngineEffects):
     async def _ready_now(self, launch: _Launch) -> bool | None:
         """Whether the host finds ``launch`` ready now (then proved on the current link); None when the host
         is out of reach. A launch the host no longer runs, or that exited, gets its exit status."""
-        session = self._hosts.session(self.host)
+        session = self._hosts.session(self._host)
         try:
             detail = await self._run("probe", launch)
         except DeviceOffline:
@@ -217,15 +221,15 @@ class RemoteEngineEffects(EngineEffects):
         return (int(running), int(waiting)) if running is not None and waiting is not None else None
 
     def offline(self) -> CapyError | None:
-        refusal = self._hosts.offline(self.host, self._spec.name)
+        refusal = self._hosts.offline(self._host, self._spec.name)
         launch = self._current
         if (
             refusal is None
             and launch is not None
             and launch.code is None
-            and self._proven < self._hosts.session(self.host)
+            and self._proven < self._hosts.session(self._host)
         ):
-            return DeviceOffline(self.host, "reconnecting", model=self._spec.name, retry_after=1)  # until reproved
+            return DeviceOffline(self._host, "reconnecting", model=self._spec.name, retry_after=1)  # until reproved
         return refusal
 
     async def reprove(self, attempts: int = 20) -> None:
@@ -233,7 +237,7 @@ class RemoteEngineEffects(EngineEffects):
         was kept, not restarted); one that is no longer there counts as gone."""
         launch = self._current
         for _ in range(attempts):
-            if launch is None or launch.code is not None or self._proven >= self._hosts.session(self.host):
+            if launch is None or launch.code is not None or self._proven >= self._hosts.session(self._host):
                 return
             if await self._ready_now(launch) is not False or launch.code is not None:
                 return  # ready, gone, or away again (proved on its next return)

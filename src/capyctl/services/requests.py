@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from capyctl.domain.errors import CapyError, EdgeError
+from capyctl.domain.errors import CapyError, DeviceOffline, EdgeError
+from capyctl.domain.hosts import HostState
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineAnswer, EngineSession, EngineStream
 from capyctl.domain.relay_check import ChunkRules, Refused, StreamCheck
@@ -31,6 +32,7 @@ from capyctl.services.keys import Keyring
 
 _encode = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
+_GONE = frozenset({HostState.LOST.value, HostState.REVOKED.value})
 
 
 class RequestSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -206,7 +208,7 @@ class RequestService:
         """CAN-1: True (and ``call`` marked cancelled) once it has had no answer within the request deadline,
         or once its answer has been silent for the stream idle timeout, or once the host its engine runs on
         is lost. Cheap: no I/O."""
-        if call.instance is not None and self._fleet.lost_host(call.deployment):
+        if call.instance is not None and _host_gone(call.controller):
             call.cancelled(CancelCause.HOST_LOST)
             return True
         now = self._clock.monotonic()
@@ -269,3 +271,10 @@ class RequestService:
         rules, call.row = made
         call.meter = meter = Meter(self._clock.monotonic)
         call.check = StreamCheck(rules, meter, call.deployment, self._clock.monotonic)
+
+
+def _host_gone(controller: Serving | None) -> bool:
+    """Whether the host of ``controller``'s engine is lost or revoked now (what its ``held`` says): a request
+    sent there is cut (CAN-1); one merely suspended or reconnecting may still be answered."""
+    held = controller.held() if controller is not None else None
+    return isinstance(held, DeviceOffline) and held.state in _GONE
