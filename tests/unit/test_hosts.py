@@ -2,24 +2,17 @@
 
 import msgspec
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.hosts import (
-    Adopt,
-    AdoptionStep,
     CommandLedger,
-    ExpectedInstance,
     HostState,
     LinkFacts,
     LinkTimings,
     Verdict,
-    adoption,
     link_state,
-    takes_requests,
 )
-from capyctl.domain.link import Command, CommandResult, RunningInstance
+from capyctl.domain.link import Command, CommandResult
 
 H = HostState
 T = LinkTimings(suspend_after=5.0, lost_after=30.0)
@@ -124,21 +117,6 @@ def test_timings_that_cannot_work_are_refused_naming_both_keys(suspend_after: fl
     with pytest.raises(InvalidConfig) as caught:
         LinkTimings(suspend_after=suspend_after, lost_after=lost_after)
     assert "hosts.suspend_after" in caught.value.message and "hosts.lost_after" in caught.value.message
-
-
-@pytest.mark.parametrize(
-    ("state", "takes"),
-    [
-        (H.ONLINE, True),
-        (H.SUSPENDED, False),
-        (H.DISCONNECTED, False),
-        (H.LOST, False),
-        (H.REVOKED, False),
-        (H.JOINED, False),
-    ],
-)
-def test_only_an_online_host_takes_requests(state: HostState, takes: bool) -> None:
-    assert takes_requests(state) is takes
 
 
 # --- command fencing --------------------------------------------------------------------------------------
@@ -256,178 +234,6 @@ def test_a_forgotten_id_whose_generation_is_still_the_newest_is_applied_again() 
 def test_a_ledger_keeps_at_least_one_result() -> None:
     with pytest.raises(ValueError):
         CommandLedger(size=0)
-
-
-# --- adoption -------------------------------------------------------------------------------------------
-
-
-def running(
-    instance: str = "qwen/1",
-    *,
-    generation: int = 3,
-    pid: int = 4242,
-    started: float = 5000.25,
-    launch_id: str = "L3",
-    deployment: str | None = None,
-) -> RunningInstance:
-    return RunningInstance(
-        instance=instance,
-        deployment=deployment or instance.split("/")[0],
-        number=1,
-        generation=generation,
-        pid=pid,
-        pid_start_time=started,
-        port=30001,
-        launch_id=launch_id,
-    )
-
-
-def expected(
-    instance: str = "qwen/1",
-    *,
-    generation: int = 3,
-    pid: int | None = 4242,
-    started: float | None = 5000.25,
-    launch_id: str = "L3",
-) -> ExpectedInstance:
-    return ExpectedInstance(
-        instance=instance,
-        deployment=instance.split("/")[0],
-        generation=generation,
-        launch_id=launch_id,
-        pid=pid,
-        pid_start_time=started,
-    )
-
-
-def actions(steps: list[AdoptionStep]) -> list[tuple[str, Adopt]]:
-    return [(step.instance, step.action) for step in steps]
-
-
-def test_the_same_process_is_kept() -> None:
-    steps = adoption([expected()], [running()])
-    assert actions(steps) == [("qwen/1", Adopt.KEEP)]
-    assert steps[0].running == running() and steps[0].expected == expected()
-
-
-def test_a_process_whose_pid_the_server_never_learnt_is_kept_on_its_launch() -> None:
-    assert actions(adoption([expected(pid=None, started=None)], [running()])) == [("qwen/1", Adopt.KEEP)]
-
-
-def test_a_reused_pid_is_stopped_and_the_launched_process_counted_gone() -> None:
-    steps = adoption([expected(started=5000.25)], [running(started=7777.5)])
-    assert actions(steps) == [("qwen/1", Adopt.STOP), ("qwen/1", Adopt.GONE)]
-    assert "7777.5" in steps[0].reason and "5000.25" in steps[0].reason
-    assert steps[0].running is not None and steps[1].expected is not None
-
-
-def test_another_pid_is_stopped() -> None:
-    steps = adoption([expected(pid=1)], [running(pid=2)])
-    assert actions(steps) == [("qwen/1", Adopt.STOP), ("qwen/1", Adopt.GONE)]
-
-
-def test_an_instance_the_server_does_not_expect_is_stopped() -> None:
-    steps = adoption([], [running("stray/1")])
-    assert actions(steps) == [("stray/1", Adopt.STOP)]
-    assert "not expected" in steps[0].reason
-
-
-def test_an_instance_the_host_does_not_report_is_gone() -> None:
-    steps = adoption([expected()], [])
-    assert actions(steps) == [("qwen/1", Adopt.GONE)]
-    assert steps[0].running is None and steps[0].expected == expected()
-
-
-def test_an_older_generation_is_stopped() -> None:
-    steps = adoption([expected(generation=4, launch_id="L4")], [running(generation=3, launch_id="L3")])
-    assert actions(steps) == [("qwen/1", Adopt.STOP), ("qwen/1", Adopt.GONE)]
-    assert "older" in steps[0].reason and "3" in steps[0].reason and "4" in steps[0].reason
-
-
-def test_a_generation_the_server_did_not_give_is_stopped() -> None:
-    assert actions(adoption([expected(generation=3)], [running(generation=9)]))[0] == ("qwen/1", Adopt.STOP)
-
-
-def test_another_launch_of_the_same_generation_is_stopped() -> None:
-    steps = adoption([expected(launch_id="L3")], [running(launch_id="L3-bis")])
-    assert actions(steps) == [("qwen/1", Adopt.STOP), ("qwen/1", Adopt.GONE)]
-    assert "L3-bis" in steps[0].reason
-
-
-def test_another_deployment_under_the_instance_name_is_stopped() -> None:
-    steps = adoption([expected()], [running(deployment="other")])
-    assert actions(steps)[0] == ("qwen/1", Adopt.STOP)
-
-
-def test_a_second_process_for_a_kept_instance_is_stopped() -> None:
-    steps = adoption([expected(pid=None, started=None)], [running(pid=9), running(pid=8)])
-    assert actions(steps) == [("qwen/1", Adopt.KEEP), ("qwen/1", Adopt.STOP)]
-    assert steps[0].running is not None and steps[0].running.pid == 8  # the choice does not follow input order
-
-
-def test_steps_are_sorted_by_instance() -> None:
-    steps = adoption(
-        [expected("c/1"), expected("a/1"), expected("b/1", generation=2)],
-        [running("b/1"), running("d/1"), running("a/1")],
-    )
-    assert actions(steps) == [
-        ("a/1", Adopt.KEEP),
-        ("b/1", Adopt.STOP),
-        ("b/1", Adopt.GONE),
-        ("c/1", Adopt.GONE),
-        ("d/1", Adopt.STOP),
-    ]
-
-
-def test_an_instance_expected_twice_is_a_callers_error() -> None:
-    with pytest.raises(ValueError, match="expected twice"):
-        adoption([expected(), expected()], [])
-
-
-# One host's worth of instances: a few names, and fields drawn from small sets so that matches happen often.
-NAMES = st.sampled_from(["a/1", "a/2", "b/1", "c/1", "d/1"])
-EXPECTED = st.builds(
-    lambda name, g, pid, started, launch: expected(name, generation=g, pid=pid, started=started, launch_id=launch),
-    NAMES,
-    st.integers(1, 3),
-    st.none() | st.integers(1, 3),
-    st.none() | st.sampled_from([1.0, 2.0]),
-    st.sampled_from(["L1", "L2"]),
-)
-RUNNING = st.builds(
-    lambda name, g, pid, started, launch: running(name, generation=g, pid=pid, started=started, launch_id=launch),
-    NAMES,
-    st.integers(1, 3),
-    st.integers(1, 3),
-    st.sampled_from([1.0, 2.0]),
-    st.sampled_from(["L1", "L2"]),
-)
-
-
-@given(st.lists(EXPECTED, unique_by=lambda e: e.instance), st.lists(RUNNING, unique_by=lambda r: r.instance))
-def test_adoption_accounts_for_every_instance_once(
-    wanted: list[ExpectedInstance], found: list[RunningInstance]
-) -> None:
-    steps = adoption(wanted, found)
-    # every reported process is kept or stopped, once; every expected one is kept or counted gone, once
-    assert sorted((s.running.instance for s in steps if s.running), key=str) == sorted(r.instance for r in found)
-    assert sorted((s.expected.instance for s in steps if s.expected), key=str) == sorted(e.instance for e in wanted)
-    for step in steps:
-        assert (step.running is not None) == (step.action in (Adopt.KEEP, Adopt.STOP))
-        assert (step.expected is not None) == (step.action in (Adopt.KEEP, Adopt.GONE))
-    kept = {s.instance for s in steps if s.action is Adopt.KEEP}
-    assert kept.isdisjoint(s.instance for s in steps if s.action in (Adopt.STOP, Adopt.GONE))
-    for step in steps:  # a kept process is the expected launch, its pid proved where the server knew it
-        if step.action is Adopt.KEEP:
-            assert step.running is not None and step.expected is not None
-            assert (step.running.generation, step.running.launch_id) == (
-                step.expected.generation,
-                step.expected.launch_id,
-            )
-            assert step.expected.pid in (None, step.running.pid)
-            assert step.expected.pid_start_time in (None, step.running.pid_start_time)
-    assert [s.instance for s in steps] == sorted(s.instance for s in steps)
-    assert adoption(list(reversed(wanted)), list(reversed(found))) == steps
 
 
 def test_a_deployment_with_no_host_named_goes_to_an_online_host_with_its_engine_the_same_each_time() -> None:

@@ -1,7 +1,7 @@
 """Hosts: the rules of a control link that can fall silent, drop and come back.
 
-Three sets of rules, each pure (times are passed in as the ``Clock`` port's
-monotonic seconds):
+Its rules are pure (times are passed in as the ``Clock`` port's monotonic
+seconds):
 
 - ``link_state``: what the server makes of a host from its link and when it
   last heard it. A closed link makes it ``disconnected`` at once; silence
@@ -14,25 +14,25 @@ monotonic seconds):
   link, a restart), so a command seen before is answered with its first
   result, never applied twice; and a command older than one already applied
   to its instance is refused, so a late order cannot undo a newer one.
-- ``adoption``: when a host (re)connects, its hello lists what runs there;
-  the server compares that with what it believes runs there and decides, per
-  instance, to keep it, have it stopped, or count it gone. The hello is the
-  evidence that lets the server release a lost host's memory and unsettled
-  requests; nothing is restarted here, that stays the controllers' job.
+- ``place``: the host for a deployment whose file names none.
+
+What a host's hello proves of the engines it runs (the evidence that
+releases a lost host's memory and cut requests) is read where each engine's
+effects live: ``services/remote_engines.py``.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import msgspec
 
 from capyctl.domain.deployments import Strict
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import InvalidConfig
-from capyctl.domain.link import Command, CommandResult, RunningInstance
+from capyctl.domain.link import Command, CommandResult
 
 
 class HostRecord(Strict, kw_only=True, frozen=True):
@@ -104,10 +104,6 @@ def link_state(facts: LinkFacts, now: float, timings: LinkTimings) -> HostState:
     if silent >= timings.suspend_after:
         return HostState.SUSPENDED
     return HostState.ONLINE
-
-
-def takes_requests(state: HostState) -> bool:
-    return state is HostState.ONLINE
 
 
 # --- command fencing, on the host ---------------------------------------------------------------------------
@@ -186,107 +182,6 @@ class CommandLedger:
 
     def newest(self, instance: str) -> int | None:
         return self._newest.get(instance)
-
-
-# --- adoption, on the server --------------------------------------------------------------------------------
-
-
-class ExpectedInstance(msgspec.Struct, frozen=True, kw_only=True):
-    """An instance the server believes runs on a host; pid fields are None where the server never learnt them."""
-
-    instance: str
-    deployment: str
-    generation: int
-    launch_id: str
-    pid: int | None = None
-    pid_start_time: float | None = None
-
-
-class Adopt(enum.StrEnum):
-    KEEP = "keep"  # the very process the server launched: keep it (its readiness is checked next)
-    STOP = "stop"  # the host must stop this process: the server did not launch it, or not this launch
-    GONE = "gone"  # the host does not run it: its memory and unsettled requests may be released
-
-
-_ORDER = {Adopt.KEEP: 0, Adopt.STOP: 1, Adopt.GONE: 2}
-
-
-class AdoptionStep(msgspec.Struct, frozen=True, kw_only=True):
-    action: Adopt
-    instance: str
-    reason: str
-    running: RunningInstance | None = None  # what the host reported (KEEP, STOP)
-    expected: ExpectedInstance | None = None  # what the server believed (KEEP, GONE)
-
-
-def adoption(expected: Sequence[ExpectedInstance], running: Sequence[RunningInstance]) -> list[AdoptionStep]:
-    """What to do with each instance after a host's hello, sorted by instance (KEEP, STOP, GONE within one).
-
-    Each reported process ends in one KEEP or STOP step and each expected
-    instance in one KEEP or GONE step. A STOP'd process still holds its
-    device until the host reports its exit; the caller charges it till then.
-    """
-    wanted: dict[str, ExpectedInstance] = {}
-    for one in expected:
-        if one.instance in wanted:
-            raise ValueError(f"instance {one.instance!r} is expected twice on one host")
-        wanted[one.instance] = one
-    steps: list[AdoptionStep] = []
-    kept: set[str] = set()
-    for process in sorted(running, key=lambda p: (p.instance, p.launch_id, p.pid)):  # input order never matters
-        belief = wanted.get(process.instance)
-        why = "not expected on this host" if belief is None else _mismatch(belief, process)
-        if why is None and process.instance not in kept:
-            kept.add(process.instance)
-            steps.append(
-                AdoptionStep(
-                    action=Adopt.KEEP,
-                    instance=process.instance,
-                    reason="the same process",
-                    running=process,
-                    expected=belief,
-                )
-            )
-        else:
-            steps.append(
-                AdoptionStep(
-                    action=Adopt.STOP,
-                    instance=process.instance,
-                    reason=why or "a second process for an instance already kept",
-                    running=process,
-                )
-            )
-    steps += [
-        AdoptionStep(action=Adopt.GONE, instance=name, reason="the host does not report it", expected=belief)
-        for name, belief in wanted.items()
-        if name not in kept
-    ]
-    return sorted(steps, key=_step_key)
-
-
-def _mismatch(belief: ExpectedInstance, process: RunningInstance) -> str | None:
-    """Why ``process`` is not the launch the server made, or None when it is (pid proved where known)."""
-    if process.deployment != belief.deployment:
-        return f"it serves deployment {process.deployment!r}, not the expected {belief.deployment!r}"
-    if process.generation < belief.generation:
-        return f"generation {process.generation} is older than the expected {belief.generation}"
-    if process.generation != belief.generation:
-        return f"generation {process.generation} is not the expected {belief.generation}"
-    if process.launch_id != belief.launch_id:
-        return f"launch {process.launch_id!r} is not the expected launch {belief.launch_id!r}"
-    if belief.pid is not None and process.pid != belief.pid:
-        return f"pid {process.pid} is not the expected pid {belief.pid}"
-    if belief.pid_start_time is not None and process.pid_start_time != belief.pid_start_time:
-        return (
-            f"pid {process.pid} started at {process.pid_start_time:g}, not at {belief.pid_start_time:g}: "
-            "another process has the launched one's pid"
-        )
-    return None
-
-
-def _step_key(step: AdoptionStep) -> tuple[str, int, str, int]:
-    process = step.running
-    return (step.instance, _ORDER[step.action], process.launch_id if process else "", process.pid if process else 0)
 
 
 def place(candidates: list[tuple[str, HostState, bool]]) -> str | None:
