@@ -25,7 +25,8 @@ ENGINE = EngineInstall(name="vllm", family=EngineFamily.VLLM, path="/venv", vers
 
 
 class FakeHosts:
-    """The registry's side the effects read: one host, whose link, state and answers the test sets."""
+    """A fake ``HostLink`` (what the effects ask of the registry): one host, whose link, state and answers the
+    test sets."""
 
     def __init__(self) -> None:
         self.state_now = HostState.ONLINE
@@ -84,7 +85,7 @@ class FakeHosts:
 
 
 def effects(hosts: FakeHosts) -> RemoteEngineEffects:
-    return RemoteEngineEffects(SPEC, ENGINE, "gpu-a", hosts, VirtualClock())  # type: ignore[arg-type]
+    return RemoteEngineEffects(SPEC, ENGINE, "gpu-a", hosts, VirtualClock())
 
 
 async def test_each_launch_has_its_own_gate_key_and_a_newer_generation() -> None:

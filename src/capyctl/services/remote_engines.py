@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -34,14 +34,43 @@ from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, DeviceOffline
 from capyctl.domain.hosts import HostState
 from capyctl.domain.lifecycle import Launched
-from capyctl.domain.link import Action, RunningInstance
+from capyctl.domain.link import Action, ProcessExit, RunningInstance
 from capyctl.domain.ports import Clock, EngineEffects
-from capyctl.services.hosts import HostRegistry
 
 Canary = Callable[[str, str], Awaitable[str]]  # (engine URL, served model) -> the engine's answer
 GONE = -1  # the exit status of an engine known gone without one (its host said it no longer runs)
 RETRY_EVERY = 0.5  # seconds between two tries of a stop while the host is out of reach
 NOT_READY_PAUSE = 0.1  # seconds a probe that found the engine not ready yet waits: each probe is a round trip
+
+
+class HostLink(Protocol):
+    """What a deployment's engine effects on a host ask of the server's registry of hosts (``HostRegistry``):
+    commands over the host's control link, and what the link knows of the host and its engines."""
+
+    async def run(
+        self, name: str, action: Action, args: dict[str, Any], instance: str = "", generation: int = 0
+    ) -> dict[str, Any]:
+        """A command to host ``name`` and the detail of its result; raises the host's refusal."""
+
+    async def until_online(self, name: str) -> None:
+        """Returns once the host is online and linked."""
+
+    def ingress(self, name: str) -> tuple[str, int]:
+        """Where the host's ingress answers (its address on the link, its port); raises DeviceOffline."""
+
+    def offline(self, name: str, model: str) -> DeviceOffline | None:
+        """Why a request for ``model`` cannot go to the host now; None while it is online."""
+
+    def proven(self, name: str) -> tuple[int, list[RunningInstance]] | None:
+        """(the link's session, what the host's hello said runs there) while it is linked."""
+
+    def session(self, name: str) -> int:
+        """The current link's session number (0: never linked since the server started)."""
+
+    def exit_of(self, name: str, instance: str, pid: int) -> ProcessExit | None:
+        """What the host told of the end of ``instance``'s process ``pid``; None if it told nothing."""
+
+    def state(self, name: str) -> HostState: ...
 
 
 @dataclass
@@ -65,7 +94,7 @@ class RemoteEngineEffects(EngineEffects):
         spec: DeploymentSpec,
         engine: EngineInstall,
         host: str,
-        hosts: HostRegistry,
+        hosts: HostLink,
         clock: Clock,
         canary: Canary | None = None,
     ) -> None:
