@@ -19,9 +19,9 @@ import anyio
 import msgspec
 import pytest
 
-from capyctl.adapters.control.agent import SERVER_NAME, HostAgent, join
-from capyctl.adapters.control.ingress import Ingress
-from capyctl.adapters.control.listener import ControlListener
+from capyctl.adapters.control.host_agent import SERVER_NAME, HostAgent, join
+from capyctl.adapters.control.host_ingress import Ingress
+from capyctl.adapters.control.server_listener import ControlListener
 from capyctl.adapters.pki import CertificateAuthority, caller_certificate, client_ssl_context, server_ssl_context
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinFile, secret_text
@@ -29,7 +29,7 @@ from capyctl.domain.link import Inventory
 from capyctl.entrypoints.host_role import host_commands, host_engines
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
-from capyctl.services.hosts import HostRegistry
+from capyctl.services.server_hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
 from tests.fakes.standin_venv import make_standin_venv
 from tests.integration.harness import pid_alive

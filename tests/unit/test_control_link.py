@@ -12,8 +12,8 @@ import anyio
 import pytest
 from websockets.asyncio.client import connect
 
-from capyctl.adapters.control.agent import SERVER_NAME, HostAgent, LinkRefused, join
-from capyctl.adapters.control.listener import ControlListener
+from capyctl.adapters.control.host_agent import SERVER_NAME, HostAgent, LinkRefused, join
+from capyctl.adapters.control.server_listener import ControlListener
 from capyctl.adapters.pki import (
     CertificateAuthority,
     caller_certificate,
@@ -26,7 +26,7 @@ from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinFile, secret_text
 from capyctl.domain.link import Goodbye, Hello, Inventory, JoinRequest, decode, encode
 from capyctl.services.events import Events
-from capyctl.services.hosts import HostRegistry
+from capyctl.services.server_hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
 
 CALLER = caller_certificate(SERVER_NAME)[0]

@@ -31,7 +31,7 @@ from capyctl.adapters.http.views import host_view
 from capyctl.domain.errors import InvalidRequest, ModelNotFound
 from capyctl.domain.hosts import LinkTimings
 from capyctl.domain.link import DeviceReport, Hello, Inventory
-from capyctl.services.hosts import HostRegistry
+from capyctl.services.server_hosts import HostRegistry
 from tests.fakes.ports import virtual_time
 from tests.unit.test_dashboard import World
 

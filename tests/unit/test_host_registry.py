@@ -13,7 +13,7 @@ from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinRefused
 from capyctl.domain.link import CommandResult, DeviceReport, Goodbye, Hello, Inventory, ProcessExit
 from capyctl.services.events import Events
-from capyctl.services.hosts import HostRegistry
+from capyctl.services.server_hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
 
 SECRET = bytes(range(32))

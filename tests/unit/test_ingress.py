@@ -18,8 +18,8 @@ import anyio
 import msgspec
 import pytest
 
-from capyctl.adapters.control import ingress as ingress_module
-from capyctl.adapters.control.ingress import BODY_TIMEOUT, HEADER_TIMEOUT, Ingress
+from capyctl.adapters.control import host_ingress as ingress_module
+from capyctl.adapters.control.host_ingress import BODY_TIMEOUT, HEADER_TIMEOUT, Ingress
 from capyctl.adapters.pki import CertificateAuthority, caller_certificate, client_ssl_context, host_key_and_csr
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]

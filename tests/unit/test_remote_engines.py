@@ -15,7 +15,7 @@ from capyctl.domain.errors import DeviceOffline, InvalidRequest
 from capyctl.domain.hosts import HostState
 from capyctl.domain.link import ExitCause, ProcessExit, RunningInstance
 from capyctl.services.fleet import decode_spec
-from capyctl.services.remote_engines import GONE, RemoteEngineEffects
+from capyctl.services.server_remote_engines import GONE, RemoteEngineEffects
 from tests.fakes.ports import VirtualClock, virtual_time
 
 pytestmark = pytest.mark.anyio

@@ -18,7 +18,7 @@ seconds):
 
 What a host's hello proves of the engines it runs (the evidence that
 releases a lost host's memory and cut requests) is read where each engine's
-effects live: ``services/remote_engines.py``.
+effects live: ``services/server_remote_engines.py``.
 """
 
 from __future__ import annotations

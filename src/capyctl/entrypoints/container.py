@@ -37,10 +37,10 @@ from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
-from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 from capyctl.services.requests import RequestSettings
+from capyctl.services.server_hosts import HostRegistry
 from capyctl.services.switching import Switchboard
 
 

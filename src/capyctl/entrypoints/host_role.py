@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from capyctl.adapters.clock import SystemClock
-from capyctl.adapters.control.ingress import Ingress
+from capyctl.adapters.control.host_ingress import Ingress
 from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine

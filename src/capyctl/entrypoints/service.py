@@ -30,7 +30,7 @@ from capyctl.domain.config import ServerConfig, Settings, resolve
 from capyctl.domain.errors import InvalidConfig
 from capyctl.domain.limits import HOST_MAX_BODY, Limits, across_hosts
 from capyctl.entrypoints.container import Container
-from capyctl.entrypoints.hosts import server_role
+from capyctl.entrypoints.server_role import server_role
 
 log = logging.getLogger("capyctl")
 DEFAULTS = resolve(ServerConfig(), {})
@@ -112,8 +112,8 @@ async def serve_server(
 async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_listen: str = "0.0.0.0:8444") -> None:
     """``start host``: the host agent keeps its link to the server, and its ingress serves, until SIGINT or
     SIGTERM."""
-    from capyctl.adapters.control.agent import HostAgent, HostIdentity, LinkRefused
-    from capyctl.adapters.control.ingress import Ingress
+    from capyctl.adapters.control.host_agent import HostAgent, HostIdentity, LinkRefused
+    from capyctl.adapters.control.host_ingress import Ingress
     from capyctl.domain.link import DeviceReport, Inventory
     from capyctl.entrypoints.host_role import host_commands, host_engines
 

@@ -44,9 +44,9 @@ from capyctl.domain.memory import Device, Residency
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
-from capyctl.services.hosts import HostRegistry
 from capyctl.services.local_engines import LocalEngineEffects
-from capyctl.services.remote_engines import RemoteEngineEffects
+from capyctl.services.server_hosts import HostRegistry
+from capyctl.services.server_remote_engines import RemoteEngineEffects
 from capyctl.services.switching import NoSwitchboard, Switchboard
 
 # The residency tiers each engine family can park with (LIFE-2); restart_only parks by stopping.

@@ -26,14 +26,14 @@ from typing import Any
 import anyio
 import msgspec
 
-from capyctl.adapters.control.agent import SERVER_NAME
-from capyctl.adapters.control.listener import ControlListener
+from capyctl.adapters.control.host_agent import SERVER_NAME
+from capyctl.adapters.control.server_listener import ControlListener
 from capyctl.adapters.pki import CertificateAuthority, caller_certificate, client_ssl_context, server_ssl_context
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinFile, secret_text
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
-from capyctl.services.hosts import HostRegistry
+from capyctl.services.server_hosts import HostRegistry
 from tests.fakes.ports import FakeClock, FakeStore
 
 GATE = "p" * 32

@@ -32,9 +32,9 @@ from capyctl.adapters.http.views import (
 from capyctl.domain.errors import InvalidConfig, InvalidRequest, Unauthorized
 from capyctl.domain.ports import Clock
 from capyctl.services.fleet import Fleet
-from capyctl.services.hosts import HostRegistry
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
+from capyctl.services.server_hosts import HostRegistry
 
 KeysDep = NamedDependency[SkipValidation[Keyring]]
 _KEY_FIELDS = ("name", "daily_limit", "models", "cache_salt")

@@ -75,7 +75,7 @@ def join_host(
     json: JsonOpt = False,
 ) -> None:
     """Join this machine to the server of a join file, as the host named in it (run on the GPU machine)."""
-    from capyctl.adapters.control.agent import join
+    from capyctl.adapters.control.host_agent import join
 
     try:
         data = join_file.read_bytes()

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from capyctl.adapters.control.agent import SERVER_NAME
-from capyctl.adapters.control.listener import ControlListener
+from capyctl.adapters.control.host_agent import SERVER_NAME
+from capyctl.adapters.control.server_listener import ControlListener
 from capyctl.adapters.http.management import Hosts
 from capyctl.adapters.pki import (
     CertificateAuthority,

@@ -59,7 +59,7 @@ from typing import cast
 import anyio
 import httptools
 
-from capyctl.adapters.control.ingress_requests import GATE_REFUSED, MAX_HEAD, Caller, Refusal, Request, answer
+from capyctl.adapters.control.host_ingress_requests import GATE_REFUSED, MAX_HEAD, Caller, Refusal, Request, answer
 from capyctl.adapters.pki import server_ssl_context
 from capyctl.domain.limits import HOST_MAX_BODY, Limits
 

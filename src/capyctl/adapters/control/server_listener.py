@@ -38,7 +38,7 @@ from capyctl.adapters.pki import CertificateAuthority, fingerprint, host_name_of
 from capyctl.domain.errors import CapyError, InvalidRequest
 from capyctl.domain.joining import secret_bytes
 from capyctl.domain.link import Callers, Goodbye, Hello, JoinAccepted, JoinRequest, Message, decode, encode
-from capyctl.services.hosts import HostRegistry
+from capyctl.services.server_hosts import HostRegistry
 
 log = logging.getLogger("capyctl.hosts")
 HEARTBEAT = 1.0  # seconds between two heartbeats the server sends each host
