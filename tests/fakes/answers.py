@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.streams import DONE, Chunks, Relayed, StreamEvent
 
 
@@ -53,6 +54,6 @@ async def pump_all(
         raise AssertionError("nothing said FULL")
 
     with anyio.fail_after(10):
-        async with session.chat_stream(url, body) as answer:
+        async with session.chat_stream(EngineAddress(url), body) as answer:
             said_ended = await answer.pump(deliver, drain)
     return batches, said_ended

@@ -13,7 +13,7 @@ from __future__ import annotations
 import anyio
 
 from capyctl.domain.errors import CapyError
-from capyctl.domain.lifecycle import Launched
+from capyctl.domain.lifecycle import EngineAddress, Launched
 
 
 class FakeEngineEffects:
@@ -60,7 +60,11 @@ class FakeEngineEffects:
         self.codes[number], self.asleep[number] = None, False
         self._did("launch", number)
         return Launched(
-            number=number, url=f"http://engine-{number}", pid=100 + number, port=None, log_path=f"/logs/{number}.log"
+            number=number,
+            address=EngineAddress(f"http://engine-{number}"),
+            pid=100 + number,
+            port=None,
+            log_path=f"/logs/{number}.log",
         )
 
     def exited(self, engine: Launched) -> int | None:
@@ -104,3 +108,11 @@ class FakeEngineEffects:
 
     def offline(self) -> CapyError | None:
         return self.unreachable
+
+    host = None  # this machine
+
+    async def reprove(self) -> None:
+        """(on this machine: nothing to prove)"""
+
+    def leave(self) -> None:
+        """(on this machine: nothing to leave)"""

@@ -16,6 +16,7 @@ from capyctl.domain.deployments import Deployment, Desired, InstanceState, Step,
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DeploymentStopped, EngineRestarted, EngineUnavailable, LlmUnavailable
 from capyctl.domain.fields import row_for
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.memory import Holding
 from capyctl.domain.scheduling import Route
 from capyctl.services.controllers import ControllerSettings, ManagedController
@@ -82,7 +83,7 @@ def test_the_decision_table() -> None:
 async def test_a_request_starts_an_on_demand_deployment(world: World) -> None:
     assert world.controller.desired is Desired.ON_DEMAND and world.processes.spawned == []
     route = await world.controller.route(2)
-    assert route == Route("http://127.0.0.1:5555", 1)
+    assert route == Route(EngineAddress("http://127.0.0.1:5555"), 1)
     assert world.controller.desired is Desired.RUN and world.controller.ready
     assert len(world.processes.running()) == 1
     assert world.states() == ["starting", "ready"]
@@ -225,12 +226,12 @@ async def test_a_controller_that_meets_an_unexpected_error_fails_alone_until_an_
             await broken.controller.route(5)
         assert broken.controller.status.state is S.FAILED and broken.processes.spawned == []
         assert [e["kind"] for e in broken.store.events].count("controller_failed") == 1
-        assert (await healthy.controller.route(5)).url == "http://127.0.0.1:5555"  # the other one serves
+        assert (await healthy.controller.route(5)).address.url == "http://127.0.0.1:5555"  # the other one serves
         with pytest.raises(LlmUnavailable):  # nothing is tried again on a request's behalf
             await broken.controller.route(1)
         assert broken.processes.spawned == []
         broken.controller.want(Desired.RUN)  # an operator's start: a new budget, and it serves
-        assert (await broken.controller.route(5)).url == "http://127.0.0.1:5555"
+        assert (await broken.controller.route(5)).address.url == "http://127.0.0.1:5555"
         assert len(broken.processes.running()) == 1
         tg.cancel_scope.cancel()
 
@@ -257,7 +258,7 @@ async def test_an_engine_that_crashes_after_each_start_backs_off_then_fails(worl
     world.controller.want(Desired.RUN)
     assert world.controller.status.state is S.STARTING  # at once: requests now wait for it
     began = trio.current_time()
-    assert (await world.controller.route(5)).url == "http://127.0.0.1:5555"
+    assert (await world.controller.route(5)).address.url == "http://127.0.0.1:5555"
     assert trio.current_time() - began < 0.5  # a new start budget, with no backoff before it
 
 

@@ -20,6 +20,7 @@ from capyctl.adapters.engines._http import fetch_json, fetch_ok, post_ok
 from capyctl.adapters.engines._wire import _MAX_ANSWER, WireEngineSession
 from capyctl.adapters.process.ports import free_port
 from capyctl.domain.errors import EdgeError, EngineError, EngineUnavailable
+from capyctl.domain.lifecycle import EngineAddress
 from tests.fakes.scripted_engine import ScriptedEngine
 
 
@@ -65,7 +66,7 @@ async def test_status_and_body_on_one_kept_alive_connection(engine: ScriptedEngi
 async def test_side_requests_share_the_pool_with_decisions(engine: ScriptedEngine, session: WireEngineSession) -> None:
     engine.add("/v1/systemone", 200, b'{"answer":1}')
     engine.add("/metrics", 200, b"x 1\n")
-    assert await session.decide(engine.url, b"{}") == b'{"answer":1}'
+    assert await session.decide(EngineAddress(engine.url), b"{}") == b'{"answer":1}'
     assert await session.request("GET", engine.url + "/metrics") == (200, b"x 1\n")
     assert engine.connections == 1
 

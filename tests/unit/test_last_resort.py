@@ -19,6 +19,7 @@ from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import EdgeError, EngineUnavailable
 from capyctl.domain.fields import row_for
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.request_rows import RowFilter
 from capyctl.domain.streams import DONE, Chunks, Relayed, sse_of
 from capyctl.services.chat import ChatService
@@ -200,7 +201,7 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
         row_for(engine.family, engine.version),
     )
     controller.want(Desired.RUN)
-    assert await controller.route(1) == ("http://127.0.0.1:9", 1)
+    assert await controller.route(1) == (EngineAddress("http://127.0.0.1:9"), 1)
 
     class Session:
         @asynccontextmanager

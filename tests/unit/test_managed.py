@@ -14,6 +14,7 @@ from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import DeviceOffline, EngineRestarted, EngineUnavailable, InsufficientMemory, LlmUnavailable
 from capyctl.domain.fields import row_for
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.memory import Holding
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import Route
@@ -94,7 +95,7 @@ async def parks() -> AsyncIterator[World]:
 
 
 async def test_a_request_launches_one_engine_and_is_routed_to_it(world: World) -> None:
-    assert await world.controller.route(5) == Route("http://engine-1", 1)
+    assert await world.controller.route(5) == Route(EngineAddress("http://engine-1"), 1)
     assert world.effects.done == ["launch 1"] and world.effects.running() == [1]
     status = world.controller.status
     assert (status.pid, status.log_path) == (101, "/logs/1.log") and world.controller.holding is Holding.AWAKE
@@ -108,7 +109,7 @@ async def test_a_crash_ends_the_old_engine_before_the_next_launch(world: World) 
     )
     await world.until(lambda: world.controller.ready)
     assert world.effects.done == ["launch 1", "stop 1", "launch 2"]
-    assert world.controller.route_now() == Route("http://engine-2", 2)
+    assert world.controller.route_now() == Route(EngineAddress("http://engine-2"), 2)
 
 
 async def test_an_engine_its_hosts_agent_stopped_is_no_crash_and_comes_back_without_backoff(world: World) -> None:
@@ -154,7 +155,7 @@ async def test_an_engine_that_never_gets_ready_is_ended_each_time_then_failed(wo
 
 async def test_a_launch_that_raises_is_a_failed_start_and_the_next_one_serves(world: World) -> None:
     world.effects.launch_error = OSError(28, "No space left on device")
-    assert await world.controller.route(30) == Route("http://engine-2", 2)
+    assert await world.controller.route(30) == Route(EngineAddress("http://engine-2"), 2)
     assert world.effects.done == ["launch 2"]  # nothing ran for launch 1: nothing to stop
     assert "engine_start_failed" in world.kinds() and world.controller.status.restarts == 1
 
@@ -180,7 +181,7 @@ async def test_park_and_wake_act_on_the_same_engine(parks: World) -> None:
     await parks.controller.give_way(park=True)
     assert parks.effects.done == ["launch 1", "canary 1", "park 1"]  # the canary's first answer, then the park
     assert parks.controller.status.state is S.PARKED and parks.controller.holding is Holding.PARKED
-    assert await parks.controller.route(5) == Route("http://engine-1", 1)
+    assert await parks.controller.route(5) == Route(EngineAddress("http://engine-1"), 1)
     assert parks.effects.done[3:] == ["wake 1", "canary 1"] and parks.controller.holding is Holding.AWAKE
     assert parks.effects.running() == [1]
 
@@ -198,7 +199,7 @@ async def test_a_wake_that_answers_differently_is_stopped_and_a_fresh_engine_ser
     parks.effects.answers = ["yes", "no", "yes"]
     await parks.controller.route(5)
     await parks.controller.give_way(park=True)
-    assert await parks.controller.route(30) == Route("http://engine-2", 2)
+    assert await parks.controller.route(30) == Route(EngineAddress("http://engine-2"), 2)
     assert parks.effects.done == [
         "launch 1",
         "canary 1",
@@ -213,7 +214,7 @@ async def test_a_wake_that_answers_differently_is_stopped_and_a_fresh_engine_ser
 
 
 async def test_an_engine_whose_machine_is_out_of_reach_is_refused_at_once_and_served_again_after(world: World) -> None:
-    assert await world.controller.route(5) == Route("http://engine-1", 1)
+    assert await world.controller.route(5) == Route(EngineAddress("http://engine-1"), 1)
     world.effects.unreachable = DeviceOffline("gpu-a", "suspended", model="m")
     assert world.controller.route_now() is None  # no request goes to it
     with pytest.raises(DeviceOffline) as refused:  # told at once: not after the request's deadline
@@ -222,7 +223,7 @@ async def test_an_engine_whose_machine_is_out_of_reach_is_refused_at_once_and_se
     assert refused.value.extra["model"] == "m" and refused.value.retry_after > 0
     assert world.effects.done == ["launch 1"]  # its engine is kept: nothing is stopped or launched again
     world.effects.unreachable = None
-    assert world.controller.route_now() == Route("http://engine-1", 1)
+    assert world.controller.route_now() == Route(EngineAddress("http://engine-1"), 1)
 
 
 async def test_cut_requests_are_settled_by_the_running_launchs_own_load_readings(world: World) -> None:

@@ -92,15 +92,17 @@ async def test_each_launch_has_its_own_gate_key_and_a_newer_generation() -> None
     hosts = FakeHosts()
     remote = effects(hosts)
     first = await remote.launch(1)
-    url = urlsplit(first.url)
-    assert (url.scheme, url.username, url.hostname, url.port) == ("https", "gpu-a", "10.0.0.2", 8444)
+    address = first.address
+    url = urlsplit(address.url)
+    assert (url.scheme, url.hostname, url.port, address.tls_name) == ("https", "10.0.0.2", 8444, "gpu-a")
+    assert url.username is None and url.password is None  # the gate key is beside the URL, never in it
     assert first.pid == 4242 and first.log_path == "gpu-a:/l/1.log" and not first.adopted
     action, args, generation = hosts.sent[0]
-    assert action == "launch" and args["gate"] == url.password and len(url.password or "") >= 24
+    assert action == "launch" and args["gate"] == address.gate and len(address.gate or "") >= 24
     assert args["spec"]["name"] == "chat" and args["engine"]["family"] == "vllm"
     await remote.stop(first, 1.0)
     second = await remote.launch(2)
-    assert urlsplit(second.url).password != url.password  # the first launch's key opens nothing now
+    assert second.address.gate != address.gate  # the first launch's key opens nothing now
     assert hosts.sent[-1][0] == "launch" and hosts.sent[-1][2] > generation
 
 
@@ -121,7 +123,7 @@ async def test_an_engine_a_server_before_this_one_launched_is_adopted_not_starte
     remote = effects(hosts)
     adopted = await remote.launch(1)
     assert adopted.adopted and adopted.pid == 777
-    assert hosts.sent == [("adopt", {"gate": urlsplit(adopted.url).password}, 555)]  # its own generation
+    assert hosts.sent == [("adopt", {"gate": adopted.address.gate}, 555)]  # its own generation
     assert remote.exited(adopted) is None
     hosts.exit(777, 0)  # it ends later: the next launch is a launch, not an adoption
     assert remote.exited(adopted) == 0 and remote.ended_by(adopted) is None

@@ -7,6 +7,7 @@ import pytest
 
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.errors import DeviceBusy, ModelLoading, Queued, QueueFull
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import (
     GRANTED,
@@ -117,7 +118,7 @@ class Runner:
         self.ask()
         await self.came_up.wait()
         self.state = InstanceState.READY
-        return Route("http://engine", 1)
+        return Route(EngineAddress("http://engine"), 1)
 
     def loading(self) -> Loading:
         return Loading(str(self.state), None, [20.0])

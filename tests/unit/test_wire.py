@@ -29,6 +29,7 @@ import pytest
 
 from capyctl.adapters.engines._wire import WireEngineSession, _Response
 from capyctl.domain.errors import EdgeError, EngineError, EngineUnavailable
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.streams import DONE, Chunks, Comment, Relayed, StreamEvent
 from tests.fakes.answers import pump_all
 
@@ -144,7 +145,7 @@ async def test_leaving_after_a_delivery_that_said_ended_closes_the_connection(re
         return Relayed.ENDED  # the client went away after the first batch
 
     with anyio.fail_after(10):
-        async with session.chat_stream(replay, SLOW) as answer:
+        async with session.chat_stream(EngineAddress(replay), SLOW) as answer:
             assert await answer.pump(deliver, anyio.sleep) is True
     assert delivered == [1]  # pump returned at ENDED: nothing more was asked of deliver
     assert session._idle.get(key_of(replay), []) == []
@@ -162,7 +163,7 @@ async def test_a_cut_pump_delivers_nothing_more_and_closes_its_connection(replay
             cut.cancel()  # as the client's hang-up would
             return Relayed.MORE
 
-        async with session.chat_stream(replay, SLOW) as answer:
+        async with session.chat_stream(EngineAddress(replay), SLOW) as answer:
             await answer.pump(deliver, anyio.sleep)
     assert cut.cancelled_caught and delivered == [1]
     await until(lambda: disconnected(replay) > before, "the replay engine to see the connection closed")
@@ -176,7 +177,7 @@ async def test_a_cut_connection_is_replaced_by_an_idle_one_that_the_next_request
             cut.cancel()  # the client hung up after the first batch: its request is cancelled
             return Relayed.MORE
 
-        async with session.chat_stream(replay, SLOW) as answer:
+        async with session.chat_stream(EngineAddress(replay), SLOW) as answer:
             await answer.pump(deliver, anyio.sleep)
     assert cut.cancelled_caught
     # the cut one was closed; a new one comes to stand idle in its place
@@ -201,11 +202,13 @@ async def test_engine_refusals_and_unreachable_engines(replay: str) -> None:
     session = WireEngineSession()
     with anyio.fail_after(10):
         with pytest.raises(EngineError) as refused:
-            async with session.chat_stream(replay, BODY.replace(b"chat_stream_usage", b"error_bad_messages")):
+            async with session.chat_stream(
+                EngineAddress(replay), BODY.replace(b"chat_stream_usage", b"error_bad_messages")
+            ):
                 pass
         assert refused.value.status == 400
         with pytest.raises(EngineUnavailable, match="could not reach"):
-            async with session.chat_stream("http://127.0.0.1:9", BODY):
+            async with session.chat_stream(EngineAddress("http://127.0.0.1:9"), BODY):
                 pass
 
 
@@ -281,7 +284,7 @@ async def test_a_full_client_pauses_reading_from_the_engine_until_it_has_drained
     session = WireEngineSession()
     batches: list[list[StreamEvent]] = []
     drained: list[str] = []
-    async with engine() as served, session.chat_stream(served.url, b"{}") as answer:
+    async with engine() as served, session.chat_stream(EngineAddress(served.url), b"{}") as answer:
         peer = await served.peer()
         conn = answer._conn  # type: ignore[attr-defined]
 
@@ -318,7 +321,7 @@ async def test_a_delivery_that_says_ended_stops_the_pump_and_nothing_more_is_del
         return Relayed.ENDED
 
     async with engine() as served:
-        async with session.chat_stream(served.url, b"{}") as answer:
+        async with session.chat_stream(EngineAddress(served.url), b"{}") as answer:
             peer = await served.peer()
             await peer.send(chunk(event(1)))
             with anyio.fail_after(10):
@@ -345,7 +348,7 @@ async def test_an_answer_that_ends_without_done_returns_false_with_its_last_even
         ):  # unended
             delivered.clear()
             session = WireEngineSession()
-            async with session.chat_stream(served.url, b"{}") as answer:
+            async with session.chat_stream(EngineAddress(served.url), b"{}") as answer:
                 peer = await served.peer()
                 await peer.send(chunk(event(1)) + (chunk(last) if last else b"") + END)
                 with anyio.fail_after(10):
@@ -363,14 +366,14 @@ async def test_a_connection_broken_mid_answer_raises_engine_unavailable_after_wh
         return Relayed.MORE
 
     async with engine() as served:
-        async with session.chat_stream(served.url, b"{}") as answer:
+        async with session.chat_stream(EngineAddress(served.url), b"{}") as answer:
             peer = await served.peer()
             await peer.send(chunk(event(1)) + b"40\r\ndata: {")  # an event, then half a chunk
             peer.writer.close()
             with anyio.fail_after(10), pytest.raises(EngineUnavailable, match="connection broke"):
                 await answer.pump(deliver, anyio.sleep)
         assert carried(delivered) == [("data", b'{"n":1}')]
-        async with session.chat_stream(served.url, b"{}") as answer:  # broken before any event
+        async with session.chat_stream(EngineAddress(served.url), b"{}") as answer:  # broken before any event
             peer = await served.peer()
             peer.writer.transport.abort()
             with anyio.fail_after(10), pytest.raises(EngineUnavailable):
@@ -385,7 +388,7 @@ async def test_an_event_past_the_limit_is_an_edge_error_and_closes_the_connectio
 
     async with engine() as served:
         with pytest.raises(EdgeError, match="larger than the limit of 100 bytes"):
-            async with session.chat_stream(served.url, b"{}") as answer:
+            async with session.chat_stream(EngineAddress(served.url), b"{}") as answer:
                 peer = await served.peer()
 
                 def deliver(batch: list[StreamEvent]) -> Relayed:
@@ -413,7 +416,7 @@ async def test_the_events_before_an_oversized_one_in_the_same_read_are_relayed_t
 
     async with engine() as served:
         with pytest.raises(EdgeError, match="larger than the limit of 100 bytes"):
-            async with session.chat_stream(served.url, b"{}") as answer:
+            async with session.chat_stream(EngineAddress(served.url), b"{}") as answer:
                 peer = await served.peer()
                 await peer.send(chunk(good + good + b'data: {"x":"' + b"a" * 120 + b'"}\n\n'))
                 with anyio.fail_after(10):
@@ -472,7 +475,7 @@ async def written_in_pieces(
                 await asyncio.sleep(0)
 
     with anyio.fail_after(10):
-        async with session.chat_stream(served.url, b"{}") as answer, anyio.create_task_group() as group:
+        async with session.chat_stream(EngineAddress(served.url), b"{}") as answer, anyio.create_task_group() as group:
             group.start_soon(write, await served.peer())
             assert await answer.pump(deliver, anyio.sleep) is True
     return delivered
@@ -498,10 +501,10 @@ async def test_each_request_leaves_with_the_head_for_its_engine_address() -> Non
     async with engine(refusal) as served:
         for body in (b'{"a":1}', b'{"bb":22}'):
             with pytest.raises(EngineError):
-                async with session.chat_stream(f"{served.url}/engine/", body):
+                async with session.chat_stream(EngineAddress(f"{served.url}/engine/"), body):
                     pass
         with pytest.raises(EngineError):
-            await session.decide(served.url, b'{"q":1}')
+            await session.decide(EngineAddress(served.url), b'{"q":1}')
         heads = [(await served.peer()).request for _ in range(3)]
     port = served.url.rsplit(":", 1)[1]
     prefix = f"Host: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"

@@ -23,6 +23,7 @@ from capyctl.adapters.pki import (
     server_ssl_context,
 )
 from capyctl.domain.errors import HostUnreachable
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.streams import Relayed, StreamEvent
 
 BODY = b'{"model":"x","stream":true,"messages":[]}'
@@ -90,7 +91,9 @@ async def chat(session: WireEngineSession, port: int) -> list[StreamEvent]:
         return Relayed.MORE
 
     with anyio.fail_after(10):
-        async with session.chat_stream(f"https://gpu-a:{'g' * 32}@127.0.0.1:{port}", BODY) as answer:
+        async with session.chat_stream(
+            EngineAddress(f"https://127.0.0.1:{port}", tls_name="gpu-a", gate="g" * 32), BODY
+        ) as answer:
             await answer.pump(deliver, anyio.lowlevel.checkpoint)
     return got
 

@@ -33,11 +33,21 @@ S = InstanceState
 RUNNING = (S.STARTING, S.READY, S.PARKING, S.PARKED, S.WAKING)  # states in which an engine may still run
 
 
+class EngineAddress(msgspec.Struct, frozen=True, gc=False):
+    """Where an engine answers requests: its base URL (``http://`` on this machine, ``https://`` to a host's
+    ingress), and for a host's ingress the name its certificate must hold and the launch's gate key, sent
+    in a header of its own (never inside the URL)."""
+
+    url: str
+    tls_name: str | None = None
+    gate: str | None = None
+
+
 class Launched(msgspec.Struct, frozen=True, kw_only=True):
     """One launch of a deployment's engine, as its effects report it (``EngineEffects.launch``)."""
 
     number: int  # the deployment's launches count from 1; a route names the launch it was given
-    url: str  # where the engine answers requests
+    address: EngineAddress  # where the engine answers requests
     pid: int | None = None  # its process, where the effects can tell
     port: int | None = None  # where the engine listens, on its own machine's loopback
     ingress_port: int | None = None  # on a host: its ingress's port, which the server reaches the engine through

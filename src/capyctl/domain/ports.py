@@ -17,7 +17,7 @@ from capyctl.domain.errors import CapyError
 from capyctl.domain.hosts import HostRecord
 from capyctl.domain.joining import Invite
 from capyctl.domain.keys import ApiKey
-from capyctl.domain.lifecycle import Launched
+from capyctl.domain.lifecycle import EngineAddress, Launched
 from capyctl.domain.memory import Residency
 from capyctl.domain.request_rows import Entry, RequestRow, Retention, RowFilter
 from capyctl.domain.streams import Relayed, StreamEvent
@@ -230,7 +230,7 @@ class EngineStream(AbstractAsyncContextManager[EngineAnswer], Protocol):
 
 
 class EngineSession(Protocol):
-    def chat_stream(self, base_url: str, body: bytes) -> EngineStream:
+    def chat_stream(self, address: EngineAddress, body: bytes) -> EngineStream:
         """POST a streamed chat request to the engine; entering gives its answer (``EngineAnswer``).
 
         The request may be written at once, when the session holds a kept-alive
@@ -245,7 +245,7 @@ class EngineSession(Protocol):
         engine to stop work on a request.
         """
 
-    async def decide(self, base_url: str, body: bytes) -> bytes:
+    async def decide(self, address: EngineAddress, body: bytes) -> bytes:
         """POST a decision request (``/v1/systemone``); the engine's whole 200 answer.
 
         Raises ``EngineError`` when the engine refuses it, ``EngineUnavailable``

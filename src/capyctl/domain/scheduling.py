@@ -27,11 +27,13 @@ from typing import NamedTuple
 
 import msgspec
 
+from capyctl.domain.lifecycle import EngineAddress
+
 
 class Route(NamedTuple):
-    """Where a request was sent: the engine's URL, and which launch of the engine answered there."""
+    """Where a request was sent: the engine's address, and which launch of the engine answered there."""
 
-    url: str
+    address: EngineAddress
     launch: int
 
 

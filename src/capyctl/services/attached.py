@@ -10,6 +10,7 @@ from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, DeploymentStopped, EngineUnavailable
 from capyctl.domain.fields import RowChoice
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.ports import Clock, EngineAdapter
 from capyctl.domain.scheduling import Loading, Route
 from capyctl.services.controller_base import ControllerBase, InstanceStatus, initial_desire, move
@@ -45,6 +46,7 @@ class AttachedController(ControllerBase):
         self._status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
         self._status.state = S.STOPPED if self._desired is Desired.STOP else S.UNAVAILABLE
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._address = EngineAddress(self.base_url)
 
     @property
     def base_url(self) -> str:
@@ -93,7 +95,7 @@ class AttachedController(ControllerBase):
             await self.route(self.attach_wait)
 
     def route_now(self) -> Route | None:
-        return Route(self.base_url, self.launch) if self.status.state is S.READY else None
+        return Route(self._address, self.launch) if self.status.state is S.READY else None
 
     def _stopped(self) -> bool:
         """An operator's stop holds (a call, so that it is read afresh after each wait)."""
@@ -111,7 +113,7 @@ class AttachedController(ControllerBase):
                     raise DeploymentStopped(self.name)
                 if answers:
                     self._set(S.READY)
-                    return Route(self.base_url, self.launch)
+                    return Route(self._address, self.launch)
                 self._set(S.UNAVAILABLE, f"the attached engine at {self.base_url} does not answer")
                 await anyio.sleep(0.25)
         raise EngineUnavailable(

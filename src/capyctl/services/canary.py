@@ -15,6 +15,7 @@ import anyio
 import msgspec
 
 from capyctl.domain.errors import EdgeError
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Chunks, Done, Relayed, StreamEvent
 from capyctl.services.chat import failure_error
@@ -32,7 +33,7 @@ class Canary:
     def __init__(self, session: EngineSession) -> None:
         self._session = session
 
-    async def __call__(self, base_url: str, served_model: str) -> str:
+    async def __call__(self, address: EngineAddress, served_model: str) -> str:
         """The engine's answer to the canary, its text only."""
         body = msgspec.json.encode({**REQUEST, "model": served_model})
         text: list[str] = []
@@ -53,7 +54,7 @@ class Canary:
                     return Relayed.ENDED
             return Relayed.MORE
 
-        async with self._session.chat_stream(base_url, body) as answer:
+        async with self._session.chat_stream(address, body) as answer:
             if await answer.pump(deliver, anyio.lowlevel.checkpoint):
                 return "".join(text)
         raise EdgeError("the engine's answer to the canary ended without [DONE]")

@@ -98,7 +98,7 @@ class ChatService(RequestService):
             raise
         assert route is not None  # (a lease is granted at once only with a route)
         call.route = route
-        call.engine_stream = self._session.chat_stream(route.url, call.body)
+        call.engine_stream = self._session.chat_stream(route.address, call.body)
 
     @asynccontextmanager
     async def open(self, call: Call) -> AsyncIterator[Call]:
@@ -127,7 +127,7 @@ class ChatService(RequestService):
                     route = call.route = await controller.route(self._settings.request_deadline)
                 stream, call.engine_stream = call.engine_stream, None
                 if stream is None:  # (the session may write the request at once: the rest is done while it works)
-                    stream = self._session.chat_stream(route.url, call.body)
+                    stream = self._session.chat_stream(route.address, call.body)
                 try:
                     self._selected(call, controller)
                     self._arm(call, controller)

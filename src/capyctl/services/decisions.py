@@ -59,7 +59,7 @@ class DecisionService(RequestService):
                 self._selected(call, controller)
                 sent_at = self._clock.monotonic()
                 try:
-                    raw = await self._session.decide(route.url, body)
+                    raw = await self._session.decide(route.address, body)
                 except EngineError as exc:
                     raise EngineRejected(exc.status, exc.message) from exc
                 except EngineUnavailable as exc:

@@ -141,7 +141,7 @@ class EngineTask:
         state.launch += 1
         state.status.started_at = self._clock.wall()
         engine = await self._effects.launch(state.launch)
-        state.base_url, state.engine = engine.url, engine
+        state.latest, state.engine = engine.address, engine
         state.status.port, state.status.log_path, state.status.pid = engine.port, engine.log_path, engine.pid
         state.status.ingress_port = engine.ingress_port
         self._events.emit(

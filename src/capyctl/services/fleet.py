@@ -39,6 +39,7 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.fields import row_for
 from capyctl.domain.hosts import place
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.link import RunningInstance
 from capyctl.domain.memory import Device, Residency
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, Store
@@ -125,7 +126,7 @@ class Fleet:
         log_root: Path,
         settings: ControllerSettings,
         room: Switchboard | None = None,
-        canary: Callable[[str, str], Awaitable[str]] | None = None,
+        canary: Callable[[EngineAddress, str], Awaitable[str]] | None = None,
         hosts: HostRegistry | None = None,
     ) -> None:
         self._room: Switchboard | NoSwitchboard = room or NoSwitchboard()

@@ -14,10 +14,10 @@ from pathlib import Path
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError
-from capyctl.domain.lifecycle import Launched
+from capyctl.domain.lifecycle import EngineAddress, Launched
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, ProcessHandle
 
-Canary = Callable[[str, str], Awaitable[str]]  # (engine URL, served model) -> the engine's answer
+Canary = Callable[[EngineAddress, str], Awaitable[str]]  # (engine address, served model) -> its answer
 
 
 class LocalEngineEffects(EngineEffects):
@@ -54,7 +54,11 @@ class LocalEngineEffects(EngineEffects):
         self._handles = {n: h for n, h in self._handles.items() if h.returncode() is None}
         self._handles[number] = process
         return Launched(
-            number=number, url=f"http://127.0.0.1:{port}", pid=process.pid, port=port, log_path=str(log_path)
+            number=number,
+            address=EngineAddress(f"http://127.0.0.1:{port}"),
+            pid=process.pid,
+            port=port,
+            log_path=str(log_path),
         )
 
     @property
@@ -75,27 +79,27 @@ class LocalEngineEffects(EngineEffects):
         return None  # a child of this process ends by itself, or by this process's own stop
 
     async def ready(self, engine: Launched) -> bool:
-        return await self._adapter.ready(engine.url)
+        return await self._adapter.ready(engine.address.url)
 
     async def stop(self, engine: Launched, grace: float) -> int:
         return await self._handles[engine.number].terminate(grace)
 
     async def park(self, engine: Launched) -> None:
-        await self._adapter.park(engine.url, self._spec.residency)
+        await self._adapter.park(engine.address.url, self._spec.residency)
 
     async def wake(self, engine: Launched) -> None:
-        await self._adapter.wake(engine.url, self._spec.residency, str(self._spec.model))
+        await self._adapter.wake(engine.address.url, self._spec.residency, str(self._spec.model))
 
     async def parked(self, engine: Launched) -> bool | None:
-        return await self._adapter.parked(engine.url)
+        return await self._adapter.parked(engine.address.url)
 
     async def canary(self, engine: Launched) -> str | None:
         if self._canary is None:
             return None
-        return await self._canary(engine.url, self._spec.served_model)
+        return await self._canary(engine.address, self._spec.served_model)
 
     async def load(self, engine: Launched) -> tuple[int, int] | None:
-        return await self._adapter.load(engine.url)
+        return await self._adapter.load(engine.address.url)
 
     def offline(self) -> CapyError | None:
         return None  # this machine

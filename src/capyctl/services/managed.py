@@ -85,7 +85,7 @@ class ManagedController(ControllerBase):
 
     @property
     def base_url(self) -> str:
-        return self._state.base_url
+        return self._state.latest.url
 
     def bind(self, task_group: anyio.abc.TaskGroup) -> None:
         """Start the controller's task (and its settlement's) in ``task_group``."""
@@ -174,7 +174,7 @@ class ManagedController(ControllerBase):
 
     def route_now(self) -> Route | None:
         if self._state.status.state is S.READY and self._effects.offline() is None:
-            return Route(self._state.url, self._state.launch)
+            return Route(self._state.address, self._state.launch)
         return None
 
     async def route(self, timeout: float) -> Route:
@@ -190,7 +190,7 @@ class ManagedController(ControllerBase):
                 refused = state.refused is not None and state.refused[0] == attempt
                 step = route_step(state.desired, state.status.state, refused, state.done())
                 if step is RouteStep.SERVE:
-                    return Route(state.url, state.launch)
+                    return Route(state.address, state.launch)
                 if step is RouteStep.ASK_AGAIN:
                     self.ask()
                     attempt = state.asks

@@ -14,12 +14,13 @@ import anyio
 
 from capyctl.domain.deployments import Deployment, Desired, InstanceState
 from capyctl.domain.errors import CapyError
-from capyctl.domain.lifecycle import Launched, OnDesire, keep_last, on_desire, stop_path
+from capyctl.domain.lifecycle import EngineAddress, Launched, OnDesire, keep_last, on_desire, stop_path
 from capyctl.domain.ports import Clock
 from capyctl.services.controller_base import InstanceStatus, initial_desire, move
 from capyctl.services.events import Events
 
 S = InstanceState
+_NOWHERE = EngineAddress("")  # no launch yet
 
 
 class ManagedState:
@@ -37,9 +38,9 @@ class ManagedState:
         self.desired = initial_desire(deployment)
         self.status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
         self.launch = 0  # the latest launch's number
-        self.base_url = ""  # the latest launch's address
+        self.latest = _NOWHERE  # the latest launch's address
         self.engine: Launched | None = None  # the latest launch, while its engine may run
-        self.url = ""  # where requests go: the address of the launch that became ready
+        self.address = _NOWHERE  # where requests go: the address of the launch that became ready
         self.failures = 0  # launches in a row that never became stable
         self.relaunch = False  # the last launch ended by itself: the next one comes after a backoff
         self.ended_by: tuple[int, str] | None = None  # (a launch, why its engine ended) when not by itself, until
@@ -70,7 +71,7 @@ class ManagedState:
 
     def set(self, state: InstanceState) -> None:
         if state is S.READY:
-            self.url = self.base_url
+            self.address = self.latest
         move(self.status, state, self.name, self._clock, self._events)
         if state is S.READY and self.status.started_at is not None and self.status.ready_at is not None:
             self.status.cold_starts = keep_last(self.status.cold_starts, self.status.ready_at - self.status.started_at)

@@ -5,10 +5,11 @@ effect is a command to the host, which runs the engine with the very
 ``LocalEngineEffects`` a standalone server uses (``services/host_engines``).
 
 - A launch gets a gate key of its own; its address is the host's ingress,
-  ``https://<host>:<gate key>@<address>:<port>`` (the engine session checks
-  the ingress's certificate under ``<host>`` and sends the key with each
-  request). Its generation is a wall-clock count, so that it is newer than
-  any launch a server before a restart sent to the same host.
+  ``https://<address>:<port>``, with the host's name and the gate key beside
+  the URL (``EngineAddress``: the engine session checks the ingress's
+  certificate under the name and sends the key with each request). Its
+  generation is a wall-clock count, so that it is newer than any launch a
+  server before a restart sent to the same host.
 - A host that is not online takes no request (``offline``) and no launch
   (a launch waits for it); its engine is not counted gone for that. It is
   gone only on evidence: the host told its exit, said on its return that it
@@ -33,11 +34,11 @@ from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, DeviceOffline
 from capyctl.domain.hosts import HostState
-from capyctl.domain.lifecycle import Launched
+from capyctl.domain.lifecycle import EngineAddress, Launched
 from capyctl.domain.link import Action, ProcessExit, RunningInstance
 from capyctl.domain.ports import Clock, EngineEffects
 
-Canary = Callable[[str, str], Awaitable[str]]  # (engine URL, served model) -> the engine's answer
+Canary = Callable[[EngineAddress, str], Awaitable[str]]  # (engine address, served model) -> its answer
 GONE = -1  # the exit status of an engine known gone without one (its host said it no longer runs)
 RETRY_EVERY = 0.5  # seconds between two tries of a stop while the host is out of reach
 NOT_READY_PAUSE = 0.1  # seconds a probe that found the engine not ready yet waits: each probe is a round trip
@@ -147,7 +148,7 @@ class RemoteEngineEffects(EngineEffects):
         engine_port = detail.get("port")
         return Launched(
             number=number,
-            url=f"https://{self._host}:{gate}@{address}:{port}",
+            address=EngineAddress(f"https://{address}:{port}", tls_name=self._host, gate=gate),
             pid=pid,
             port=int(engine_port) if engine_port else None,
             ingress_port=port,
@@ -239,7 +240,7 @@ class RemoteEngineEffects(EngineEffects):
     async def canary(self, engine: Launched) -> str | None:
         if self._canary is None:
             return None
-        return await self._canary(engine.url, self._spec.served_model)
+        return await self._canary(engine.address, self._spec.served_model)
 
     async def load(self, engine: Launched) -> tuple[int, int] | None:
         try:

@@ -11,9 +11,10 @@ same pool, makes CapyCTL's other calls to an engine (``request``: probes,
 metrics, park and wake), so that one client reaches the engines.
 
 An engine on another machine is reached through its host's ingress, over
-mutual TLS: its address is ``https://<host>:<gate key>@<address>:<port>``.
-The host's certificate must be of the CA given to ``trust``, name
-``<host>``, and be the very certificate the host holds now (``pins``: its
+mutual TLS: its ``EngineAddress`` is ``https://<address>:<port>``, with the
+host's name (``tls_name``) and the launch's gate key (``gate``) beside the
+URL, never in it. The host's certificate must be of the CA given to
+``trust``, name ``<host>``, and be the very certificate the host holds now (``pins``: its
 fingerprint, checked on every new connection before a byte of a request
 is written, and again when a pooled one is taken, so a certificate revoked
 or replaced since opens nothing). The gate key goes in each request's
@@ -38,6 +39,7 @@ import httptools
 from capyctl.adapters.engines._http import engine_error
 from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
 from capyctl.domain.errors import CapyError, EdgeError, EngineUnavailable, HostUnreachable
+from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.ports import EngineSession
 from capyctl.domain.streams import Done, Relayed, StreamEvent
 
@@ -154,7 +156,7 @@ class WireEngineSession(EngineSession):
     def __init__(self, max_event: int = DEFAULT_MAX_EVENT) -> None:
         self._idle: dict[tuple[str, int], list[_Response]] = {}
         self._max_event = max_event
-        self._targets: dict[tuple[str, str, str, str], tuple[str, int, bytes]] = {}
+        self._targets: dict[tuple[str, EngineAddress, str, str], tuple[str, int, bytes]] = {}
         self._spares: dict[tuple[str, int], asyncio.Future[None]] = {}  # connections being opened ahead
         self._tls: ssl.SSLContext | None = None
         self._pins: Callable[[str], str | None] = lambda host: None
@@ -166,26 +168,26 @@ class WireEngineSession(EngineSession):
         names (its SHA-256; None: none is, the host is revoked)."""
         self._tls, self._pins = tls, pins
 
-    def _target(self, base_url: str, route: str, accept: str, method: str = "POST") -> tuple[str, int, bytes]:
+    def _target(self, address: EngineAddress, route: str, accept: str, method: str = "POST") -> tuple[str, int, bytes]:
         """(host, port, the request's head up to its Content-Length value) for ``method`` on ``route`` (a path,
-        with its query if any) under ``base_url``: worked out once per engine address, not per request. A POST
+        with its query if any) at ``address``: worked out once per engine address, not per request. A POST
         carries JSON; a GET carries nothing (Content-Length: 0)."""
-        known = self._targets.get((method, base_url, route, accept))
+        known = self._targets.get((method, address, route, accept))
         if known is None:
-            url = urlsplit(base_url)
+            url = urlsplit(address.url)
             host, port = url.hostname or "127.0.0.1", url.port or 80
             path = url.path.rstrip("/") + route
             typed = "Content-Type: application/json\r\n" if method == "POST" else ""
             named = host
-            if url.scheme == "https":  # a host's ingress: its name for TLS, the launch's gate key
-                named = self._tls_names[(host, port)] = url.username or host
-                typed += f"X-CapyCTL-Gate: {url.password or ''}\r\n"
+            if url.scheme == "https":  # a host's ingress: the name its certificate holds, the launch's gate key
+                named = self._tls_names[(host, port)] = address.tls_name or host
+                typed += f"X-CapyCTL-Gate: {address.gate or ''}\r\n"
             head = (
                 f"{method} {path} HTTP/1.1\r\nHost: {named}:{port}\r\n{typed}Accept: {accept}\r\nContent-Length: "
             ).encode()
             if len(self._targets) >= _TARGETS:  # engines restart on new ports: keep the newest few
                 self._targets.clear()
-            known = self._targets[(method, base_url, route, accept)] = (host, port, head)
+            known = self._targets[(method, address, route, accept)] = (host, port, head)
         return known
 
     def _idle_connection(self, host: str, port: int) -> _Response | None:
@@ -265,20 +267,20 @@ class WireEngineSession(EngineSession):
             raise HostUnreachable(name, "its ingress closed the connection before an answer")
         raise EngineUnavailable(f"the engine at {host}:{port} closed the connection: {conn.lost!r}")
 
-    def chat_stream(self, base_url: str, body: bytes) -> _ChatStream:
+    def chat_stream(self, address: EngineAddress, body: bytes) -> _ChatStream:
         """(see ``EngineSession``). The request is written at once when a kept-alive connection to the engine
         stands idle: the engine starts on it while the caller does what it has left to do before it enters."""
-        host, port, head = self._target(base_url, "/v1/chat/completions", "text/event-stream")
+        host, port, head = self._target(address, "/v1/chat/completions", "text/event-stream")
         conn = self._idle_connection(host, port)
         if conn is not None:
             conn.reset()
             conn.send(_request(head, body))
         return _ChatStream(self, host, port, head, body, conn)
 
-    async def decide(self, base_url: str, body: bytes) -> bytes:
+    async def decide(self, address: EngineAddress, body: bytes) -> bytes:
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
         ``EngineUnavailable`` when the engine cannot be reached; a cut closes the connection."""
-        host, port, head = self._target(base_url, "/v1/systemone", "application/json")
+        host, port, head = self._target(address, "/v1/systemone", "application/json")
         status, answer = await self._exchange(host, port, head, body, _MAX_ANSWER)
         if status != 200:
             raise self._refusal(host, port, status, answer)
@@ -312,7 +314,7 @@ class WireEngineSession(EngineSession):
         end is only the connection's close (no length, not chunked) reads as broken."""
         parts = urlsplit(url)
         route = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        host, port, head = self._target(f"{parts.scheme}://{parts.netloc}", route, "*/*", method)
+        host, port, head = self._target(EngineAddress(f"{parts.scheme}://{parts.netloc}"), route, "*/*", method)
         try:
             with anyio.fail_after(timeout):
                 return await self._exchange(host, port, head, body or b"", limit)
