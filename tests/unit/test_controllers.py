@@ -32,7 +32,7 @@ S = InstanceState
 
 
 class World:
-    def __init__(self, operator_stopped: bool = False) -> None:
+    def __init__(self, operator_stopped: bool = False, index: int = 0) -> None:
         self.store = FakeStore()
         self.processes = FakeProcessControl()
         self.adapter = FakeEngineAdapter()
@@ -51,6 +51,7 @@ class World:
             Events(self.store, clock),
             SETTINGS,
             row_for(engine.family, engine.version),
+            index=index,
         )
 
     def states(self) -> list[str]:
@@ -69,6 +70,20 @@ async def world() -> AsyncIterator[World]:
         w.controller.bind(tg)
         yield w
         tg.cancel_scope.cancel()
+
+
+async def test_an_instance_says_its_index_in_its_status_and_every_event() -> None:
+    w = World(index=2)
+    async with anyio.create_task_group() as tg:
+        w.controller.bind(tg)
+        await w.controller.route(2)
+        w.controller.want(Desired.STOP)
+        await w.until(S.STOPPED)
+        tg.cancel_scope.cancel()
+    assert w.controller.index == w.controller.status.index == 2
+    kinds = {e["kind"] for e in w.store.events}
+    assert {"state_changed", "engine_started"} <= kinds
+    assert {e["detail"].get("instance") for e in w.store.events if "instance" in e["detail"]} == {2}
 
 
 def test_the_decision_table() -> None:

@@ -59,7 +59,7 @@ class LoadEngine(FakeEngineAdapter):
 async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> None:
     store, engine = FakeStore(), LoadEngine()
     settlement = Settlement(
-        "m", lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
+        "m", 2, lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
     )
     async with anyio.create_task_group() as tg:
         settlement.bind(tg)
@@ -76,6 +76,8 @@ async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> 
     assert store.kinds()[-2:] == ["request_cut", "request_settled"]
     settled = [e for e in store.events if e["kind"] == "request_settled"][0]["detail"]
     assert settled["rule"] == ENGINE_IDLE and "01REQUESTID" not in str(settled)  # no request IDs in events
+    cut = [e for e in store.events if e["kind"] == "request_cut"][0]["detail"]
+    assert cut["instance"] == settled["instance"] == 2  # the instance whose cut requests they are
     assert engine.readings == readings  # nothing left to settle: no more readings
 
 
@@ -83,7 +85,7 @@ async def test_an_unanswered_cut_is_settled_only_by_the_engine_ending() -> None:
     store, engine = FakeStore(), LoadEngine()
     engine.now = (0, 0)
     settlement = Settlement(
-        "m", lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
+        "m", 2, lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
     )
     async with anyio.create_task_group() as tg:
         settlement.bind(tg)

@@ -161,6 +161,9 @@ def check_env(env: dict[str, str], owned: tuple[str, ...]) -> None:
                 )
 
 
+FIRST_INSTANCE = 0  # the index of a deployment's first instance (each deployment runs one so far)
+
+
 class InstanceState(enum.StrEnum):
     STOPPED = "stopped"
     STARTING = "starting"

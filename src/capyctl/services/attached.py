@@ -6,7 +6,7 @@ import contextlib
 
 import anyio
 
-from capyctl.domain.deployments import Deployment, Desired, InstanceState
+from capyctl.domain.deployments import FIRST_INSTANCE, Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, DeploymentStopped, EngineUnavailable
 from capyctl.domain.fields import RowChoice
@@ -40,10 +40,13 @@ class AttachedController(ControllerBase):
         clock: Clock,
         events: Events,
         fields: RowChoice,
+        index: int = FIRST_INSTANCE,
     ) -> None:
-        super().__init__(deployment, engine, adapter, clock, events, fields)
+        super().__init__(deployment, engine, adapter, clock, events, fields, index)
         self._desired = initial_desire(deployment)
-        self._status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
+        self._status = InstanceStatus(
+            index=index, cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times)
+        )
         self._status.state = S.STOPPED if self._desired is Desired.STOP else S.UNAVAILABLE
         self._task_group: anyio.abc.TaskGroup | None = None
         self._address = EngineAddress(self.base_url)

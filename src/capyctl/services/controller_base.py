@@ -7,7 +7,14 @@ from typing import Protocol
 
 import msgspec
 
-from capyctl.domain.deployments import Deployment, DeploymentSpec, Desired, InstanceState, check_transition
+from capyctl.domain.deployments import (
+    FIRST_INSTANCE,
+    Deployment,
+    DeploymentSpec,
+    Desired,
+    InstanceState,
+    check_transition,
+)
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, EngineUnavailable
 from capyctl.domain.fields import RowChoice
@@ -37,6 +44,10 @@ class Serving(Protocol):
     @property
     def host(self) -> str | None:
         """The host its engine runs on (several machines); None: this machine."""
+
+    @property
+    def index(self) -> int:
+        """Which instance of its deployment it runs (``FIRST_INSTANCE`` for the first)."""
 
     def ask(self) -> None:
         """A request wants the model: start it unless it runs, an operator's stop holds, or it FAILED."""
@@ -78,7 +89,7 @@ class ControllerSettings(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class InstanceStatus(msgspec.Struct, kw_only=True):
-    index: int = 0
+    index: int = FIRST_INSTANCE
     state: InstanceState = S.STOPPED
     pid: int | None = None
     port: int | None = None  # the engine's, on its machine's loopback
@@ -102,7 +113,7 @@ def move(status: InstanceStatus, state: InstanceState, name: str, clock: Clock, 
     previous, status.state = status.state, state
     if state is S.READY:
         status.ready_at = clock.wall()
-    events.emit(name, "state_changed", instance=0, previous=str(previous), state=str(state))
+    events.emit(name, "state_changed", instance=status.index, previous=str(previous), state=str(state))
 
 
 class ControllerBase:
@@ -116,14 +127,16 @@ class ControllerBase:
         clock: Clock,
         events: Events,
         fields: RowChoice,
+        index: int = FIRST_INSTANCE,
     ) -> None:
         self.deployment = deployment
         self.engine = engine
         self.adapter = adapter
         self.fields = fields
+        self.index = index  # which instance of its deployment it runs
         self._clock = clock
         self._events = events
-        self.settlement = Settlement(self.name, self.read_load, clock, events)
+        self.settlement = Settlement(self.name, index, self.read_load, clock, events)
 
     @property
     def name(self) -> str:

@@ -73,7 +73,12 @@ class EngineTask:
                     except Exception as exc:  # one deployment's fault must not end the others
                         log.exception("the controller of %s met an unexpected error", self._name)
                         state.status.last_error = f"CapyCTL's controller failed: {type(exc).__name__}: {exc}"
-                        self._events.emit(self._name, "controller_failed", instance=0, reason=state.status.last_error)
+                        self._events.emit(
+                            self._name,
+                            "controller_failed",
+                            instance=self._state.status.index,
+                            reason=state.status.last_error,
+                        )
                         state.failures, state.relaunch = self._settings.max_start_failures, False
                         state.status.state = S.FAILED  # no engine runs here (launches end theirs): FAILED until
                         state.notify()  # an operator's start; what requests wait for is told at once
@@ -104,7 +109,7 @@ class EngineTask:
                 state.set(S.STARTING)
             if state.relaunch and self._blameless() is None:  # (ended by its host's going: no backoff, the launch
                 delay = restart_delay(state.failures or 1)  # waits for the host to be back)
-                self._events.emit(self._name, "engine_restarting", instance=0, after_s=delay)
+                self._events.emit(self._name, "engine_restarting", instance=self._state.status.index, after_s=delay)
                 await anyio.sleep(delay)
                 state.status.restarts += 1
             try:
@@ -118,7 +123,9 @@ class EngineTask:
                 # is a failed start, after the launch's own cleanup ended its engine: backoff, then FAILED
                 log.exception("the launch of %s's engine failed", self._name)
                 state.status.last_error = f"could not launch the engine: {type(exc).__name__}: {exc}"
-                self._events.emit(self._name, "engine_start_failed", instance=0, reason=state.status.last_error)
+                self._events.emit(
+                    self._name, "engine_start_failed", instance=self._state.status.index, reason=state.status.last_error
+                )
                 ready_for = None
             state.failures = failures_after(state.failures, ready_for, self._settings.stable_after, self._blameless())
             state.relaunch = True
@@ -147,7 +154,7 @@ class EngineTask:
         self._events.emit(
             self._name,
             "engine_adopted" if engine.adopted else "engine_started",
-            instance=0,
+            instance=self._state.status.index,
             pid=engine.pid,
             port=engine.port,
         )
@@ -163,10 +170,14 @@ class EngineTask:
             cause = self._ended(engine)
             if cause is None:  # by itself: a crash
                 state.status.last_error = f"engine exited with status {code} while serving"
-                self._events.emit(self._name, "engine_crashed", instance=0, status=code, log=engine.log_path)
+                self._events.emit(
+                    self._name, "engine_crashed", instance=self._state.status.index, status=code, log=engine.log_path
+                )
             else:  # not the engine's doing: said as what it was, and started again once its machine allows
                 state.status.last_error = f"engine ended while serving: {ENDED_BY.get(cause, cause)}"
-                self._events.emit(self._name, "engine_ended", instance=0, cause=cause, status=code)
+                self._events.emit(
+                    self._name, "engine_ended", instance=self._state.status.index, cause=cause, status=code
+                )
             state.set(S.STARTING)  # at once: no request may be routed to the dead engine
             return self._clock.monotonic() - ready_at
         except anyio.get_cancelled_exc_class():
@@ -216,7 +227,7 @@ class EngineTask:
                 self._events.emit(
                     self._name,
                     "engine_start_failed",
-                    instance=0,
+                    instance=self._state.status.index,
                     status=code,
                     **({"cause": cause} if cause is not None else {}),
                 )
@@ -227,7 +238,9 @@ class EngineTask:
         with anyio.CancelScope(shield=True):
             await self._effects.stop(engine, self._settings.stop_grace)
         status.last_error = f"engine not ready after {self._settings.startup_timeout:.0f} s"
-        self._events.emit(self._name, "engine_start_failed", instance=0, reason="startup timeout")
+        self._events.emit(
+            self._name, "engine_start_failed", instance=self._state.status.index, reason="startup timeout"
+        )
         return False
 
     def _ended(self, engine: Launched) -> str | None:
@@ -259,14 +272,14 @@ class EngineTask:
             confirmed, why = False, exc.message
         if confirmed is False:  # None: the engine cannot tell, and its answer to the park is the evidence
             error = f"the engine did not park ({why}); stopped instead"
-            self._events.emit(self._name, "park_failed", instance=0, reason=error)
+            self._events.emit(self._name, "park_failed", instance=self._state.status.index, reason=error)
             self._give_up(error)
             return
         self._state.set(S.PARKED)
         self._events.emit(
             self._name,
             "parked",
-            instance=0,
+            instance=self._state.status.index,
             residency=str(self._occupant.spec.residency),
             seconds=round(self._clock.monotonic() - began, 3),
         )
@@ -289,11 +302,13 @@ class EngineTask:
             answer = await self._ask_canary(engine)
         except CapyError as exc:
             error = f"the engine did not wake: {exc.message}"
-            self._events.emit(self._name, "wake_failed", instance=0, reason=error)
+            self._events.emit(self._name, "wake_failed", instance=self._state.status.index, reason=error)
             self._give_up(error)
             return
         if not wake_matches(self._reference, answer):
-            self._events.emit(self._name, "wake_mismatch", instance=0, expected=self._reference, got=answer)
+            self._events.emit(
+                self._name, "wake_mismatch", instance=self._state.status.index, expected=self._reference, got=answer
+            )
             self._give_up(
                 f"wake_mismatch: after its wake the engine answered {answer!r} to the canary, "
                 f"not {self._reference!r} as before it parked"
@@ -304,7 +319,7 @@ class EngineTask:
         state.status.wake_times = keep_last(state.status.wake_times, seconds)
         state.measured()
         state.set(S.READY)
-        self._events.emit(self._name, "woken", instance=0, seconds=round(seconds, 3))
+        self._events.emit(self._name, "woken", instance=self._state.status.index, seconds=round(seconds, 3))
 
     def _give_up(self, error: str) -> None:
         """Stop this engine (not stickily): a failed park or wake frees its memory by the process's end."""
@@ -316,7 +331,7 @@ class EngineTask:
         try:
             return await self._ask_canary(engine)
         except CapyError as exc:
-            self._events.emit(self._name, "canary_unanswered", instance=0, reason=exc.message)
+            self._events.emit(self._name, "canary_unanswered", instance=self._state.status.index, reason=exc.message)
             return None  # nothing to compare with: wakes of this launch are not checked
 
     async def _ask_canary(self, engine: Launched) -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import anyio
 
-from capyctl.domain.deployments import Deployment, Desired, InstanceState
+from capyctl.domain.deployments import FIRST_INSTANCE, Deployment, Desired, InstanceState
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import (
     CapyError,
@@ -57,9 +57,10 @@ class ManagedController(ControllerBase):
         fields: RowChoice,
         room: Room | None = None,
         keep: Callable[[Deployment], None] = lambda deployment: None,
+        index: int = FIRST_INSTANCE,
     ) -> None:
-        super().__init__(deployment, engine, adapter, clock, events, fields)
-        self._state = ManagedState(deployment, clock, events, keep)
+        super().__init__(deployment, engine, adapter, clock, events, fields, index)
+        self._state = ManagedState(deployment, clock, events, keep, index)
         self._effects = effects
         self._task = EngineTask(
             self, self._state, effects, room or NoSwitchboard(), clock, events, settings, self.settlement
@@ -157,7 +158,7 @@ class ManagedController(ControllerBase):
             await state.changed()
         if ran and not parks:
             asked = "park" if park else "stop"
-            self._events.emit(self.name, "gave_way", instance=0, asked=asked, why=why)
+            self._events.emit(self.name, "gave_way", instance=self.index, asked=asked, why=why)
 
     # --- what requests ask ------------------------------------------------------
     async def read_load(self) -> tuple[int, int] | None:

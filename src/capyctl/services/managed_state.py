@@ -30,13 +30,16 @@ class ManagedState:
         clock: Clock,
         events: Events,
         keep: Callable[[Deployment], None],
+        index: int,
     ) -> None:
         self.deployment = deployment
         self._clock = clock
         self._events = events
         self._keep = keep  # stores the deployment record (its measured times)
         self.desired = initial_desire(deployment)
-        self.status = InstanceStatus(cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times))
+        self.status = InstanceStatus(
+            index=index, cold_starts=list(deployment.cold_starts), wake_times=list(deployment.wake_times)
+        )
         self.launch = 0  # the latest launch's number
         self.latest = _NOWHERE  # the latest launch's address
         self.engine: Launched | None = None  # the latest launch, while its engine may run

@@ -256,8 +256,9 @@ class RequestService:
             self._keys.admitted(call.id)
 
     def _selected(self, call: Call, controller: Serving) -> None:
-        call.sent(instance=0)
-        self._events.selection(call.id, call.deployment, controller.host or self._settings.host_name, 0, call.key)
+        index = controller.index
+        call.sent(instance=index)
+        self._events.selection(call.id, call.deployment, controller.host or self._settings.host_name, index, call.key)
 
     def _arm(self, call: Call, controller: Serving) -> None:
         """The call's meter and check (the rules made once per engine version)."""

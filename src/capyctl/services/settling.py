@@ -24,6 +24,7 @@ class Settlement:
     def __init__(
         self,
         name: str,
+        index: int,
         read_load: Callable[[], Awaitable[tuple[int, int] | None]],
         clock: Clock,
         events: Events,
@@ -31,6 +32,7 @@ class Settlement:
     ) -> None:
         self.ledger = Ledger()
         self._name = name
+        self._index = index  # the instance whose cut requests these are
         self._read_load = read_load  # the engine's (running, waiting) counts; None when it cannot tell
         self._clock = clock
         self._events = events
@@ -44,7 +46,7 @@ class Settlement:
     def cut(self, record: RequestRecord) -> None:
         """A request this instance was working on was cut; it stays counted until evidence settles it."""
         entry = self.ledger.cut(record.id, record.answered, self._clock.monotonic())
-        self._events.emit(self._name, "request_cut", instance=0, rule=entry.rule)
+        self._events.emit(self._name, "request_cut", instance=self._index, rule=entry.rule)
         if entry.rule == ENGINE_IDLE and not self._polling and self._task_group is not None:
             self._polling = True
             self._task_group.start_soon(self._read_until_idle)
@@ -68,6 +70,6 @@ class Settlement:
     def _report(self, settled: list[Settled]) -> None:
         for entry in settled:
             self._events.emit(
-                self._name, "request_settled", instance=0, rule=entry.rule, seconds=round(entry.seconds, 3)
+                self._name, "request_settled", instance=self._index, rule=entry.rule, seconds=round(entry.seconds, 3)
             )
             self._events.settled(entry.request, entry.rule, entry.seconds)
