@@ -20,13 +20,13 @@ import msgspec
 import pytest
 
 from capyctl.adapters.control.host_agent import SERVER_NAME, HostAgent, join
-from capyctl.adapters.control.host_ingress import Ingress
 from capyctl.adapters.control.server_listener import ControlListener
 from capyctl.adapters.pki import CertificateAuthority, caller_certificate, client_ssl_context, server_ssl_context
 from capyctl.domain.hosts import HostState, LinkTimings
 from capyctl.domain.joining import JoinFile, secret_text
+from capyctl.domain.limits import Limits
 from capyctl.domain.link import Inventory
-from capyctl.entrypoints.host_role import host_commands, host_engines
+from capyctl.entrypoints.container import build_host_container
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from capyctl.services.server_hosts import HostRegistry
@@ -102,9 +102,11 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
             (state / "identity" / "host-cert.pem").read_bytes(),
             (state / "identity" / "host-key.pem").read_bytes(),
         )
-        ingress = Ingress(host_cert, host_key)
+        limits = Limits()
+        host = build_host_container(state, limits.header_timeout, limits.body_timeout)  # what start host runs
+        ingress = host.ingress()
         ingress_sock = socket.create_server(("127.0.0.1", 0))
-        engines = host_engines(ingress, state / "logs")
+        engines = host.engines()
         agent_stopping = anyio.Event()  # the agent's own stop, apart from the test's end
 
         async def leaving() -> None:
@@ -113,7 +115,7 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
         agent = HostAgent(
             state,
             lambda: Inventory(),
-            host_commands(ingress, engines),
+            host.commands(),
             running=engines.running,
             ingress_port=ingress_sock.getsockname()[1],
             callers=ingress.trust_callers,

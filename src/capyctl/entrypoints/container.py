@@ -1,4 +1,5 @@
-"""The composition root: the one place where CapyCTL's object graph is built.
+"""The composition root: the one place where CapyCTL's object graphs are built, the server's (``Container``:
+``start standalone``, ``start server``) and a host's (``HostContainer``: ``start host``).
 
 Flat on purpose: constructor calls only. Tests override providers with fakes
 (``container.processes.override(...)``). Nothing outside ``entrypoints/``
@@ -15,6 +16,8 @@ from typing import Any
 from dependency_injector import containers, providers
 
 from capyctl.adapters.clock import SystemClock
+from capyctl.adapters.control.host_agent import HostIdentity
+from capyctl.adapters.control.host_ingress import Ingress
 from capyctl.adapters.engines._wire import WireEngineSession
 from capyctl.adapters.engines.llamacpp import LlamaCppEngine
 from capyctl.adapters.engines.sglang import SglangEngine
@@ -29,7 +32,9 @@ from capyctl.adapters.process.children import PopenProcessControl
 from capyctl.adapters.process.ports import free_port
 from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.adapters.storage.state_dir import StateDir
+from capyctl.domain.ports import EngineAdapter
 from capyctl.domain.request_rows import RecordSettings
+from capyctl.entrypoints.host_role import host_commands
 from capyctl.services.admission import AdmissionService
 from capyctl.services.canary import Canary
 from capyctl.services.chat import ChatService
@@ -37,6 +42,7 @@ from capyctl.services.controllers import ControllerSettings
 from capyctl.services.decisions import DecisionService
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
+from capyctl.services.host_engines import HostEngines
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 from capyctl.services.requests import RequestSettings
@@ -63,6 +69,16 @@ def open_keyring(store: SqliteStore, clock: SystemClock, events: Events, state_d
     keyring = Keyring(store, clock, events, forget_default=state_dir.forget_api_key)
     keyring.bootstrap(state_dir.read_api_key(), state_dir.write_api_key)
     return keyring
+
+
+def engine_adapters(session: WireEngineSession) -> dict[str, EngineAdapter]:
+    """One adapter per engine family, each reaching its engines through ``session``."""
+    return {
+        "llamacpp": LlamaCppEngine(client=session),
+        "vllm": VllmEngine(client=session),
+        "sglang": SglangEngine(client=session),
+        "tensorfold": TensorfoldEngine(client=session),
+    }
 
 
 def make_fleet(room: Switchboard, **parts: Any) -> Fleet:
@@ -108,11 +124,7 @@ class Container(containers.DeclarativeContainer):
 
     # the one client to engines: streams and decisions, and the adapters' probes, metrics, park and wake
     engine_session = providers.Singleton(WireEngineSession, max_event=config.max_event)
-    llamacpp = providers.Singleton(LlamaCppEngine, client=engine_session)
-    vllm = providers.Singleton(VllmEngine, client=engine_session)
-    sglang = providers.Singleton(SglangEngine, client=engine_session)
-    tensorfold = providers.Singleton(TensorfoldEngine, client=engine_session)
-    adapters = providers.Dict(llamacpp=llamacpp, vllm=vllm, sglang=sglang, tensorfold=tensorfold)
+    adapters = providers.Singleton(engine_adapters, session=engine_session)
 
     controller_settings = providers.Singleton(ControllerSettings)
     chat_settings = providers.Singleton(
@@ -188,3 +200,48 @@ class Container(containers.DeclarativeContainer):
         stats=request_stats,
         records=request_log,
     )
+
+
+def open_ingress(state_dir: Path, header_timeout: float, body_timeout: float) -> Ingress:
+    """The host's ingress, showing the certificate the host holds (a clear error where it has not joined)."""
+    _, cert, key = HostIdentity.load(state_dir)
+    return Ingress(cert, key, header_timeout=header_timeout, body_timeout=body_timeout)
+
+
+def host_logs(state_dir: Path) -> Path:
+    return state_dir / "logs"
+
+
+class HostContainer(containers.DeclarativeContainer):
+    """A host's object graph (``start host``): its engines, children of its agent on free loopback ports, behind
+    its ingress; and what its agent does with the server's commands. The agent itself, which runs the link,
+    is made by ``service.serve_host`` from these."""
+
+    config = providers.Configuration(strict=True)
+
+    clock = providers.Singleton(SystemClock)
+    processes = providers.Singleton(PopenProcessControl)
+    engine_session = providers.Singleton(WireEngineSession)
+    adapters = providers.Singleton(engine_adapters, session=engine_session)
+    ingress = providers.Singleton(
+        open_ingress,
+        state_dir=config.state_dir,
+        header_timeout=config.header_timeout,
+        body_timeout=config.body_timeout,
+    )
+    engines = providers.Singleton(
+        HostEngines,
+        adapters=adapters,
+        processes=processes,
+        clock=clock,
+        pick_port=providers.Object(free_port),
+        log_root=providers.Callable(host_logs, config.state_dir),
+        gates=ingress,
+    )
+    commands = providers.Singleton(host_commands, ingress=ingress, engines=engines, adapters=adapters)
+
+
+def build_host_container(state_dir: Path, header_timeout: float, body_timeout: float) -> HostContainer:
+    container = HostContainer()
+    container.config.from_dict({"state_dir": state_dir, "header_timeout": header_timeout, "body_timeout": body_timeout})
+    return container

@@ -1,22 +1,13 @@
-"""The host's role in several machines, composed: what its agent does with the server's commands, and its
-engines (children of the agent, on free loopback ports, behind its ingress)."""
+"""The host's role in several machines: what its agent does with the server's commands (its engines, engine
+installations, the ingress's gates). Its parts are composed by ``container.HostContainer``."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
-from capyctl.adapters.clock import SystemClock
 from capyctl.adapters.control.host_ingress import Ingress
-from capyctl.adapters.engines._wire import WireEngineSession
-from capyctl.adapters.engines.llamacpp import LlamaCppEngine
-from capyctl.adapters.engines.sglang import SglangEngine
-from capyctl.adapters.engines.tensorfold import TensorfoldEngine
-from capyctl.adapters.engines.vllm import VllmEngine
-from capyctl.adapters.process.children import PopenProcessControl
-from capyctl.adapters.process.ports import free_port
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.link import Command, CommandResult
 from capyctl.domain.ports import EngineAdapter
@@ -25,12 +16,10 @@ from capyctl.services.host_engines import HostEngines
 
 
 def host_commands(
-    ingress: Ingress, engines: HostEngines | None = None
+    ingress: Ingress, engines: HostEngines | None, adapters: Mapping[str, EngineAdapter]
 ) -> Callable[[Command], Awaitable[CommandResult]]:
     """What a host agent does with the server's commands: run its engines (``engines``), inspect an engine
-    installation, open and close the ingress's gates."""
-    session = WireEngineSession()
-    adapters = engine_adapters(session)
+    installation (with ``adapters``), open and close the ingress's gates."""
 
     async def handle(command: Command) -> CommandResult:
         args = command.args
@@ -52,19 +41,3 @@ def host_commands(
         return CommandResult(id=command.id, generation=command.generation, ok=True, detail=detail or {})
 
     return handle
-
-
-def engine_adapters(session: WireEngineSession) -> dict[str, EngineAdapter]:
-    return {
-        "llamacpp": LlamaCppEngine(client=session),
-        "vllm": VllmEngine(client=session),
-        "sglang": SglangEngine(client=session),
-        "tensorfold": TensorfoldEngine(client=session),
-    }
-
-
-def host_engines(ingress: Ingress, log_root: Path) -> HostEngines:
-    """The host's engines as children of its agent, on free loopback ports, behind its ingress."""
-    return HostEngines(
-        engine_adapters(WireEngineSession()), PopenProcessControl(), SystemClock(), free_port, log_root, ingress
-    )

@@ -112,25 +112,19 @@ async def serve_server(
 async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_listen: str = "0.0.0.0:8444") -> None:
     """``start host``: the host agent keeps its link to the server, and its ingress serves, until SIGINT or
     SIGTERM."""
-    from capyctl.adapters.control.host_agent import HostAgent, HostIdentity, LinkRefused
-    from capyctl.adapters.control.host_ingress import Ingress
+    from capyctl.adapters.control.host_agent import HostAgent, LinkRefused
     from capyctl.domain.link import DeviceReport, Inventory
-    from capyctl.entrypoints.host_role import host_commands, host_engines
+    from capyctl.entrypoints.container import build_host_container
 
     ingress_addr = parse_listen(ingress_listen, "--ingress-listen")
     devices = read_devices() if settings.devices == "auto" else settings.devices  # read once, at start
     inventory = Inventory(
         devices=[DeviceReport(name=d.name, capacity=d.capacity, reserve=d.reserve) for d in devices], engines=[]
     )
-    _, cert, key = HostIdentity.load(state_dir)
-    ingress = Ingress(
-        cert,
-        key,
-        header_timeout=settings.limits.header_timeout,  # whom it lets in, the server
-        body_timeout=settings.limits.body_timeout,
-    )  # says over the link (``callers``)
+    container = build_host_container(state_dir, settings.limits.header_timeout, settings.limits.body_timeout)
+    ingress = container.ingress()  # whom it lets in, the server says over the link (``callers``)
     ingress_sock = listen_socket(*ingress_addr, "--ingress-listen")
-    engines = host_engines(ingress, state_dir / "logs")
+    engines = container.engines()
 
     async def leaving() -> None:  # asked to stop while linked: the server hears each engine's end, and why
         await engines.stop_all(agent.tell)
@@ -138,7 +132,7 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
     agent = HostAgent(
         state_dir,
         lambda: inventory,
-        host_commands(ingress, engines),
+        container.commands(),
         ingress_port=ingress_sock.getsockname()[1],
         running=engines.running,
         callers=ingress.trust_callers,
