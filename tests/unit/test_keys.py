@@ -411,7 +411,7 @@ def front_door(
     )
     controller.want(Desired.RUN)
     fleet = SimpleNamespace(
-        resolve=lambda name, api="chat": controller,
+        instances=lambda name, api="chat": [controller],
         has=lambda name: name == "m",
         get=lambda name: controller,
         names=lambda: ["m", "other"],

@@ -209,7 +209,7 @@ async def test_a_broken_connection_to_an_attached_engine_is_answered_at_once() -
             raise EngineUnavailable("could not reach the engine")
             yield
 
-    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller)
+    fleet = SimpleNamespace(instances=lambda name, api="chat": [controller])
     events = SimpleNamespace(selection=lambda *args: None)
     settings = RequestSettings(crash_notice=3600.0)  # were it waited for, the bound below would fail the test
     service = ChatService(fleet, Session(), FakeClock(), events, settings)  # type: ignore[arg-type]
@@ -243,7 +243,7 @@ async def test_a_chunk_relayed_unread_that_cannot_be_assembled_is_an_edge_error(
 
             yield ScriptedAnswer(batches())
 
-    fleet = SimpleNamespace(resolve=lambda name, api="chat": controller)
+    fleet = SimpleNamespace(instances=lambda name, api="chat": [controller])
     events = SimpleNamespace(selection=lambda *args: None)
     service = ChatService(fleet, Session(), FakeClock(), events, RequestSettings())  # type: ignore[arg-type]
     call = Call(id="r", deployment="m", stream=False, obj={"model": "m", "messages": []})

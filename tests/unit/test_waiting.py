@@ -114,7 +114,7 @@ def one_attached_vllm(clock: VirtualClock) -> tuple[Events, Any]:
     )
     controller.want(Desired.RUN)
     fleet = SimpleNamespace(
-        resolve=lambda name, api="chat": controller,
+        instances=lambda name, api="chat": [controller],
         has=lambda name: True,
         get=lambda name: controller,
         names=lambda: ["m"],

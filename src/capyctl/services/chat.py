@@ -28,7 +28,6 @@ from capyctl.domain.errors import (
 )
 from capyctl.domain.requests import Phase
 from capyctl.domain.streams import Assembler, payloads_of
-from capyctl.services.controllers import Serving
 from capyctl.services.requests import Call, RequestService
 
 _encode = msgspec.json.encode
@@ -81,7 +80,7 @@ class ChatService(RequestService):
         connection to it stands idle. Never raises: an error is kept on the call (``call.error``) for
         ``open`` to raise; what was not done here ``open`` does."""
         try:
-            controller: Serving = self._fleet.resolve(call.deployment, "chat")
+            controller = self._router.pick(call.deployment, "chat")
             check_cache_salt(call.obj, controller.engine.family, call.key if call.salt_bound else None)
             call.controller, call.body = controller, engine_body(call.obj, controller.spec.served_model, call.stream)
             route = controller.route_now()

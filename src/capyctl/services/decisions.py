@@ -23,7 +23,6 @@ from capyctl.domain.errors import (
     InvalidJson,
 )
 from capyctl.domain.requests import Phase
-from capyctl.services.controllers import Serving
 from capyctl.services.requests import Call, RequestService
 
 _encode = msgspec.json.encode
@@ -40,7 +39,7 @@ class DecisionService(RequestService):
 
     async def decide(self, call: Call) -> dict[str, Any]:
         """The engine's answer to the decision ``call``, with ``capyctl.metrics``."""
-        controller: Serving = self._fleet.resolve(call.deployment, "decisions")
+        controller = self._router.pick(call.deployment, "decisions")
         call.controller = controller
         engine, obj = controller.engine, call.obj
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes

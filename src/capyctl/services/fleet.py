@@ -508,6 +508,11 @@ class Fleet:
     def events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
         return self._store.list_events(deployment, after_id, limit)
 
+    def instances(self, model: str, api: str = "chat") -> list[Controller]:
+        """The instances of ``model`` that may serve a request of ``api``, by index (each deployment runs one so
+        far), after the checks of ``resolve``."""
+        return [self.resolve(model, api)]
+
     def resolve(self, model: str, api: str = "chat") -> Controller:
         """The controller serving ``model`` for a request of ``api`` (it may still need starting).
 

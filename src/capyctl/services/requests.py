@@ -29,6 +29,7 @@ from capyctl.services.controllers import Serving
 from capyctl.services.events import Events
 from capyctl.services.fleet import Fleet
 from capyctl.services.keys import Keyring
+from capyctl.services.routing import Router
 
 _encode = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
@@ -189,6 +190,7 @@ class RequestService:
         keys: Keyring | None = None,
     ) -> None:
         self._fleet = fleet
+        self._router = Router(fleet)  # which instance serves each request
         self._keys = keys
         self._admission = admission or AdmissionService(QueueLimits(), clock, settings.request_deadline)
         self._events = events
