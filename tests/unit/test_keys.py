@@ -46,7 +46,7 @@ from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
 from capyctl.services.keys import Keyring
-from capyctl.services.requests import RequestSettings as ChatSettings
+from capyctl.services.requests import RequestSettings
 from tests.fakes.answers import ScriptedAnswer, chunks
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeClock, FakeEngineAdapter, FakeStore
@@ -421,7 +421,7 @@ def front_door(
         QueueLimits(max_in_flight_per_instance=slots, max_pending_per_deployment=max_pending), clock
     )
     session = OneChunkEngine()
-    service = ChatService(fleet, session, clock, events, ChatSettings(), admission, keyring)  # type: ignore[arg-type]
+    service = ChatService(fleet, session, clock, events, RequestSettings(), admission, keyring)  # type: ignore[arg-type]
     stats = Stats()
     return AsgiDoor(FrontDoor([ChatEndpoint(service, stats)], keyring, 1 << 20, stats)), keyring, session, stats  # type: ignore[arg-type]
 

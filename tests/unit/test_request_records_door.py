@@ -13,7 +13,7 @@ from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
 from capyctl.services.chat import ChatService
 from capyctl.services.request_log import RequestLog
-from capyctl.services.requests import RequestSettings as ChatSettings
+from capyctl.services.requests import RequestSettings
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import VirtualClock, keyring_with, virtual_time
 from tests.fakes.request_store import FakeRequestStore
@@ -26,7 +26,7 @@ anyio_backend = pytest.fixture(virtual_time)
 async def test_a_waiter_cut_at_its_deadline_and_a_holder_whose_client_left_are_recorded() -> None:
     clock = VirtualClock()
     events, fleet = one_attached_vllm(clock)
-    settings = ChatSettings(request_deadline=30.0, stream_idle_timeout=120.0)
+    settings = RequestSettings(request_deadline=30.0, stream_idle_timeout=120.0)
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     service = ChatService(fleet, SilentAfterOneChunk(), clock, events, settings, admission)  # type: ignore[arg-type]
     records = RequestLog(FakeRequestStore(), clock)

@@ -28,7 +28,7 @@ from capyctl.services.chat import ChatService
 from capyctl.services.controllers import AttachedController
 from capyctl.services.events import Events
 from capyctl.services.fleet import decode_spec
-from capyctl.services.requests import RequestSettings as ChatSettings
+from capyctl.services.requests import RequestSettings
 from tests.fakes.answers import ScriptedAnswer, chunks
 from tests.fakes.asgi_door import AsgiDoor
 from tests.fakes.ports import FakeEngineAdapter, FakeStore, VirtualClock, keyring_with, virtual_time
@@ -125,7 +125,7 @@ def one_attached_vllm(clock: VirtualClock) -> tuple[Events, Any]:
 async def test_the_request_deadline_cuts_a_waiter_and_frees_only_its_place() -> None:
     clock = VirtualClock()
     events, fleet = one_attached_vllm(clock)
-    settings = ChatSettings(request_deadline=30.0, stream_idle_timeout=120.0)
+    settings = RequestSettings(request_deadline=30.0, stream_idle_timeout=120.0)
     admission = AdmissionService(QueueLimits(max_in_flight_per_instance=1), clock, settings.request_deadline)
     engine_session = SilentAfterOneChunk()
     service = ChatService(fleet, engine_session, clock, events, settings, admission)  # type: ignore[arg-type]

@@ -127,7 +127,7 @@ class Container(containers.DeclarativeContainer):
     adapters = providers.Singleton(engine_adapters, session=engine_session)
 
     controller_settings = providers.Singleton(ControllerSettings)
-    chat_settings = providers.Singleton(
+    request_settings = providers.Singleton(
         RequestSettings,
         request_deadline=config.request_deadline,
         stream_idle_timeout=config.stream_idle_timeout,
@@ -173,7 +173,7 @@ class Container(containers.DeclarativeContainer):
         session=engine_session,
         clock=clock,
         events=events,
-        settings=chat_settings,
+        settings=request_settings,
         admission=admission,
         keys=keyring,
     )
@@ -184,7 +184,7 @@ class Container(containers.DeclarativeContainer):
         session=engine_session,
         clock=clock,
         events=events,
-        settings=chat_settings,
+        settings=request_settings,
         admission=admission,
         keys=keyring,
     )
