@@ -369,7 +369,7 @@ class World:
         )
 
     async def request(self, name: str) -> None:
-        controller = self.fleet.resolve(name)
+        controller = self.fleet.instances(name)[0]
         record = RequestRecord(id=f"{name}-{next(self.ids)}", deployment=name, stream=False)
         async with self.admission.admit(controller, record, None):
             await controller.route(1800)
@@ -430,7 +430,7 @@ async def test_a_start_under_way_shows_its_elapsed_time_against_the_measured_usu
     measured = world.fleet.get("a").status.cold_starts
     assert len(measured) == 1
     await world.fleet.stop("a")
-    adapter = world.fleet.get("a").adapter
+    adapter = world.fleet.get("a").members[0].adapter
     adapter.healthy = False  # type: ignore[attr-defined]  # the next start does not get ready
     await world.fleet.start("a")
     await anyio.sleep(3)
@@ -454,7 +454,9 @@ async def test_the_memory_picture_and_what_a_switch_would_do_come_from_the_domai
     assert outlooks["c"].verdict == "switch"
     assert outlooks["c"].victims == (("a", "park", GiB - GiB // 4),)  # parking a leaves room: no need to stop it
     assert outlooks["huge"].verdict == "never"
-    lines = consequences("park", world.fleet.get("a"), world.admission, world.fleet.room, world.fleet.controllers())
+    lines = consequences(
+        "park", world.fleet.get("a").members[0], world.admission, world.fleet.room, world.fleet.controllers()
+    )
     assert "It frees 0.75 GiB on gpu0." in lines
     assert world.memory().outlooks is bar.outlooks  # nothing changed: the plans are not made again
     await anyio.sleep(5)
@@ -520,7 +522,7 @@ async def test_unsettled_cut_requests_are_marked_and_change_what_a_switch_would_
     await world.request("a")
     await anyio.sleep(5)
     await world.request("b")
-    world.fleet.get("a").cut(RequestRecord(id="cut-1", deployment="a", stream=True))  # cut before any output
+    world.fleet.get("a").members[0].cut(RequestRecord(id="cut-1", deployment="a", stream=True))  # cut before any output
     bar = world.memory()
     assert {s.deployment: s.unsettled for s in bar.segments} == {"a": 1, "b": 0}
     (c,) = bar.outlooks
@@ -566,7 +568,9 @@ async def test_counts_are_written_in_the_singular_for_one(world: World) -> None:
     ]
     await world.deploy("a")
     await world.request("a")
-    lines = consequences("stop", world.fleet.get("a"), world.admission, world.fleet.room, world.fleet.controllers())
+    lines = consequences(
+        "stop", world.fleet.get("a").members[0], world.admission, world.fleet.room, world.fleet.controllers()
+    )
     assert "0 requests in flight are cut; 0 waiting requests are refused (deployment_stopped)." in lines
     assert not [line for line in lines if "(s)" in line]
     assert "1 cut request still counted" in templates().get_template("_memory.html").render(

@@ -158,7 +158,7 @@ async def test_an_operators_stop_is_kept_across_a_restart_of_capyctl(tmp_path: P
     async with anyio.create_task_group() as tg:
         await tg.start(again.fleet.run)
         with pytest.raises(DeploymentStopped):
-            again.fleet.resolve("m")
+            again.fleet.instances("m")
         tg.cancel_scope.cancel()
     assert again.processes.spawned == []
 

@@ -234,16 +234,3 @@ def test_a_forgotten_id_whose_generation_is_still_the_newest_is_applied_again() 
 def test_a_ledger_keeps_at_least_one_result() -> None:
     with pytest.raises(ValueError):
         CommandLedger(size=0)
-
-
-def test_a_deployment_with_no_host_named_goes_to_an_online_host_with_its_engine_the_same_each_time() -> None:
-    from capyctl.domain.hosts import place
-
-    online, suspended, lost = HostState.ONLINE, HostState.SUSPENDED, HostState.LOST
-    assert place([]) is None
-    assert place([("gpu-b", online, True), ("gpu-a", online, True)]) == "gpu-a"  # by name, every time
-    assert place([("gpu-a", online, False), ("gpu-b", online, True)]) == "gpu-b"  # where it fits now
-    assert place([("gpu-a", online, False), ("gpu-b", online, False)]) == "gpu-a"  # nowhere: by name (switching)
-    assert place([("gpu-a", suspended, True), ("gpu-c", online, False)]) == "gpu-c"  # online before room
-    assert place([("gpu-a", lost, True), ("gpu-b", suspended, True)]) == "gpu-a"  # none online: it waits
-    assert place([("gpu-a", HostState.REVOKED, True)]) is None  # never a revoked host

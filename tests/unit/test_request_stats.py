@@ -12,7 +12,7 @@ from capyctl.adapters.http.prometheus import RequestStats
 
 
 def _stats() -> RequestStats:
-    fleet: Any = SimpleNamespace(controllers=lambda: [], room=SimpleNamespace(devices={}, every_device=lambda: []))
+    fleet: Any = SimpleNamespace(deployments=lambda: [], room=SimpleNamespace(devices={}, every_device=lambda: []))
     admission: Any = SimpleNamespace(state=None, on_wait=None)
     return RequestStats(fleet, admission)
 

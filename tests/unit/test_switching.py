@@ -74,7 +74,7 @@ class World:
 
     async def request(self, name: str, holds_for: float = 0.5) -> None:
         """One request the way the chat path sends it: a lease, the engine's URL, then the engine's time."""
-        controller = self.fleet.resolve(name)
+        controller = self.fleet.instances(name)[0]
         record = RequestRecord(id=f"{name}-{next(self.ids)}", deployment=name, stream=False)
         try:
             async with self.admission.admit(controller, record, None):
@@ -273,7 +273,7 @@ async def test_an_idle_timer_that_meets_an_error_leaves_the_others_running(tmp_p
         await w.deploy("a", "b")
         await w.request("a", 0.1)
         await w.request("b", 0.1)
-        broken = w.fleet.get("a")
+        broken = w.fleet.get("a").members[0]
 
         async def give_way(park: bool = False, why: str = "") -> None:
             raise RuntimeError("a bug on the way out")

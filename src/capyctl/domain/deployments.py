@@ -59,6 +59,22 @@ class IdleConfig(Strict, frozen=True):
     stop_after: Duration | None = None
 
 
+class Placement(Strict, frozen=True):
+    """Where a deployment's instances may run and how they are spread (several instances, several machines).
+
+    ``hosts``: the hosts allowed (empty: any that has the engine); ``devices``: the device names allowed on
+    each machine (empty: any); ``spread`` puts each new instance where the deployment has the fewest, ``pack``
+    fills a machine before the next; ``max_per_host`` caps the instances on one machine."""
+
+    hosts: list[str] = []
+    devices: list[str] = []
+    strategy: Literal["spread", "pack"] = "spread"
+    max_per_host: int | None = None
+
+
+MAX_INSTANCES = 64  # instances of one deployment
+
+
 ENGINE_FAMILIES = ("vllm", "sglang", "llamacpp", "tensorfold")
 URL_PATTERN = re.compile(r"^https?://[^/\s:]+(:\d{1,5})?(/[^\s]*)?$")
 
@@ -87,6 +103,8 @@ class DeploymentSpec(Strict, frozen=True):
     resources: Resources = Resources()
     idle: IdleConfig = IdleConfig()
     host: str | None = None  # the host whose engine runs it (several machines); None: the server places it
+    instances: int = 1  # engines serving it, each placed apart (``placement``)
+    placement: Placement = Placement()
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.fullmatch(self.name):
@@ -109,6 +127,7 @@ class DeploymentSpec(Strict, frozen=True):
                 seconds(value, key)
         if self.host is not None and not NAME_PATTERN.fullmatch(self.host):
             raise InvalidConfig(f"host {self.host!r} is not a host's name (see: capyctl list hosts)")
+        self._check_placement()
         if self.endpoint is None:
             if not self.model:
                 raise InvalidConfig("model is required: the model file or directory the engine loads")
@@ -121,6 +140,11 @@ class DeploymentSpec(Strict, frozen=True):
             raise InvalidConfig(f"with endpoint, engine names the engine's family: one of {', '.join(ENGINE_FAMILIES)}")
         if self.host is not None:
             raise InvalidConfig("host does not apply to an attached engine: its endpoint says where it runs")
+        if self.instances != 1 or self.placement != Placement():
+            raise InvalidConfig(
+                "instances and placement do not apply to an attached engine: CapyCTL runs no engine for it; "
+                "deploy each running engine as its own attached deployment"
+            )
         if self.engine_config != EngineConfig():
             raise InvalidConfig("engine_config does not apply to an attached engine: CapyCTL does not start it")
         if self.residency is not Residency.RESTART_ONLY or self.resources != Resources() or self.idle != IdleConfig():
@@ -129,9 +153,38 @@ class DeploymentSpec(Strict, frozen=True):
                 "CapyCTL neither starts, parks nor stops it"
             )
 
+    def _check_placement(self) -> None:
+        if not 1 <= self.instances <= MAX_INSTANCES:
+            raise InvalidConfig(f"instances must be a whole number from 1 to {MAX_INSTANCES} (it is {self.instances})")
+        placement = self.placement
+        if placement.max_per_host is not None and placement.max_per_host < 1:
+            raise InvalidConfig("placement.max_per_host must be at least 1 (leave it out for no limit)")
+        for host in placement.hosts:
+            if not NAME_PATTERN.fullmatch(host):
+                raise InvalidConfig(f"placement.hosts: {host!r} is not a host's name (see: capyctl list hosts)")
+        for key, names in (("placement.hosts", placement.hosts), ("placement.devices", placement.devices)):
+            if len(set(names)) != len(names):
+                raise InvalidConfig(f"{key} names the same entry twice")
+        if self.host is not None and placement.hosts:
+            raise InvalidConfig("host and placement.hosts both say where it runs: keep one (placement.hosts: [NAME])")
+        if self.resources.device is not None and placement.devices:
+            raise InvalidConfig(
+                "resources.device and placement.devices both name devices: keep one (placement.devices: [NAME])"
+            )
+
     @property
     def attached(self) -> bool:
         return self.endpoint is not None
+
+    @property
+    def allowed_hosts(self) -> list[str]:
+        """The hosts its instances may run on (``host`` or ``placement.hosts``); empty: any."""
+        return [self.host] if self.host is not None else list(self.placement.hosts)
+
+    @property
+    def allowed_devices(self) -> list[str]:
+        """The devices its instances may use on a machine (``resources.device`` or ``placement.devices``)."""
+        return [self.resources.device] if self.resources.device is not None else list(self.placement.devices)
 
     @property
     def served_model(self) -> str:
@@ -161,7 +214,13 @@ def check_env(env: dict[str, str], owned: tuple[str, ...]) -> None:
                 )
 
 
-FIRST_INSTANCE = 0  # the index of a deployment's first instance (each deployment runs one so far)
+FIRST_INSTANCE = 0  # the index of a deployment's first instance
+
+
+def instance_id(deployment: str, index: int) -> str:
+    """How a host and the logs name instance ``index`` of ``deployment``: the deployment's name for its first
+    (as before a deployment had several), ``<deployment>/<index>`` for the others."""
+    return deployment if index == FIRST_INSTANCE else f"{deployment}/{index}"
 
 
 class InstanceState(enum.StrEnum):
@@ -230,18 +289,36 @@ def next_step(desired: Desired, state: InstanceState, failures: int, budget: int
     return Step.LAUNCH
 
 
+class InstancePlace(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one instance runs: its machine (a host's name; None: the server's own) and its device there
+    (by its name on that machine; None: not accounted, or the machine's only one)."""
+
+    index: int
+    host: str | None = None
+    device: str | None = None
+
+
 class Deployment(msgspec.Struct, kw_only=True):
     spec: DeploymentSpec
     operator_stopped: bool = False
     probed_version: str | None = None  # what an attached engine said its version was
     cold_starts: list[float] = []  # measured seconds from spawn to ready, the last 20 (MOD-2, Retry-After)
     wake_times: list[float] = []  # measured seconds from a wake's start to ready, the last 20
-    placed_on: str | None = None  # the host the server placed it on, when its file names none (several machines)
+    placed_on: str | None = None  # (records written before instances: the host its one instance ran on)
+    places: list[InstancePlace] = []  # where each placed instance runs, by index
+
+    def place_of(self, index: int) -> InstancePlace:
+        """Where instance ``index`` runs (an instance not placed yet: where the file says, or this machine)."""
+        for place in self.places:
+            if place.index == index:
+                return place
+        host = self.spec.host or (self.placed_on if index == FIRST_INSTANCE else None)
+        return InstancePlace(index=index, host=host, device=self.spec.resources.device)
 
     @property
     def host(self) -> str | None:
-        """The host whose engine runs it; None: this machine."""
-        return self.spec.host or self.placed_on
+        """The host whose engine runs its first instance; None: this machine."""
+        return self.place_of(FIRST_INSTANCE).host
 
 
 def restart_delay(consecutive_failures: int, base: float = 0.5, ceiling: float = 30.0) -> float:

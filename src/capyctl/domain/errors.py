@@ -207,9 +207,16 @@ class InvalidEngine(CapyError):
 
 
 class EngineUnavailable(CapyError):
-    """The engine could not be started or reached."""
+    """The engine could not be started or reached. ``unsent``: why nothing of the request can have reached an
+    engine, when that is certain (``domain.balancing.Unsent``: it may go to another instance); None otherwise."""
 
     code = "engine_unavailable"
+    unsent: str | None = None
+
+    def before_sending(self, cause: str) -> EngineUnavailable:
+        """The same error, marked as one that reached no engine, for ``cause``."""
+        self.unsent = cause
+        return self
 
 
 class HostUnreachable(EngineUnavailable):
@@ -455,6 +462,22 @@ class InsufficientMemory(CapyError):
             f"model {model!r} does not fit: {reason}", model=model, reason=reason, retry_after_s=retry_after
         )
         self.retry_after = retry_after
+
+
+class NotPlaced(CapyError):
+    """No instance of the model could be placed: no machine that has its engine can take one now (each reason
+    is said); placing is tried again as hosts come online and on each apply or start."""
+
+    code = "not_placed"
+
+    def __init__(self, model: str, reasons: list[str]) -> None:
+        super().__init__(
+            f"model {model!r} has no instance placed: {'; '.join(reasons)}; see: capyctl status deployment {model}",
+            model=model,
+            reasons=reasons,
+            retry_after_s=5,
+        )
+        self.retry_after = 5
 
 
 class GpuBusy(CapyError):

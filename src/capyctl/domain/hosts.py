@@ -14,7 +14,6 @@ seconds):
   link, a restart), so a command seen before is answered with its first
   result, never applied twice; and a command older than one already applied
   to its instance is refused, so a late order cannot undo a newer one.
-- ``place``: the host for a deployment whose file names none.
 
 What a host's hello proves of the engines it runs (the evidence that
 releases a lost host's memory and cut requests) is read where each engine's
@@ -182,14 +181,3 @@ class CommandLedger:
 
     def newest(self, instance: str) -> int | None:
         return self._newest.get(instance)
-
-
-def place(candidates: list[tuple[str, HostState, bool]]) -> str | None:
-    """The host for a deployment whose file names none, among ``candidates`` (each host that has its engine,
-    its state, and whether the deployment's memory fits on its device now): online with room first, then
-    online, then the others, each by name, so that the choice is the same each time; a revoked host never.
-    None when there is none."""
-    usable = [
-        (state != HostState.ONLINE, not fits, name) for name, state, fits in candidates if state != HostState.REVOKED
-    ]
-    return min(usable)[2] if usable else None

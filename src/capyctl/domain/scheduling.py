@@ -61,18 +61,18 @@ QUEUED = "queued"
 
 
 class _Deployment:
-    __slots__ = ("in_flight", "queue", "service_times")
+    __slots__ = ("in_flight", "queue", "service_times", "capacity")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # requests its engines take at once: the per-instance limit, per instance
         self.in_flight = 0
         self.queue: deque[str] = deque()
         self.service_times: deque[float] = deque(maxlen=64)  # seconds a granted request held its slot
 
 
 class Admission:
-    def __init__(self, limits: QueueLimits, instances: int = 1) -> None:
+    def __init__(self, limits: QueueLimits) -> None:
         self.limits = limits
-        self._instances = instances
         self._deployments: dict[str, _Deployment] = {}
         self.open = 0  # granted requests over all deployments
         self.pending = 0  # waiting requests over all deployments
@@ -80,25 +80,28 @@ class Admission:
     def _of(self, name: str) -> _Deployment:
         state = self._deployments.get(name)
         if state is None:
-            state = self._deployments[name] = _Deployment()
+            state = self._deployments[name] = _Deployment(self.limits.max_in_flight_per_instance)
         return state
 
-    @property
-    def capacity(self) -> int:
-        return self.limits.max_in_flight_per_instance * self._instances
+    def scale(self, name: str, instances: int) -> None:
+        """``name`` has ``instances`` instances: it takes the per-instance limit as many times at once (one
+        waiting line, whichever instance frees a place first)."""
+        state = self._of(name)
+        state.capacity = self.limits.max_in_flight_per_instance * instances
 
     def grants_at_once(self, name: str) -> bool:
         """Whether a request for ``name`` (ready) arriving now would be granted without waiting: a free place
-        at its engine, nobody in line before it, and room under ``max_open``. Changes nothing."""
+        at its engines, nobody in line before it, and room under ``max_open``. Changes nothing."""
         state = self._deployments.get(name)
-        if state is not None and (state.in_flight >= self.capacity or state.queue):
+        if state is not None and (state.in_flight >= state.capacity or state.queue):
             return False
-        return not (self.limits.max_open and self.open >= self.limits.max_open) and self.capacity > 0
+        capacity = state.capacity if state is not None else self.limits.max_in_flight_per_instance
+        return not (self.limits.max_open and self.open >= self.limits.max_open) and capacity > 0
 
     def arrive(self, name: str, request: str, ready: bool) -> str | Refused:
         """GRANTED, QUEUED (at the end of the queue) or a refusal, for a request that just came in."""
         state = self._of(name)
-        if ready and state.in_flight < self.capacity and not state.queue:
+        if ready and state.in_flight < state.capacity and not state.queue:
             if self.limits.max_open and self.open >= self.limits.max_open:
                 return Refused("device_busy")
             state.in_flight += 1
@@ -131,7 +134,7 @@ class Admission:
         """The waiters to grant now, in arrival order (counted in flight from here)."""
         state = self._of(name)
         granted: list[str] = []
-        while ready and state.queue and state.in_flight < self.capacity:
+        while ready and state.queue and state.in_flight < state.capacity:
             if self.limits.max_open and self.open >= self.limits.max_open:
                 break
             granted.append(state.queue.popleft())
@@ -168,7 +171,7 @@ class Admission:
         if not state.service_times:
             return 1
         ahead = len(state.queue) if position is None else position
-        rounds = max(1, math.ceil(max(ahead, 1) / self.capacity))
+        rounds = max(1, math.ceil(max(ahead, 1) / state.capacity))
         return max(1, math.ceil(rounds * statistics.median(state.service_times)))
 
 

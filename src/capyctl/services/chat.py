@@ -15,13 +15,16 @@ from typing import Any
 import anyio
 import msgspec
 
+from capyctl.domain.balancing import Unsent
 from capyctl.domain.engines import EngineFamily
 from capyctl.domain.errors import (
     CacheSaltUnsupported,
     CapyError,
+    DeviceOffline,
     EdgeError,
     EngineError,
     EngineUnavailable,
+    HostLost,
     InvalidJson,
     InvalidRequest,
     engine_code,
@@ -80,9 +83,9 @@ class ChatService(RequestService):
         connection to it stands idle. Never raises: an error is kept on the call (``call.error``) for
         ``open`` to raise; what was not done here ``open`` does."""
         try:
-            controller = self._router.pick(call.deployment, "chat")
+            controller = self._pick(call, "chat")
             check_cache_salt(call.obj, controller.engine.family, call.key if call.salt_bound else None)
-            call.controller, call.body = controller, engine_body(call.obj, controller.spec.served_model, call.stream)
+            call.body = engine_body(call.obj, controller.spec.served_model, call.stream)
             route = controller.route_now()
             call.lease = self._admission.admit_now(controller, call) if route is not None else None
             if call.lease is None:
@@ -121,36 +124,50 @@ class ChatService(RequestService):
             async with lease:
                 if not counted:
                     self._counted(call)
-                route = call.route
-                if route is None:  # granted: ready, unless it fell
-                    route = call.route = await controller.route(self._settings.request_deadline)
-                stream, call.engine_stream = call.engine_stream, None
-                if stream is None:  # (the session may write the request at once: the rest is done while it works)
-                    stream = self._session.chat_stream(route.address, call.body)
-                try:
-                    self._selected(call, controller)
-                    self._arm(call, controller)
-                except BaseException:
-                    stream.abandon()
-                    raise
-                streaming = False
-                try:
-                    async with stream as answer:
-                        streaming = True
-                        call.answer = answer
-                        yield call
-                except EngineUnavailable as exc:
-                    # stopped, or crashed and restarting
-                    gone = await controller.lost(route, self._settings.crash_notice, exc)
-                    if gone is not None:
-                        raise gone from exc
-                    if streaming:  # the engine is still there, but its answer broke off
-                        raise EdgeError(
-                            f"the engine's connection broke before the end of its stream ({exc.message})"
-                        ) from exc
-                    raise
-                finally:
-                    call.answer = None
+                    controller = self._pick(call, "chat")  # granted: whichever instance serves best now
+                while True:  # once, unless the request reached no engine and may go to another instance
+                    route = call.route
+                    try:
+                        if route is None:  # granted: ready, unless it fell
+                            route = call.route = await controller.route(self._settings.request_deadline)
+                    except (DeviceOffline, HostLost):  # its host was out of reach as it was routed
+                        nxt = self._fail_over(call, "chat", Unsent.HOST_AWAY)
+                        if nxt is None:
+                            raise
+                        controller = nxt
+                        continue
+                    stream, call.engine_stream = call.engine_stream, None
+                    if stream is None:  # (the session may write the request at once: the rest is done meanwhile)
+                        stream = self._session.chat_stream(route.address, call.body)
+                    try:
+                        self._arm(call, controller)
+                    except BaseException:
+                        stream.abandon()
+                        raise
+                    self._selected(call, at := controller)
+                    streaming = False
+                    try:
+                        async with stream as answer:
+                            streaming = True
+                            call.answer = answer
+                            yield call
+                        return
+                    except EngineUnavailable as exc:
+                        if not streaming and (nxt := self._fail_over(call, "chat", exc.unsent)) is not None:
+                            controller, call.route = nxt, None  # nothing reached an engine: the next instance
+                            continue
+                        # stopped, or crashed and restarting
+                        gone = await controller.lost(route, self._settings.crash_notice, exc)
+                        if gone is not None:
+                            raise gone from exc
+                        if streaming:  # the engine is still there, but its answer broke off
+                            raise EdgeError(
+                                f"the engine's connection broke before the end of its stream ({exc.message})"
+                            ) from exc
+                        raise
+                    finally:
+                        call.answer = None
+                        self._left(at)
         finally:
             del self.live[call.id]
 

@@ -7,13 +7,16 @@ from typing import Protocol
 
 import msgspec
 
+from capyctl.domain.balancing import Sample
 from capyctl.domain.deployments import (
     FIRST_INSTANCE,
     Deployment,
     DeploymentSpec,
     Desired,
+    InstancePlace,
     InstanceState,
     check_transition,
+    instance_id,
 )
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, EngineUnavailable
@@ -48,6 +51,10 @@ class Serving(Protocol):
     @property
     def index(self) -> int:
         """Which instance of its deployment it runs (``FIRST_INSTANCE`` for the first)."""
+
+    in_flight: int  # the requests CapyCTL has at this instance now (the router counts them)
+    sample: Sample | None  # the engine's latest load sample, None when none stands
+    draining: bool  # it takes no new request (it is being removed)
 
     def ask(self) -> None:
         """A request wants the model: start it unless it runs, an operator's stop holds, or it FAILED."""
@@ -134,6 +141,10 @@ class ControllerBase:
         self.adapter = adapter
         self.fields = fields
         self.index = index  # which instance of its deployment it runs
+        self.place: InstancePlace = deployment.place_of(index)
+        self.in_flight = 0  # requests at this instance now, counted by the router
+        self.draining = False  # takes no new request (it is being removed)
+        self.sample: Sample | None = None  # the engine's latest load sample (the fleet's sampler takes them)
         self._clock = clock
         self._events = events
         self.settlement = Settlement(self.name, index, self.read_load, clock, events)
@@ -160,7 +171,17 @@ class ControllerBase:
 
     @property
     def host(self) -> str | None:
-        return self.deployment.host
+        return self.place.host
+
+    @property
+    def device(self) -> str | None:
+        """The device it was placed on, by its name on its machine; None: the only one, or not accounted."""
+        return self.place.device
+
+    @property
+    def holder(self) -> str:
+        """The instance's own name (``instance_id``): what its device's charges and its host know it by."""
+        return instance_id(self.name, self.index)
 
     @property
     def ended_by(self) -> str | None:

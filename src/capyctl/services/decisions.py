@@ -12,14 +12,17 @@ from typing import Any
 
 import msgspec
 
+from capyctl.domain.balancing import Unsent
 from capyctl.domain.decisions import decision_metrics, read_decision, refuse_dropped
 from capyctl.domain.engines import EngineFamily
 from capyctl.domain.errors import (
     CacheSaltUnsupported,
+    DeviceOffline,
     EdgeError,
     EngineError,
     EngineRejected,
     EngineUnavailable,
+    HostLost,
     InvalidJson,
 )
 from capyctl.domain.requests import Phase
@@ -39,8 +42,7 @@ class DecisionService(RequestService):
 
     async def decide(self, call: Call) -> dict[str, Any]:
         """The engine's answer to the decision ``call``, with ``capyctl.metrics``."""
-        controller = self._router.pick(call.deployment, "decisions")
-        call.controller = controller
+        controller = self._pick(call, "decisions")
         engine, obj = controller.engine, call.obj
         refuse_dropped(obj, engine.family, engine.version)  # before anything starts or wakes
         if "cache_salt" in obj and engine.family not in DECISION_SALTED:  # only a salted key adds it
@@ -54,18 +56,33 @@ class DecisionService(RequestService):
             call.phase = Phase.WAITING
             async with self._admission.admit(controller, call, call.wait):
                 self._counted(call)
-                route = await controller.route(self._settings.request_deadline)
-                self._selected(call, controller)
-                sent_at = self._clock.monotonic()
-                try:
-                    raw = await self._session.decide(route.address, body)
-                except EngineError as exc:
-                    raise EngineRejected(exc.status, exc.message) from exc
-                except EngineUnavailable as exc:
-                    gone = await controller.lost(route, self._settings.crash_notice, exc)
-                    if gone is not None:
-                        raise gone from exc
-                    raise
+                controller = self._pick(call, "decisions")  # granted: whichever instance serves best now
+                while True:  # once, unless the decision reached no engine and may go to another instance
+                    try:
+                        route = await controller.route(self._settings.request_deadline)
+                    except (DeviceOffline, HostLost):  # its host was out of reach as it was routed
+                        nxt = self._fail_over(call, "decisions", Unsent.HOST_AWAY)
+                        if nxt is None:
+                            raise
+                        controller = nxt
+                        continue
+                    self._selected(call, at := controller)
+                    sent_at = self._clock.monotonic()
+                    try:
+                        raw = await self._session.decide(route.address, body)
+                        break
+                    except EngineError as exc:
+                        raise EngineRejected(exc.status, exc.message) from exc
+                    except EngineUnavailable as exc:
+                        if (nxt := self._fail_over(call, "decisions", exc.unsent)) is not None:
+                            controller = nxt  # nothing reached an engine: the next instance
+                            continue
+                        gone = await controller.lost(route, self._settings.crash_notice, exc)
+                        if gone is not None:
+                            raise gone from exc
+                        raise
+                    finally:
+                        self._left(at)
                 done = self._clock.monotonic()
         finally:
             del self.live[call.id]

@@ -59,9 +59,18 @@ class Events:
             "%s %s%s", kind, deployment or "-", described, extra={"event": kind, "deployment": deployment, **detail}
         )
 
-    def selection(self, request_id: str, deployment: str, host: str, instance: int, key: str | None = None) -> None:
+    def selection(
+        self,
+        request_id: str,
+        deployment: str,
+        host: str,
+        instance: int,
+        key: str | None = None,
+        inputs: list[dict[str, Any]] | None = None,
+    ) -> None:
         """A request routed to an instance: stored without the caller's ID, logged with it; both name the
-        API key it came with (its name, never its secret).
+        API key it came with (its name, never its secret). ``inputs``: each instance's score and what made it,
+        when the deployment has several (stored only).
 
         The log line is handed to the log at the event loop's next turn, which comes while the engine works
         on the request it is about to be sent: that does not delay the request.
@@ -70,13 +79,33 @@ class Events:
             self._clock.wall(),
             deployment,
             "router_selection",
-            {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key},
+            {"capyctl_request_id": request_id, "host": host, "instance": instance, "key": key}
+            | ({"inputs": inputs} if inputs is not None else {}),
         )
         values = (request_id, caller_request_id.get(), deployment, host, instance, key)
         try:
             asyncio.get_running_loop().call_soon(self._routine, log, selection_line, values)
         except RuntimeError:  # no asyncio loop (trio in tests): at once
             self._routine(log, selection_line, values)
+
+    def failover(self, request_id: str, deployment: str, host: str, instance: int, reason: str, tries: int) -> None:
+        """A request that reached no engine at ``instance`` goes to another one: stored without the caller's
+        ID, logged with it."""
+        detail = {"capyctl_request_id": request_id, "host": host, "instance": instance, "reason": reason}
+        self._store.add_event(self._clock.wall(), deployment, "router_failover", detail | {"tries": tries})
+        for listener in self._listeners:
+            listener(deployment, "router_failover", detail)
+        caller = caller_request_id.get()
+        log.info(
+            "request %s%s %s: %s instance %d reached no engine (%s); trying another",
+            request_id,
+            f" (caller {caller})" if caller else "",
+            deployment,
+            host,
+            instance,
+            reason,
+            extra={"event": "router_failover", "deployment": deployment, "caller_request_id": caller, **detail},
+        )
 
 
 def selection_line(

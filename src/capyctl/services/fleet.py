@@ -1,10 +1,12 @@
-"""The fleet: registered engines, deployments and the controller of each deployment.
+"""The fleet: registered engines, deployments and the instances of each deployment.
 
 This is what the management API and the chat path ask: register an engine,
-apply a deployment file, start/stop/delete a deployment, and resolve a model
-name to its controller. Changes to the fleet (apply, start, stop, delete) are
-serialised: one at a time, so a delete or an update racing another command
-never leaves an engine running that no command can see.
+apply a deployment file, start/stop/delete a deployment, and give a model's
+instances to the router. Each deployment is an ``InstanceSet``: one
+controller per placed instance (``domain.placement`` says where each goes).
+Changes to the fleet (apply, start, stop, delete) are serialised: one at a
+time, so a delete or an update racing another command never leaves an engine
+running that no command can see.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from typing import Any
 import anyio
 import msgspec
 
+from capyctl.domain.balancing import Sample
 from capyctl.domain.decisions import serves_decisions
 from capyctl.domain.deployments import (
+    FIRST_INSTANCE,
     Deployment,
     DeploymentSpec,
     Desired,
+    InstancePlace,
     check_env,
     check_extra_args,
 )
@@ -36,15 +41,18 @@ from capyctl.domain.errors import (
     InvalidConfig,
     InvalidEngine,
     ModelNotFound,
+    NotPlaced,
 )
 from capyctl.domain.fields import row_for
-from capyctl.domain.hosts import place
+from capyctl.domain.hosts import HostState
 from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.link import RunningInstance
 from capyctl.domain.memory import Device, Residency
+from capyctl.domain.placement import Placed, Slot, place
 from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, Store
 from capyctl.services.controllers import AttachedController, Controller, ControllerSettings, ManagedController
 from capyctl.services.events import Events
+from capyctl.services.instances import InstanceSet
 from capyctl.services.local_engines import LocalEngineEffects
 from capyctl.services.server_hosts import HostRegistry
 from capyctl.services.server_remote_engines import RemoteEngineEffects
@@ -57,6 +65,7 @@ PARKING: dict[str, tuple[Residency, ...]] = {
     EngineFamily.LLAMACPP: (Residency.RESTART_ONLY,),
     EngineFamily.TENSORFOLD: (Residency.RESTART_ONLY,),
 }
+SAMPLE_EVERY = 1.0  # seconds between load samples of each ready instance of a deployment with several
 
 
 def decode_spec(document: Any) -> DeploymentSpec:
@@ -128,6 +137,7 @@ class Fleet:
         room: Switchboard | None = None,
         canary: Callable[[EngineAddress, str], Awaitable[str]] | None = None,
         hosts: HostRegistry | None = None,
+        drain_timeout: float = 30.0,
     ) -> None:
         self._room: Switchboard | NoSwitchboard = room or NoSwitchboard()
         self._canary = canary
@@ -139,10 +149,11 @@ class Fleet:
         self._pick_port = pick_port
         self._log_root = log_root
         self._settings = settings
+        self._drain_timeout = drain_timeout  # how long a scale down waits for an instance's requests
         self._hosts = hosts  # the server's hosts (start server); None: this machine only
         if hosts is not None:
             hosts.on_linked(self._adopt)
-        self._controllers: dict[str, Controller] = {}
+        self._sets: dict[str, InstanceSet] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self._changes = anyio.Lock()  # held by every change to the fleet, for its whole length
 
@@ -155,10 +166,11 @@ class Fleet:
                 self._task_group = tg
                 for deployment in self._store.list_deployments():
                     try:
-                        self._controller(deployment)
+                        self._build(deployment)
                     except CapyError as exc:  # (a deployment on a host, in a CapyCTL started alone): the others
                         self._events.emit(deployment.spec.name, "deployment_unloaded", reason=exc.message)  # serve
                 tg.start_soon(self._room.run)  # the idle timers
+                tg.start_soon(self._sample_loads)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -180,16 +192,48 @@ class Fleet:
                 )
 
     def _adopt(self, host: str, running: list[RunningInstance]) -> None:
-        """A host linked, running engines of deployments here that run none (a server before this one
-        launched them): each is taken over now, so that its memory is charged before anything else starts.
-        Those it kept running while it was away serve again once a probe finds them ready."""
+        """A host linked, running engines of instances here that run none (a server before this one launched
+        them): each is taken over now, so that its memory is charged before anything else starts. Those it
+        kept running while it was away serve again once a probe finds them ready. Instances that found no
+        place before are placed again, now that one more host is online."""
         for instance in running:
-            controller = self._controllers.get(instance.deployment)
+            found = self._sets.get(instance.deployment)
+            controller = next((c for c in found.members if c.holder == instance.instance), None) if found else None
             if isinstance(controller, ManagedController) and controller.host == host and controller.status.pid is None:
                 controller.ask()
         for managed in self.managed():  # what it kept running while away: ready again?
             if managed.effects.host == host and self._task_group is not None and managed.status.pid is not None:
                 self._task_group.start_soon(managed.effects.reprove)
+        if self._task_group is not None and any(s.unplaced for s in self._sets.values()):
+            self._task_group.start_soon(self._place_all)
+
+    async def _place_all(self) -> None:
+        async with self._changes:
+            for found in list(self._sets.values()):
+                self._place_missing(found)
+
+    async def _sample_loads(self) -> None:
+        """Each ready instance's engine load, every ``SAMPLE_EVERY`` seconds, for the deployments that run
+        several (what the router balances on); an instance whose read fails has no sample (unknown load)."""
+        while True:
+            await anyio.sleep(SAMPLE_EVERY)
+            async with anyio.create_task_group() as tg:
+                for found in list(self._sets.values()):
+                    if len(found.members) > 1:
+                        for member in found.members:
+                            if member.ready:
+                                tg.start_soon(self._sample, member)
+                            else:
+                                member.sample = None
+
+    async def _sample(self, member: Controller) -> None:
+        counts = None
+        with anyio.move_on_after(SAMPLE_EVERY * 2):
+            try:
+                counts = await member.read_load()
+            except Exception:  # a read that fails is an unknown load, never a fault of the fleet's
+                counts = None
+        member.sample = None if counts is None else Sample(counts[0], counts[1], self._clock.monotonic())
 
     def leave_hosts(self) -> None:
         """The server stops: the engines on hosts are left running, for the next server to adopt. Called before
@@ -201,10 +245,10 @@ class Fleet:
         """Every engine on this machine stopped; those on hosts are left running for the next server to adopt."""
         self.leave_hosts()
         async with anyio.create_task_group() as tg:
-            for controller in self._controllers.values():
-                tg.start_soon(controller.close)
+            for found in self._sets.values():
+                tg.start_soon(found.close)
 
-    def _engine_of(self, deployment: Deployment) -> EngineInstall:
+    def _engine_of(self, deployment: Deployment, host: str | None) -> EngineInstall:
         spec = deployment.spec
         if spec.attached:
             version = spec.engine_version or deployment.probed_version or "unknown"
@@ -216,8 +260,8 @@ class Fleet:
                 version=version,
                 version_text=how,
             )
-        if deployment.host is not None:
-            return self._host_engine(deployment.host, spec.engine)
+        if host is not None:
+            return self._host_engine(host, spec.engine)
         engine = self._store.get_engine(spec.engine)
         if engine is None:
             raise EngineNotFound(spec.engine)
@@ -236,44 +280,35 @@ class Fleet:
             raise EngineNotFound(name, host=host)
         return engine
 
-    def _controller(self, deployment: Deployment) -> Controller:
-        engine = self._engine_of(deployment)
+    def _controller(self, deployment: Deployment, where: InstancePlace) -> Controller:
+        engine = self._engine_of(deployment, where.host)
         adapter = self._adapters[engine.family]
         fields = row_for(engine.family, engine.version)
         if not fields.verified:
             self._events.emit(deployment.spec.name, "unverified_engine_version", **fields.describe(engine.version))
         controller: Controller
         effects: EngineEffects
+        index = where.index
         if deployment.spec.attached:
             controller = AttachedController(deployment, engine, adapter, self._clock, self._events, fields)
-        elif deployment.host is not None and self._hosts is not None:
-            effects = RemoteEngineEffects(
-                deployment.spec, engine, deployment.host, self._hosts, self._clock, self._canary
-            )
-            controller = ManagedController(  # charged on its host's device: the same switchboard
-                deployment,
-                engine,
-                adapter,
-                effects,
-                self._clock,
-                self._events,
-                self._settings,
-                fields,
-                self._room,
-                self._keep,
-            )
         else:
-            effects = LocalEngineEffects(
-                deployment.spec,
-                engine,
-                adapter,
-                self._processes,
-                self._clock,
-                self._pick_port,
-                self._log_root / deployment.spec.name,
-                self._canary,
-            )
-            controller = ManagedController(
+            if where.host is not None:
+                effects = RemoteEngineEffects(
+                    deployment.spec, engine, where.host, self._registry(), self._clock, self._canary, index
+                )
+            else:
+                logs = self._log_root / deployment.spec.name
+                effects = LocalEngineEffects(
+                    deployment.spec,
+                    engine,
+                    adapter,
+                    self._processes,
+                    self._clock,
+                    self._pick_port,
+                    logs if index == FIRST_INSTANCE else logs / f"instance-{index}",
+                    self._canary,
+                )
+            controller = ManagedController(  # charged on its device (a host's too): the same switchboard
                 deployment,
                 engine,
                 adapter,
@@ -284,11 +319,81 @@ class Fleet:
                 fields,
                 self._room,
                 self._keep,
+                index,
             )
+        controller.place = where
         assert self._task_group is not None
         controller.bind(self._task_group)
-        self._controllers[deployment.spec.name] = controller
         return controller
+
+    def _build(self, deployment: Deployment) -> InstanceSet:
+        """The instance set of a stored (or just applied) deployment: a controller for each placed instance."""
+        spec = deployment.spec
+        for host in spec.allowed_hosts:
+            self._registry().state(host)  # refused where no host joined under it, or CapyCTL runs alone
+        placed = list(deployment.places)
+        if not placed and (spec.attached or deployment.placed_on is not None):  # (a record from before instances)
+            placed = [deployment.place_of(FIRST_INSTANCE)]
+        members = [self._controller(deployment, where) for where in placed if where.index < spec.instances]
+        engine = members[0].engine if members else self._engine_of(deployment, self._any_host(spec))
+        found = self._sets[spec.name] = InstanceSet(deployment, engine, members)
+        if len(members) < (1 if spec.attached else spec.instances):
+            self._place_missing(found)
+        return found
+
+    def _any_host(self, spec: DeploymentSpec) -> str | None:
+        """A machine with ``spec``'s engine, for the engine's row before any instance is placed."""
+        if spec.attached or self._hosts is None or self._store.get_engine(spec.engine) is not None:
+            return None
+        named = spec.allowed_hosts or [host for host, _ in self._hosts.hosts_with(spec.engine)]
+        return named[0] if named else None
+
+    def _slots(self, spec: DeploymentSpec) -> list[Slot]:
+        """Every place an instance of ``spec`` could go: each device of each machine that has its engine."""
+        machines: list[tuple[str | None, HostState | None]] = []
+        if self._hosts is None or self._store.get_engine(spec.engine) is not None:
+            machines.append((None, None))
+        if self._hosts is not None:
+            machines += [(host, state) for host, state in self._hosts.hosts_with(spec.engine)]
+            if spec.host is not None and spec.host not in [m[0] for m in machines]:
+                machines.append((spec.host, self._hosts.state(spec.host)))  # (host_not_found for no such host)
+        slots = []
+        for host, state in machines:
+            devices = self._room.devices if host is None else self._room.host_devices(host)
+            if spec.resources.memory_bytes is None or not devices:
+                slots.append(Slot(host, None, state))
+                continue
+            for name, device in devices.items():
+                slots.append(Slot(host, name, state, device.usable, self._room.free(device)))
+        return slots
+
+    def _placed(self, spec: DeploymentSpec, keep: list[InstancePlace], indexes: list[int]) -> Placed:
+        return place(spec, self._slots(spec), keep, indexes)
+
+    def _place_missing(self, found: InstanceSet) -> None:
+        """Place the instances of ``found`` that have no place yet, where they fit now; says why for the rest."""
+        spec = found.spec
+        if spec.attached:
+            return
+        have = [c.place for c in found.members]
+        missing = [i for i in range(spec.instances) if found.member(i) is None]
+        if not missing:
+            found.unplaced = []
+            return
+        placed = self._placed(spec, have, missing)
+        for where in placed.places:
+            try:
+                member = self._controller(found.deployment, where)
+            except CapyError as exc:
+                placed.unplaced.append(f"instance {where.index}: {exc.message}")
+                continue
+            found.add(member)
+            self._events.emit(spec.name, "instance_placed", instance=where.index, host=where.host, device=where.device)
+        found.deployment.places = [c.place for c in found.members]
+        self._keep(found.deployment)
+        if placed.unplaced != found.unplaced and placed.unplaced:
+            self._events.emit(spec.name, "instance_unplaced", reasons=placed.unplaced)
+        found.unplaced = placed.unplaced
 
     # --- engines ------------------------------------------------------------
     async def add_engine(self, path: str, name: str | None, family: str | None = None) -> EngineInstall:
@@ -316,19 +421,6 @@ class Fleet:
         self._events.emit(None, "engine_removed", engine=name)
 
     # --- deployments --------------------------------------------------------
-    def _placement(self, spec: DeploymentSpec) -> str | None:
-        """The host ``spec`` runs on: the one it names, or (when its engine is not on this machine) one of the
-        hosts that have its engine; None: this machine."""
-        if spec.attached:
-            return None
-        if spec.host is not None:
-            self._registry().state(spec.host)  # host_not_found for a name no host joined under
-            return spec.host
-        if self._hosts is None or self._store.get_engine(spec.engine) is not None:
-            return None
-        fits = self._room.fits
-        return place([(host, state, fits(spec, host)) for host, state in self._hosts.hosts_with(spec.engine)])
-
     async def _check(self, spec: DeploymentSpec, host: str | None) -> str | None:
         """Refuse a deployment that cannot work (on ``host``, when it runs on one); an attached engine's probed
         version."""
@@ -379,50 +471,84 @@ class Fleet:
         return None
 
     def _check_device(self, spec: DeploymentSpec, devices: Mapping[str, Device], where: str) -> None:
-        """``resources.device`` among ``where``'s ``devices`` ("this server", or a host, whose devices are
+        """Each device the file names among ``where``'s ``devices`` ("this server", or a host, whose devices are
         unchecked until it has reported them)."""
         if where != "this server" and not devices:
             return
-        named = spec.resources.device
-        if named is not None and named not in devices:
-            known = ", ".join(devices) or f"none: {where}'s memory.devices is empty"
-            raise InvalidConfig(f"resources.device {named!r} is not one of {where}'s devices ({known})")
-        if spec.resources.memory is not None and named is None and len(devices) > 1:
-            raise InvalidConfig(f"resources.device is required: {where} has several devices ({', '.join(devices)})")
+        for named in spec.allowed_devices:
+            if named not in devices:
+                key = "resources.device" if spec.resources.device is not None else "placement.devices"
+                known = ", ".join(devices) or f"none: {where}'s memory.devices is empty"
+                raise InvalidConfig(f"{key} {named!r} is not one of {where}'s devices ({known})")
 
-    async def apply(self, document: Any, activate: bool) -> tuple[str, Controller]:
+    def _machines(self, spec: DeploymentSpec) -> list[str | None]:
+        """The machines to check ``spec`` on before it is applied: those that may take an instance."""
+        if spec.attached:
+            return [None]
+        for host in spec.allowed_hosts:
+            self._registry().state(host)  # refused where no host joined under it, or CapyCTL runs alone
+        machines = sorted({slot.host for slot in self._slots(spec)}, key=lambda host: host or "")
+        if spec.allowed_hosts:
+            machines = [m for m in machines if m in spec.allowed_hosts]
+        if not machines:
+            if self._hosts is not None and self._store.get_engine(spec.engine) is None:
+                raise EngineNotFound(spec.engine, host=spec.allowed_hosts[0] if spec.allowed_hosts else None)
+            raise EngineNotFound(spec.engine)
+        return machines
+
+    async def apply(self, document: Any, activate: bool) -> tuple[str, InstanceSet]:
         spec = decode_spec(document)
-        if not spec.attached and spec.model and spec.host is None:  # engines get the path the operator meant,
+        if not spec.attached and spec.model and not spec.allowed_hosts:  # engines get the path the operator meant,
             spec = msgspec.structs.replace(spec, model=str(local_path(spec.model, "model", InvalidConfig)))  # not "~"
         async with self._changes:
-            host = self._placement(spec)
-            probed = await self._check(spec, host)
-            placed = host if spec.host is None else None
-            current = self._controllers.get(spec.name)
+            probed = None
+            for machine in self._machines(spec):
+                probed = await self._check(spec, machine)
+            current = self._sets.get(spec.name)
             outcome = "created"
             if current is not None:
                 before = current.deployment
-                if before.spec == spec and before.probed_version == probed and before.host == host:
+                if before.spec == spec and before.probed_version == probed:
                     outcome = "unchanged"
+                elif msgspec.structs.replace(before.spec, instances=spec.instances) == spec and not spec.attached:
+                    outcome = "scaled"
+                    await self._scale(current, spec)
                 else:
                     outcome = "updated"
                     self._reachable(current)
-                    await current.close()  # the old engine is gone before the new deployment exists
-                    del self._controllers[spec.name]
+                    await current.close()  # the old engines are gone before the new deployment exists
+                    del self._sets[spec.name]
                     current = None
-            if current is not None:  # unchanged: the same record, with what was measured of it
+            if current is not None:  # unchanged or scaled: the same record, with what was measured of it
                 deployment = current.deployment
                 deployment.operator_stopped = False
+                self._place_missing(current)
             else:
-                deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed, placed_on=placed)
+                deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
             self._store.put_deployment(deployment)
-            controller = current or self._controller(deployment)
-            self._events.emit(spec.name, f"deployment_{outcome}")
+            found = current or self._build(deployment)
+            self._events.emit(spec.name, f"deployment_{outcome}", instances=spec.instances)
             if activate:
-                controller.want(Desired.RUN)
-            elif controller.desired is Desired.STOP:
-                controller.want(Desired.ON_DEMAND)  # applying it lifts an operator's stop
-            return outcome, controller
+                found.want(Desired.RUN)
+            elif found.commanded is Desired.STOP:
+                found.want(Desired.ON_DEMAND)  # applying it lifts an operator's stop
+            return outcome, found
+
+    async def _scale(self, found: InstanceSet, spec: DeploymentSpec) -> None:
+        """``found`` to ``spec.instances``: new instances are placed by the caller; those past the new count,
+        the highest index first, take no new request, finish theirs (within the drain timeout) and stop."""
+        found.deployment.spec = spec
+        leaving = [c for c in found.members if c.index >= spec.instances]
+        for member in leaving:
+            member.draining = True
+        began = self._clock.monotonic()
+        while any(m.in_flight for m in leaving) and self._clock.monotonic() - began < self._drain_timeout:
+            await anyio.sleep(0.05)
+        for member in sorted(leaving, key=lambda c: -c.index):
+            await member.close()
+            self._events.emit(spec.name, "instance_removed", instance=member.index, in_flight=member.in_flight)
+        found.members = [c for c in found.members if c.index < spec.instances]
+        found.deployment.places = [c.place for c in found.members]
 
     @property
     def room(self) -> Switchboard | NoSwitchboard:
@@ -430,101 +556,111 @@ class Fleet:
         return self._room
 
     def _keep(self, deployment: Deployment) -> None:
-        if self._controllers.get(deployment.spec.name) is not None:  # not once it is deleted
+        if self._sets.get(deployment.spec.name) is not None:  # not once it is deleted
             self._store.put_deployment(deployment)
 
-    def get(self, name: str) -> Controller:
-        controller = self._controllers.get(name)
-        if controller is None:
+    def get(self, name: str) -> InstanceSet:
+        found = self._sets.get(name)
+        if found is None:
             raise DeploymentNotFound(name)
-        return controller
+        return found
 
     def has(self, name: str) -> bool:
-        return name in self._controllers
+        return name in self._sets
 
     def names(self) -> list[str]:
-        return sorted(self._controllers)
+        return sorted(self._sets)
+
+    def deployments(self) -> list[InstanceSet]:
+        return [self._sets[name] for name in self.names()]
 
     def controllers(self) -> list[Controller]:
-        return [self._controllers[name] for name in self.names()]
+        """Every instance of every deployment, by deployment, then index."""
+        return [member for found in self.deployments() for member in found.members]
+
+    def leads(self) -> list[Controller]:
+        """Each deployment's lead instance (``InstanceSet.lead``: the one whose state stands for it), by name;
+        a deployment with no instance placed has none."""
+        return [lead for found in self.deployments() if (lead := found.lead) is not None]
 
     def managed(self) -> list[ManagedController]:
         """The controllers of the engines CapyCTL runs: what the switchboard charges, parks and stops (an attached
         engine holds nothing on CapyCTL's devices and is never parked or stopped by it)."""
         return [c for c in self.controllers() if isinstance(c, ManagedController)]
 
-    async def start(self, name: str) -> Controller:
-        """An operator's start: run the engine now; lifts a stop, gives a FAILED one a new start budget."""
+    async def start(self, name: str) -> InstanceSet:
+        """An operator's start: run the engines now; lifts a stop, gives a FAILED one a new start budget."""
         async with self._changes:
-            controller = self.get(name)
-            self._command(controller, Desired.RUN)
-        return controller
+            found = self.get(name)
+            self._place_missing(found)
+            self._command(found, Desired.RUN)
+        return found
 
-    async def stop(self, name: str) -> Controller:
-        """An operator's stop: sticky until an operator's start; returns once the engine is gone."""
+    async def stop(self, name: str) -> InstanceSet:
+        """An operator's stop: sticky until an operator's start; returns once the engines are gone."""
         async with self._changes:
-            controller = self.get(name)
-            self._reachable(controller)
-            self._command(controller, Desired.STOP)
-        await controller.until_settled()  # outside the lock: a start given meanwhile is not kept waiting
-        return controller
+            found = self.get(name)
+            self._reachable(found)
+            self._command(found, Desired.STOP)
+        await found.until_settled()  # outside the lock: a start given meanwhile is not kept waiting
+        return found
 
-    async def park(self, name: str) -> Controller:
+    async def park(self, name: str) -> InstanceSet:
         """An operator's park: drain, then sleep (restart_only: stop, not stickily); the next request wakes it."""
         async with self._changes:
-            controller = self.get(name)
-            if controller.desired is Desired.STOP:
+            found = self.get(name)
+            if found.commanded is Desired.STOP:
                 raise DeploymentStopped(name)
-            if not isinstance(controller, ManagedController):
+            if found.spec.attached:
                 raise InvalidConfig(
                     f"deployment {name!r} is attached: CapyCTL does not run its engine, so it "
                     "cannot park it; stop routing to it with capyctl stop deployment"
                 )
             self._events.emit(name, "operator_park")
-            await self._room.park(controller)
-        return controller
+            for member in found.members:
+                if isinstance(member, ManagedController):
+                    await self._room.park(member)
+        return found
 
     async def delete(self, name: str) -> None:
         async with self._changes:
-            controller = self.get(name)
-            self._reachable(controller)
-            await controller.close()
-            del self._controllers[name]
+            found = self.get(name)
+            self._reachable(found)
+            await found.close()
+            del self._sets[name]
             self._store.delete_deployment(name)
             self._events.emit(name, "deployment_deleted")
 
-    def _reachable(self, controller: Controller) -> None:
+    def _reachable(self, found: InstanceSet) -> None:
         """Refuses (``device_offline``) to end an engine on a host that cannot be told now: the engine is held
         until its host is back, and the command would wait as long."""
-        if controller.status.pid is not None and (refusal := controller.held()) is not None:
+        if (refusal := found.held()) is not None:
             raise refusal
 
-    def _command(self, controller: Controller, desired: Desired) -> None:
-        controller.want(desired)
-        controller.deployment.operator_stopped = stopped = desired is Desired.STOP
-        self._store.put_deployment(controller.deployment)
-        self._events.emit(controller.name, "operator_stop" if stopped else "operator_start")
+    def _command(self, found: InstanceSet, desired: Desired) -> None:
+        found.want(desired)
+        found.deployment.operator_stopped = stopped = desired is Desired.STOP
+        self._store.put_deployment(found.deployment)
+        self._events.emit(found.name, "operator_stop" if stopped else "operator_start")
 
     def events(self, deployment: str | None, after_id: int, limit: int) -> list[dict[str, Any]]:
         return self._store.list_events(deployment, after_id, limit)
 
     def instances(self, model: str, api: str = "chat") -> list[Controller]:
-        """The instances of ``model`` that may serve a request of ``api``, by index (each deployment runs one so
-        far), after the checks of ``resolve``."""
-        return [self.resolve(model, api)]
-
-    def resolve(self, model: str, api: str = "chat") -> Controller:
-        """The controller serving ``model`` for a request of ``api`` (it may still need starting).
+        """The placed instances of ``model`` that may serve a request of ``api``, by index; raises for a
+        deployment that cannot serve it (unknown, another API, stopped by an operator, nothing placed).
 
         The wrong API is answered before an operator's stop: starting the model would not help.
         """
-        controller = self._controllers.get(model)
-        if controller is None:
+        found = self._sets.get(model)
+        if found is None:
             raise ModelNotFound(model, self.names())
-        if controller.spec.api != api:
+        if found.spec.api != api:
             if api == "chat":
                 raise ApiMismatch(model, "decisions", "/v1/chat/completions", "POST /v1/systemone")
             raise ApiMismatch(model, "chat", "/v1/systemone", "POST /v1/chat/completions")
-        if controller.desired is Desired.STOP:  # sticky in every window: stopping, stopped, failed
+        if found.commanded is Desired.STOP:  # sticky in every window: stopping, stopped, failed
             raise DeploymentStopped(model)
-        return controller
+        if not found.members:
+            raise NotPlaced(model, found.unplaced or ["not placed yet"])
+        return found.members

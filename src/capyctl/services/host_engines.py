@@ -1,7 +1,8 @@
 """A host's engines, run on the server's commands: the same ``LocalEngineEffects`` a standalone server uses,
-one per deployment, driven over the control link instead of by a controller in this process.
+one per instance, driven over the control link instead of by a controller in this process.
 
-Commands name the deployment as their ``instance`` and the launch number as their ``generation``, so the
+Commands name the instance (``domain.deployments.instance_id``: the deployment's name for its first instance,
+``<deployment>/<n>`` for the others) and the launch number as their ``generation``, so the
 host's ``CommandLedger`` refuses a command about an older launch than one it has seen. A launch opens an
 ingress gate for its key; a stop (or the engine's exit) closes it. ``running`` is what the hello reports,
 so that a server that reconnects can adopt what runs instead of starting it again.
@@ -42,6 +43,7 @@ class _Running:
     launch_id: str
     generation: int
     started: float  # wall clock, as the hello reports it
+    deployment: str
     ending: bool = False  # being stopped here: its end is told by whoever stops it, not by ``watch``
 
 
@@ -61,7 +63,7 @@ class HostEngines:
         self._pick_port = pick_port
         self._log_root = log_root
         self._gates = gates
-        self._running: dict[str, _Running] = {}  # deployment -> its engine
+        self._running: dict[str, _Running] = {}  # instance (``instance_id``) -> its engine
 
     async def handle(self, command: Command) -> dict[str, Any] | None:
         """The detail of ``command``'s result, or None when it is not an engine command."""
@@ -115,13 +117,18 @@ class HostEngines:
         before = self._running.get(command.instance)
         if before is not None and before.effects.exited(before.launched) is None:
             raise InvalidRequest(f"{command.instance!r} runs launch {before.generation} here; stop it first")
-        log_dir = self._log_root / spec.name
+        _, slash, index = command.instance.partition("/")
+        if command.instance != spec.name and not (
+            command.instance.startswith(spec.name + "/") and index.isdigit() and index.isascii()
+        ):
+            raise InvalidRequest(f"instance {command.instance!r} is not one of deployment {spec.name!r}'s")
+        log_dir = self._log_root / spec.name / (f"instance-{index}" if slash else "")
         log_dir.mkdir(parents=True, exist_ok=True)
         effects = LocalEngineEffects(spec, engine, adapter, self._processes, self._clock, self._pick_port, log_dir)
         launched = await effects.launch(command.generation)
         self._gates.open_gate(gate, launched.port or 0)
         running = self._running[command.instance] = _Running(
-            effects, launched, gate, uuid.uuid4().hex, command.generation, self._clock.wall()
+            effects, launched, gate, uuid.uuid4().hex, command.generation, self._clock.wall(), spec.name
         )
         return self._described(running)
 
@@ -134,7 +141,7 @@ class HostEngines:
         return [
             RunningInstance(
                 instance=name,
-                deployment=name,
+                deployment=r.deployment,
                 number=r.generation,
                 generation=r.generation,
                 pid=r.launched.pid or 0,

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from capyctl.domain.balancing import Score
 from capyctl.domain.errors import CapyError, DeviceOffline, EdgeError
 from capyctl.domain.hosts import HostState
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
@@ -58,7 +59,9 @@ class Call(RequestRecord, kw_only=True):
     received_at: float = 0.0  # the monotonic time its last byte came
     keyring: Keyring | None = None  # holds the key's place for the day until ``close``
     # what CapyCTL holds for it
-    controller: Serving | None = None
+    controller: Serving | None = None  # the instance it goes to
+    scores: list[Score] | None = None  # what the router weighed, when the deployment has several instances
+    tried: list[int] = []  # the instances it reached no engine at, in order (failover)
     body: bytes = b""  # what the engine is sent
     lease: Lease | None = None  # granted and not yet entered: ``close`` gives it back
     route: Route | None = None
@@ -190,9 +193,9 @@ class RequestService:
         keys: Keyring | None = None,
     ) -> None:
         self._fleet = fleet
-        self._router = Router(fleet)  # which instance serves each request
         self._keys = keys
         self._admission = admission or AdmissionService(QueueLimits(), clock, settings.request_deadline)
+        self.router = Router(fleet, clock, self._admission.state.limits.max_in_flight_per_instance)
         self._events = events
         self._session = session
         self._clock = clock
@@ -232,10 +235,11 @@ class RequestService:
     def default_model(self) -> str | None:
         return self._settings.default_model
 
-    def cut(self, record: RequestRecord) -> None:
-        """CAN-2: a request cut after it was sent stays counted against its instance until settled."""
-        if record.instance is not None and self._fleet.has(record.deployment):
-            self._fleet.get(record.deployment).cut(record)
+    def cut(self, call: Call) -> None:
+        """CAN-2: a request cut after it was sent stays counted against its instance until settled (unless its
+        deployment was deleted meanwhile)."""
+        if call.instance is not None and call.controller is not None and self._fleet.has(call.deployment):
+            call.controller.cut(call)
 
     def knows(self, name: str) -> bool:
         return self._fleet.has(name)
@@ -257,10 +261,48 @@ class RequestService:
         if self._keys is not None:
             self._keys.admitted(call.id)
 
+    def _pick(self, call: Call, api: str) -> Serving:
+        """The instance ``call`` goes to (not one it reached no engine at), for the router's reasons; its
+        deployment's waiting line takes as many requests at once as it has instances."""
+        picked = self.router.pick(call.deployment, api, call.tried)
+        self._admission.state.scale(call.deployment, picked.size)
+        call.controller, call.scores = picked.instance, picked.scores
+        return picked.instance
+
+    def _fail_over(self, call: Call, api: str, cause: str | None) -> Serving | None:
+        """After ``call`` reached no engine at its instance (for ``cause``): the next instance to try, with a
+        ``router_failover`` event; None when it may not move on (it then ends with ``error``)."""
+        failed = call.controller
+        assert failed is not None
+        try:
+            left = len(self._fleet.instances(call.deployment, api)) - len(call.tried) - 1
+        except CapyError:  # (deleted, or stopped, meanwhile)
+            return None
+        if not self.router.fail_over(call.deployment, cause, len(call.tried) + 1, left):
+            return None
+        call.tried = [*call.tried, failed.index]
+        host = failed.host or self._settings.host_name
+        self._events.failover(call.id, call.deployment, host, failed.index, str(cause), len(call.tried))
+        try:
+            return self._pick(call, api)
+        except CapyError:
+            return None
+
     def _selected(self, call: Call, controller: Serving) -> None:
+        """``call`` is sent to ``controller``'s engine now: counted there until ``_left``."""
         index = controller.index
         call.sent(instance=index)
-        self._events.selection(call.id, call.deployment, controller.host or self._settings.host_name, index, call.key)
+        controller.in_flight += 1
+        self.router.selections[(call.deployment, index)] += 1
+        scores = call.scores
+        inputs = None if scores is None else [s._asdict() for s in scores]
+        host = controller.host or self._settings.host_name
+        self._events.selection(call.id, call.deployment, host, index, call.key, inputs)
+
+    @staticmethod
+    def _left(controller: Serving) -> None:
+        """A request sent to ``controller``'s engine is over (answered, cut or failed)."""
+        controller.in_flight -= 1
 
     def _arm(self, call: Call, controller: Serving) -> None:
         """The call's meter and check (the rules made once per engine version)."""

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
-from capyctl.domain.deployments import DeploymentSpec
+from capyctl.domain.deployments import FIRST_INSTANCE, DeploymentSpec, instance_id
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, DeviceOffline
 from capyctl.domain.hosts import HostState
@@ -98,8 +98,10 @@ class RemoteEngineEffects(EngineEffects):
         hosts: HostLink,
         clock: Clock,
         canary: Canary | None = None,
+        index: int = FIRST_INSTANCE,
     ) -> None:
         self._spec = spec
+        self._index = index
         self._engine = engine
         self._host = host
         self._hosts = hosts
@@ -117,7 +119,7 @@ class RemoteEngineEffects(EngineEffects):
 
     @property
     def _instance(self) -> str:
-        return self._spec.name
+        return instance_id(self._spec.name, self._index)
 
     async def _run(self, action: Action, launch: _Launch | None, **args: Any) -> dict[str, Any]:
         generation = launch.generation if launch is not None else self._generation

@@ -59,7 +59,8 @@ IDLE_CHECK = 1.0  # seconds between looks at the idle timers
 
 
 class Placed(Protocol):
-    """What says which device a deployment is charged against: its spec, and its host (any controller)."""
+    """What says which device an instance is charged against: its spec, its host and its device there (any
+    controller)."""
 
     @property
     def spec(self) -> DeploymentSpec: ...
@@ -67,12 +68,22 @@ class Placed(Protocol):
     def host(self) -> str | None:
         """The host its engine runs on; None: the server's own machine."""
 
+    @property
+    def device(self) -> str | None:
+        """The device it was placed on, by its name on its machine; None: the machine's only one."""
+
 
 class Occupant(Placed, Protocol):
     """The controller of an engine CapyCTL runs (a managed one), as the switchboard sees it."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """Its deployment's name (what admission counts and holds)."""
+
+    @property
+    def holder(self) -> str:
+        """The instance's own name, what the device's charges are kept under (``instance_id``)."""
+
     @property
     def holding(self) -> Holding: ...
     @property
@@ -197,33 +208,30 @@ class Switchboard:
     def device_of(self, occupant: Placed) -> Device | None:
         """The device a deployment is charged against (on its host's, when it runs on one); None when it is
         not accounted."""
-        return self._device_for(occupant.spec, occupant.host)
+        return self.device_for(occupant.spec, occupant.host, occupant.device)
 
-    def _device_for(self, spec: DeploymentSpec, host: str | None) -> Device | None:
+    def device_for(self, spec: DeploymentSpec, host: str | None, device: str | None) -> Device | None:
+        """The device named ``device`` (None: the only one) on ``host`` (None: the server), where ``spec`` is
+        charged; None when it is not accounted."""
         devices = self.devices if host is None else self.host_devices(host)
         if spec.resources.memory_bytes is None or not devices:
             return None
-        if spec.resources.device is not None:
-            return devices.get(spec.resources.device)
+        if device is not None:
+            return devices.get(device)
         return next(iter(devices.values())) if len(devices) == 1 else None
 
     def is_on(self, occupant: Placed, device: Device) -> bool:
         on = self.device_of(occupant)
         return on is not None and on.name == device.name
 
-    def fits(self, spec: DeploymentSpec, host: str) -> bool:
-        """Whether ``spec``'s memory is free now on its device of ``host``: True when it is not accounted there
-        (no memory declared, or the host has reported no device yet), False when it names none of several."""
-        memory, devices = spec.resources.memory_bytes, self.host_devices(host)
-        if memory is None or not devices:
-            return True
-        device = self._device_for(spec, host)
-        return device is not None and device.usable - sum(self.charged(device).values()) >= memory
+    def free(self, device: Device) -> int:
+        """The bytes of ``device`` no engine holds now."""
+        return device.usable - sum(self.charged(device).values())
 
     def resident(self, occupant: Occupant) -> Resident:
         spec, name = occupant.spec, occupant.name
         return Resident(
-            name=name,
+            name=occupant.holder,
             memory=spec.resources.memory_bytes or 0,
             parked_memory=spec.resources.parked_bytes,
             residency=spec.residency,
@@ -239,7 +247,7 @@ class Switchboard:
 
     def charged(self, device: Device) -> dict[str, int]:
         """What each deployment on ``device`` holds now, in bytes."""
-        return {o.name: self.resident(o).charged for o in self._on(device) if o.holding is not Holding.NONE}
+        return {o.holder: self.resident(o).charged for o in self._on(device) if o.holding is not Holding.NONE}
 
     def _on(self, device: Device) -> list[Occupant]:
         return [o for o in self._occupants() if self.is_on(o, device)]
@@ -251,10 +259,10 @@ class Switchboard:
             occupant.grant_room()
             return
         claims = self._claims.setdefault(device.name, {})
-        claims[occupant.name] = self._clock.monotonic()
+        claims[occupant.holder] = self._clock.monotonic()
         try:
             while True:
-                if device.name not in self._busy and self._next(device) == occupant.name:
+                if device.name not in self._busy and self._next(device) == occupant.holder:
                     self._busy.add(device.name)
                     try:
                         if await self._try(device, occupant):
@@ -263,16 +271,17 @@ class Switchboard:
                         self._busy.discard(device.name)
                 await anyio.sleep(LOOK_AGAIN)
         finally:
-            del claims[occupant.name]
+            del claims[occupant.holder]
 
     def _next(self, device: Device) -> str | None:
         claims = self._claims[device.name]
-        since = {name: self._admission.oldest_waiting(name) or at for name, at in claims.items()}
+        waiting = self._admission.oldest_waiting
+        since = {holder: waiting(holder.partition("/")[0]) or at for holder, at in claims.items()}
         return next_in_line(since)
 
     async def _try(self, device: Device, occupant: Occupant) -> bool:
         """One plan for ``occupant``: True once it was granted room, False to look again later."""
-        others = [self.resident(o) for o in self._on(device) if o.name != occupant.name]
+        others = [self.resident(o) for o in self._on(device) if o.holder != occupant.holder]
         outcome = plan(device, self.resident(occupant), others)
         if isinstance(outcome, Fits):
             occupant.grant_room()
@@ -290,7 +299,7 @@ class Switchboard:
         began = self._clock.monotonic()
         described = switch.describe()
         self._events.emit(switch.target, "switch_planned", device=device.name, **described)
-        by_name = {o.name: o for o in self._occupants()}
+        by_name = {o.holder: o for o in self._occupants()}
         victims = [by_name[v.name] for v in switch.victims if v.name in by_name]
         outcomes: dict[str, Gate] = {}
         async with anyio.create_task_group() as tg:
@@ -299,7 +308,7 @@ class Switchboard:
         if any(outcome is Gate.TIMED_OUT for outcome in outcomes.values()):
             for victim in victims:  # they keep serving: nothing of theirs was cut
                 self._admission.unhold(victim.name, victim)
-            slow = [name for name, outcome in outcomes.items() if outcome is Gate.TIMED_OUT]
+            slow = [holder for holder, outcome in outcomes.items() if outcome is Gate.TIMED_OUT]
             reason = (
                 f"{', '.join(slow)} did not finish its requests within switching.drain_timeout "
                 f"({self._switching.drain_timeout:.0f} s); it keeps serving"
@@ -307,11 +316,11 @@ class Switchboard:
             self.last_switch[device.name] = {**described, "outcome": "failed", "reason": reason}
             self._events.emit(switch.target, "switch_failed", device=device.name, reason=reason, **described)
             raise GpuBusy(switch.target, reason, self._retry_after(slow[0]))
-        actions = {v.name: v.action for v in switch.victims}
+        actions = {v.name: v.action for v in switch.victims}  # (by holder)
         before = sum(self.charged(device).values())
         async with anyio.create_task_group() as tg:
             for victim in victims:
-                tg.start_soon(self._give_way, victim, actions[victim.name] == "park", f"a switch for {switch.target}")
+                tg.start_soon(self._give_way, victim, actions[victim.holder] == "park", f"a switch for {switch.target}")
         seconds = round(self._clock.monotonic() - began, 3)
         if sum(self.charged(device).values()) >= before:  # never plan the same switch again and again
             reason = "the victims gave back no memory (" + ", ".join(v.name for v in victims) + ")"
@@ -332,7 +341,7 @@ class Switchboard:
             if phase is not Gate.ADMIT:
                 self._admission.hold(victim.name)
             if phase in (Gate.DRAINED, Gate.TIMED_OUT):
-                outcomes[victim.name] = phase
+                outcomes[victim.holder] = phase
                 return
             await anyio.sleep(LOOK_AGAIN)
 
@@ -342,8 +351,9 @@ class Switchboard:
         finally:
             self._admission.unhold(victim.name, victim)  # its waiters ask for it again
 
-    def _retry_after(self, name: str) -> int:
-        return self._admission.state.retry_after(name, 1)
+    def _retry_after(self, holder: str) -> int:
+        """Seconds until the deployment of ``holder`` (an instance's name, ``instance_id``) likely frees a place."""
+        return self._admission.state.retry_after(holder.partition("/")[0], 1)
 
 
 class NoSwitchboard:
@@ -373,5 +383,8 @@ class NoSwitchboard:
     def host_devices(self, host: str) -> dict[str, Device]:
         return {}
 
-    def fits(self, spec: DeploymentSpec, host: str) -> bool:
-        return True
+    def device_for(self, spec: DeploymentSpec, host: str | None, device: str | None) -> Device | None:
+        return None
+
+    def free(self, device: Device) -> int:
+        return device.usable

@@ -186,6 +186,8 @@ class Caller:
 
 
 async def answer(writer: asyncio.StreamWriter, status: int, code: str, message: str) -> None:
+    """The ingress's own answer: no engine saw the request, which ``X-CapyCTL-Not-Forwarded`` says (the server
+    may then send it to another instance)."""
     body = msgspec.json.encode(
         {
             "error": {
@@ -197,7 +199,7 @@ async def answer(writer: asyncio.StreamWriter, status: int, code: str, message: 
     )
     writer.write(
         b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close"
-        b"\r\n\r\n" % (status, _REASONS.get(status, b"Error"), len(body)) + body
+        b"\r\nX-CapyCTL-Not-Forwarded: 1\r\n\r\n" % (status, _REASONS.get(status, b"Error"), len(body)) + body
     )
     with contextlib.suppress(ConnectionError):  # the server went away: the connection closes all the same
         await writer.drain()

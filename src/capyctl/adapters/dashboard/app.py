@@ -59,7 +59,7 @@ from capyctl.adapters.dashboard.web import (
 )
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.domain.deployments import NAME_PATTERN
-from capyctl.domain.errors import CapyError, InvalidRequest, NotFound
+from capyctl.domain.errors import CapyError, InvalidRequest, NotFound, NotPlaced
 from capyctl.domain.request_charts import WINDOWS
 from capyctl.services.events import Events
 from capyctl.services.request_log import RequestLog
@@ -116,7 +116,7 @@ async def requests_page(request: Request[Any, Any, Any]) -> Response[str]:
         stream_params=form,
         rows=rows,
         form=form,
-        deployments=sorted(c.name for c in board.fleet.controllers()),
+        deployments=board.fleet.names(),
         keys=sorted(key.name for key, _ in board.keys.with_usage()),
     )
 
@@ -140,7 +140,7 @@ async def _charts(request: Request[Any, Any, Any]) -> tuple[Charts, str | None]:
     await board.timeline.ensure_seeded()
     board.timeline.refresh()  # the marks stored since the last read (a few rows, by their IDs)
     buckets = await parts.records.chart(window, deployment)  # (it writes what is buffered first)
-    names = [c.name for c in board.fleet.controllers() if deployment in (None, c.name)]
+    names = [n for n in board.fleet.names() if deployment in (None, n)]
     return charts(window, buckets, names, board.timeline.marks, parts.records.wall()), deployment
 
 
@@ -159,7 +159,7 @@ async def charts_page(request: Request[Any, Any, Any]) -> Response[str]:
         source=source,
         stream_params={"window": shown.window, **({"deployment": deployment} if deployment else {})},
         windows=list(WINDOWS),
-        deployments=sorted(c.name for c in dash(request).board.fleet.controllers()),
+        deployments=dash(request).board.fleet.names(),
     )
 
 
@@ -199,7 +199,10 @@ def _action(request: Request[Any, Any, Any], name: str, action: str) -> tuple[An
     if action not in ACTIONS:
         raise NotFound(f"no action {action!r}: the dashboard can {', '.join(ACTIONS)} a deployment")
     board = dash(request).board
-    controller = board.fleet.get(name)
+    found = board.fleet.get(name)
+    controller = found.lead
+    if controller is None:
+        raise NotPlaced(name, found.unplaced or ["not placed yet"])
     status = controller.status
     shown = card(
         controller,

@@ -173,7 +173,7 @@ class Board:
 
     def cards(self) -> list[Card]:
         out, now, recent = [], self.clock.wall(), self.recent()
-        for c in self.fleet.controllers():
+        for c in self.fleet.leads():
             status = c.status
             since = self.since(c.name, str(status.state), status.ready_at, status.started_at)
             out.append(card(c, self.admission, since, now, recent.get(c.name)))
@@ -202,7 +202,7 @@ class Board:
     def chart_marks(self, deployment: str | None, window: str) -> dict[str, tuple[Mark, ...]]:
         """Each deployment's marks in ``window`` as it stands now, by its fragment's name."""
         start, end = window_edges(window, self.clock.wall())
-        names = [c.name for c in self.fleet.controllers() if deployment in (None, c.name)]
+        names = [n for n in self.fleet.names() if deployment in (None, n)]
         return {f"marks-{n}": marks_in(self.timeline.marks.get(n, ()), start, end) for n in names}
 
     def snapshot(self, page: str, deployment: str | None = None, window: str = WINDOW) -> dict[str, Any]:

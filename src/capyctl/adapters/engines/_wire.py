@@ -38,6 +38,7 @@ import httptools
 
 from capyctl.adapters.engines._http import engine_error
 from capyctl.adapters.engines._sse import DEFAULT_MAX_EVENT, SseParser
+from capyctl.domain.balancing import Unsent
 from capyctl.domain.errors import CapyError, EdgeError, EngineUnavailable, HostUnreachable
 from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.ports import EngineSession
@@ -46,6 +47,7 @@ from capyctl.domain.streams import Done, Relayed, StreamEvent
 _HIGH_WATER = 1 << 20  # pause reading from the engine past 1 MiB not yet relayed
 _MAX_ERROR_BODY = 64 * 1024
 _IDLE_PER_ENGINE = 64
+NOT_FORWARDED = b"x-capyctl-not-forwarded"  # on an answer a host's ingress gave itself: no engine saw the request
 _MAX_ANSWER = 16 << 20  # bytes of one whole answer (a decision, a probe, a metrics read)
 _TARGETS = 256  # engine addresses whose request heads are kept
 
@@ -68,6 +70,7 @@ class _Response(asyncio.Protocol):
         """Ready for the next request on this connection."""
         self.status = 0
         self.content_type = b""
+        self.not_forwarded = False  # a host's ingress answered itself (``X-CapyCTL-Not-Forwarded``)
         self.headers_done = False
         self.keep_alive = False
         self.complete = False
@@ -105,6 +108,8 @@ class _Response(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) == 12 and name.lower() == b"content-type":
             self.content_type = value.lower()
+        elif len(name) == 23 and name.lower() == NOT_FORWARDED:
+            self.not_forwarded = True
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -208,11 +213,16 @@ class WireEngineSession(EngineSession):
             return conn, True
         try:
             conn = await self._open((host, port))
-        except (OSError, ssl.SSLError) as exc:
+        except (OSError, ssl.SSLError) as exc:  # nothing was written: the request may go to another instance
+            cause = Unsent.TLS if isinstance(exc, ssl.SSLError) else Unsent.REFUSED
             name = self._tls_names.get((host, port))
             if name is not None:  # never an internal address in what a client may read
-                raise HostUnreachable(name, f"its ingress could not be reached ({_why(exc)})") from exc
-            raise EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}") from exc
+                error: EngineUnavailable = HostUnreachable(name, f"its ingress could not be reached ({_why(exc)})")
+            else:
+                error = EngineUnavailable(f"could not reach the engine at {host}:{port}: {exc.strerror or exc}")
+            raise error.before_sending(cause) from exc
+        except HostUnreachable as exc:  # a certificate the host does not hold now, or no CA: nothing was written
+            raise exc.before_sending(Unsent.TLS) from None
         return conn, False
 
     async def _open(self, key: tuple[str, int]) -> _Response:
@@ -281,14 +291,16 @@ class WireEngineSession(EngineSession):
         """POST a decision request; the engine's whole answer (200). Raises ``EngineError`` for a refusal,
         ``EngineUnavailable`` when the engine cannot be reached; a cut closes the connection."""
         host, port, head = self._target(address, "/v1/systemone", "application/json")
-        status, answer = await self._exchange(host, port, head, body, _MAX_ANSWER)
+        status, answer, not_forwarded = await self._exchange(host, port, head, body, _MAX_ANSWER)
         if status != 200:
-            raise self._refusal(host, port, status, answer)
+            raise self._refusal(host, port, status, answer, not_forwarded)
         return answer
 
-    def _refusal(self, host: str, port: int, status: int, body: bytes) -> CapyError:
+    def _refusal(self, host: str, port: int, status: int, body: bytes, not_forwarded: bool = False) -> CapyError:
         """An engine's error answer; or, from a host's ingress, its own refusal of the server, which is between
-        the server and its hosts: a client reads it as the host out of reach, never as the ingress's words."""
+        the server and its hosts: a client reads it as the host out of reach, never as the ingress's words
+        (and an ingress that could not reach its engine, saying it forwarded nothing, as the engine unreachable:
+        the request may go to another instance)."""
         error = engine_error(status, body)
         name = self._tls_names.get((host, port))
         if name is not None and error.code == "gate_refused":
@@ -296,6 +308,10 @@ class WireEngineSession(EngineSession):
                 name,
                 "its agent does not know this launch's gate key (its agent restarted, or the launch ended)",
                 reason="reconnecting",
+            ).before_sending(Unsent.GATE_CLOSED)
+        if name is not None and not_forwarded and status >= 500:
+            return EngineUnavailable(f"the engine on host {name!r} does not answer its ingress").before_sending(
+                Unsent.NOT_FORWARDED
             )
         return error
 
@@ -317,14 +333,16 @@ class WireEngineSession(EngineSession):
         host, port, head = self._target(EngineAddress(f"{parts.scheme}://{parts.netloc}"), route, "*/*", method)
         try:
             with anyio.fail_after(timeout):
-                return await self._exchange(host, port, head, body or b"", limit)
+                status, answer, _ = await self._exchange(host, port, head, body or b"", limit)
+                return status, answer
         except TimeoutError as exc:
             raise EngineUnavailable(
                 f"the engine at {host}:{port} did not answer {method} {route} within {timeout} s"
             ) from exc
 
-    async def _exchange(self, host: str, port: int, head: bytes, body: bytes, limit: int) -> tuple[int, bytes]:
-        """The request sent and its whole answer read (status, body); the connection is pooled again after it."""
+    async def _exchange(self, host: str, port: int, head: bytes, body: bytes, limit: int) -> tuple[int, bytes, bool]:
+        """The request sent and its whole answer read (status, body, and whether a host's ingress said it
+        forwarded nothing); the connection is pooled again after it."""
         conn = await self._send(host, port, head, body)
         parts: list[bytes] = []
         size = 0
@@ -345,7 +363,7 @@ class WireEngineSession(EngineSession):
             conn.close()  # cut short (client gone, deadline, too large): closing tells the engine to stop
             raise
         self._release(conn, (host, port))
-        return conn.status, b"".join(parts)
+        return conn.status, b"".join(parts), conn.not_forwarded
 
     def _spare(self, key: tuple[str, int]) -> None:
         """Open a connection to the engine at ``key`` to stand idle, when none does: one CapyCTL closed to cut
@@ -438,7 +456,7 @@ class _ChatStream:
             if conn.status != 200:
                 while not conn.complete and conn.lost is None and conn.buffered < _MAX_ERROR_BODY:
                     await conn.wait()
-                raise self._session._refusal(self._host, self._port, conn.status, conn.take())
+                raise self._session._refusal(self._host, self._port, conn.status, conn.take(), conn.not_forwarded)
             if conn.content_type and not conn.content_type.startswith(b"text/event-stream"):
                 raise await _not_a_stream(conn)
             self._parser = SseParser(self._session._max_event)

@@ -51,6 +51,7 @@ STATUS: dict[str, int] = {
     "device_busy": 503,
     "gpu-busy": 503,
     "insufficient_memory": 503,
+    "not_placed": 503,
     "still_serving": 409,
     "engine_rejected": 400,  # answered with the engine's own status
 }

@@ -60,6 +60,7 @@ _REFUSALS = frozenset(
         "queued",
         "device_busy",
         "insufficient_memory",
+        "not_placed",
         "gpu-busy",
     }
 )

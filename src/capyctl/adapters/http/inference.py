@@ -103,7 +103,7 @@ def list_models(
     """Lists deployments with their state, queue and measured start time; never starts, wakes or loads
     anything. A key limited to some models sees only them."""
     key: ApiKey = request.state.key
-    data = [model_entry(s, started, admission) for s in fleet.controllers() if key.sees(s.name)]
+    data = [model_entry(s, started, admission) for s in fleet.leads() if key.sees(s.name)]
     return Response({"object": "list", "data": data}, headers={"cache-control": "no-store"})
 
 

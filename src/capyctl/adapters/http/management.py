@@ -78,7 +78,7 @@ def remove_engine(fleet: FleetDep, name: str) -> dict[str, Any]:
 @get("/deployments", sync_to_thread=False)
 def list_deployments(fleet: FleetDep, clock: ClockDep) -> list[dict[str, Any]]:
     now = clock.wall()
-    return [deployment_view(s, now, fleet.room) for s in fleet.controllers()]
+    return [deployment_view(s, now, fleet.room, clock.monotonic()) for s in fleet.deployments()]
 
 
 @put("/deployments", status_code=200)
@@ -87,27 +87,27 @@ async def apply_deployment(fleet: FleetDep, clock: ClockDep, data: dict[str, Any
     if not isinstance(activate, bool):
         raise InvalidRequest("'activate' must be true or false")
     outcome, controller = await fleet.apply(data.get("document"), activate)
-    return {"outcome": outcome, "deployment": deployment_view(controller, clock.wall(), fleet.room)}
+    return {"outcome": outcome, "deployment": deployment_view(controller, clock.wall(), fleet.room, clock.monotonic())}
 
 
 @get("/deployments/{name:str}", sync_to_thread=False)
 def get_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(fleet.get(name), clock.wall(), fleet.room)
+    return deployment_view(fleet.get(name), clock.wall(), fleet.room, clock.monotonic())
 
 
 @post("/deployments/{name:str}/start", status_code=200)
 async def start_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(await fleet.start(name), clock.wall(), fleet.room)
+    return deployment_view(await fleet.start(name), clock.wall(), fleet.room, clock.monotonic())
 
 
 @post("/deployments/{name:str}/stop", status_code=200)
 async def stop_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(await fleet.stop(name), clock.wall(), fleet.room)
+    return deployment_view(await fleet.stop(name), clock.wall(), fleet.room, clock.monotonic())
 
 
 @post("/deployments/{name:str}/park", status_code=200)
 async def park_deployment(fleet: FleetDep, clock: ClockDep, name: str) -> dict[str, Any]:
-    return deployment_view(await fleet.park(name), clock.wall(), fleet.room)
+    return deployment_view(await fleet.park(name), clock.wall(), fleet.room, clock.monotonic())
 
 
 @get("/devices", sync_to_thread=False)

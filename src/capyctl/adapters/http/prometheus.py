@@ -54,16 +54,26 @@ class _LiveCollector(Collector):
             "Cut requests still counted against their deployment, by how they settle",
             labels=["deployment", "rule"],
         )
-        for controller in self._fleet.controllers():
-            name = controller.name
-            counts = {entry["rule"]: entry["count"] for entry in controller.settlement.ledger.counts()}
+        instance_flight = GaugeMetricFamily(
+            "capyctl_instance_requests_in_flight",
+            "Requests at each instance's engine now, as the router counts them",
+            labels=["deployment", "instance", "host"],
+        )
+        for found in self._fleet.deployments():
+            name = found.name
+            counts: dict[str, int] = {}
+            for member in found.members:
+                for entry in member.settlement.ledger.counts():
+                    counts[entry["rule"]] = counts.get(entry["rule"], 0) + entry["count"]
+                host = member.host or ""
+                instance_flight.add_metric([name, str(member.index), host], member.in_flight)
             for rule in (ENGINE_IDLE, ENGINE_STOP):
                 unsettled.add_metric([name, rule], counts.get(rule, 0))
             flight.add_metric([name], admission.in_flight(name))
             queue.add_metric([name], admission.waiting(name))
-            restarts.add_metric([name], controller.status.restarts)
+            restarts.add_metric([name], sum(m.status.restarts for m in found.members))
             for state in InstanceState:
-                states.add_metric([name, str(state)], 1.0 if controller.status.state is state else 0.0)
+                states.add_metric([name, str(state)], 1.0 if found.state is state else 0.0)
         charged = GaugeMetricFamily(
             "capyctl_memory_charged_bytes",
             "Device memory CapyCTL counts as held, by device and deployment",
@@ -78,7 +88,7 @@ class _LiveCollector(Collector):
             capacity.add_metric([device.name, "reserve"], device.reserve)
             for name, size in room.charged(device).items():
                 charged.add_metric([device.name, name], size)
-        yield from (flight, queue, states, restarts, unsettled, charged, capacity)
+        yield from (flight, queue, states, restarts, unsettled, charged, capacity, instance_flight)
 
 
 class RequestStats:

@@ -9,11 +9,13 @@ from litestar.params import SkipValidation
 
 from capyctl.domain.deployments import InstanceState
 from capyctl.domain.engines import EngineInstall
+from capyctl.domain.fields import row_for
 from capyctl.domain.keys import ApiKey, Usage
 from capyctl.domain.memory import Holding
 from capyctl.domain.ports import Clock
 from capyctl.services.controllers import Controller, ManagedController
 from capyctl.services.fleet import Fleet
+from capyctl.services.instances import InstanceSet
 from capyctl.services.switching import NoSwitchboard, Switchboard
 
 
@@ -27,17 +29,19 @@ def engine_view(engine: EngineInstall) -> dict[str, Any]:
     }
 
 
-def memory_view(controller: Controller, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
-    """What the deployment declares and holds on its device; ``device`` None when it is not accounted."""
-    resources = controller.spec.resources
-    device = room.device_of(controller)
-    holding = controller.holding if isinstance(controller, ManagedController) else Holding.NONE
+def memory_view(found: InstanceSet, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
+    """What the deployment declares, and what its first placed instance holds on its device (each instance's
+    own device and charge are in its row of ``instances``); ``device`` None when it is not accounted."""
+    resources = found.spec.resources
+    lead = found.members[0] if found.members else None
+    device = room.device_of(lead) if lead is not None else None
+    holding = lead.holding if isinstance(lead, ManagedController) else Holding.NONE
     return {
         "device": None if device is None else device.name,
         "memory_bytes": resources.memory_bytes,
         "parked_memory_bytes": resources.parked_bytes if resources.parked_memory is not None else None,
         "holding": str(holding),
-        "charged_bytes": 0 if device is None else room.charged(device).get(controller.name, 0),
+        "charged_bytes": 0 if device is None or lead is None else room.charged(device).get(lead.holder, 0),
         "last_switch": None if device is None else room.last_switch.get(device.name),  # on its device
     }
 
@@ -60,51 +64,80 @@ def devices_view(room: Switchboard | NoSwitchboard) -> list[dict[str, Any]]:
     return out
 
 
-def deployment_view(controller: Controller, now: float, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
-    spec = controller.deployment.spec
+def instance_view(controller: Controller, now: float, room: Switchboard | NoSwitchboard) -> dict[str, Any]:
+    """One instance: where it runs, its state, its load and what it still counts of cut requests."""
     status = controller.status
     running = status.state in (InstanceState.READY, InstanceState.STARTING) and status.started_at
     held = controller.held()  # its host is out of reach: the engine is held, neither serving nor released
+    device = room.device_of(controller)
+    sample = controller.sample
+    return {
+        "index": status.index,
+        "state": "held" if held is not None else str(status.state),
+        "held": None if held is None else {"reason": held.extra.get("reason"), "message": held.message},
+        "host": controller.host,
+        "device": controller.device if device is None else device.name,
+        "draining": controller.draining,
+        "pid": status.pid,
+        "port": status.port,  # the engine's, on its machine's loopback
+        "ingress_port": status.ingress_port,  # on a host: where the server reaches it
+        "uptime_s": round(now - status.ready_at, 1)
+        if status.state is InstanceState.READY and status.ready_at and held is None
+        else None,
+        "started_at": status.started_at if running else None,
+        "restarts": status.restarts,
+        "last_error": status.last_error,
+        "log": status.log_path,
+        "in_flight": controller.in_flight,
+        "engine_load": None if sample is None else {"running": sample.running, "waiting": sample.waiting},
+        "engine_load_at": None if sample is None else sample.at,  # (monotonic; the API adds its age)
+        "charged_bytes": 0 if device is None else room.charged(device).get(controller.holder, 0),
+        "unsettled": controller.settlement.ledger.counts(),
+        "cold_starts_s": [round(x, 3) for x in status.cold_starts],  # measured spawn -> ready, last 20
+        "wake_times_s": [round(x, 3) for x in status.wake_times],  # measured wakes, last 20
+    }
+
+
+def deployment_view(
+    found: InstanceSet, now: float, room: Switchboard | NoSwitchboard, monotonic: float | None = None
+) -> dict[str, Any]:
+    """A deployment and its instances; its ``state`` is that of its most useful instance (a ready one first).
+    ``monotonic``: the clock's monotonic now, for the age of each engine load sample."""
+    spec = found.deployment.spec
+    engine = found.engine
+    fields = found.members[0].fields if found.members else row_for(engine.family, engine.version)
+    instances = [instance_view(c, now, room) for c in found.members]
+    for shown in instances:
+        at = shown.pop("engine_load_at")
+        shown["engine_load_age_s"] = None if at is None or monotonic is None else round(max(0.0, monotonic - at), 3)
     return {
         "name": spec.name,
         "api": spec.api,
         "engine": spec.engine,
-        "engine_family": str(controller.engine.family),
-        "engine_version": controller.engine.version,
+        "engine_family": str(engine.family),
+        "engine_version": engine.version,
         "model": spec.model,
         "endpoint": spec.endpoint,
-        "host": controller.deployment.host,
-        "state": str(status.state),
-        "fields": controller.fields.describe(controller.engine.version),
-        "desired": str(controller.desired),
+        "host": found.deployment.host,
+        "state": str(found.state),
+        "fields": fields.describe(engine.version),
+        "desired": str(found.desired),
         "residency": str(spec.residency),
-        "memory": memory_view(controller, room),
-        "operator_stopped": controller.deployment.operator_stopped,
+        "memory": memory_view(found, room),
+        "operator_stopped": found.deployment.operator_stopped,
         "engine_config": {
             "context_length": spec.engine_config.context_length,
             "extra_args": list(spec.engine_config.extra_args),
         },
-        "instances": [
-            {
-                "index": status.index,
-                "state": "held" if held is not None else str(status.state),
-                "held": None if held is None else {"reason": held.extra.get("reason"), "message": held.message},
-                "host": controller.deployment.host,
-                "pid": status.pid,
-                "port": status.port,  # the engine's, on its machine's loopback
-                "ingress_port": status.ingress_port,  # on a host: where the server reaches it
-                "uptime_s": round(now - status.ready_at, 1)
-                if status.state is InstanceState.READY and status.ready_at and held is None
-                else None,
-                "started_at": status.started_at if running else None,
-                "restarts": status.restarts,
-                "last_error": status.last_error,
-                "log": status.log_path,
-                "unsettled": controller.settlement.ledger.counts(),
-                "cold_starts_s": [round(x, 3) for x in status.cold_starts],  # measured spawn -> ready, last 20
-                "wake_times_s": [round(x, 3) for x in status.wake_times],  # measured wakes, last 20
-            }
-        ],
+        "instances_wanted": spec.instances,
+        "placement": {
+            "hosts": spec.allowed_hosts,
+            "devices": spec.allowed_devices,
+            "strategy": spec.placement.strategy,
+            "max_per_host": spec.placement.max_per_host,
+        },
+        "unplaced": list(found.unplaced),
+        "instances": instances,
     }
 
 
