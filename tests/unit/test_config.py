@@ -96,7 +96,7 @@ def test_the_schema_has_every_key_and_refuses_unknown_ones() -> None:
         "records",
         "hosts",
     }
-    assert set(defs["HostsConfig"]["properties"]) == {"suspend_after", "lost_after"}
+    assert set(defs["HostsConfig"]["properties"]) == {"suspend_after", "lost_after", "replace_after"}
     assert set(defs["RecordsConfig"]["properties"]) == {"max_count", "max_age", "buffer"}
     assert set(defs["DeviceConfig"]["properties"]) == {"name", "capacity", "reserve"}
     assert set(defs["SwitchingConfig"]["properties"]) == {"admission_window", "drain_timeout"}
@@ -137,6 +137,14 @@ def test_devices_switching_and_idle() -> None:
     ):
         with pytest.raises(InvalidConfig, match=says):
             resolve(decode_text(bad, "c.yaml", ServerConfig), {})
+
+
+def test_replace_after_defaults_to_five_minutes_and_zero_turns_it_off() -> None:
+    assert resolve(ServerConfig(), {}).hosts.replace_after == 300.0
+    assert resolve(decode_text("hosts:\n  replace_after: 0s\n", "c.yaml", ServerConfig), {}).hosts.replace_after == 0
+    assert resolve(decode_text("hosts:\n  replace_after: 2m\n", "c.yaml", ServerConfig), {}).hosts.replace_after == 120
+    with pytest.raises(InvalidConfig, match="hosts.replace_after"):
+        resolve(decode_text("hosts:\n  replace_after: soon\n", "c.yaml", ServerConfig), {})
 
 
 def test_zero_is_taken_where_a_key_allows_it_and_refused_elsewhere_saying_what_is_allowed() -> None:

@@ -91,6 +91,7 @@ class HostsConfig(Strict, frozen=True):
 
     suspend_after: Duration = "5s"  # no heartbeat for this long: suspended (takes no new request)
     lost_after: Duration = "30s"  # no heartbeat for this long: lost (its charges stay until it proves what runs)
+    replace_after: DurationOrZero = "5m"  # lost this long: its instances are placed elsewhere (0s: never)
 
 
 class ServerConfig(Strict, frozen=True):
@@ -175,6 +176,7 @@ def resolve(config: ServerConfig, overrides: dict[str, Any]) -> Settings:
         hosts=LinkTimings(
             suspend_after=seconds(config.hosts.suspend_after, "hosts.suspend_after"),
             lost_after=seconds(config.hosts.lost_after, "hosts.lost_after"),
+            replace_after=seconds(config.hosts.replace_after, "hosts.replace_after", zero=True),
         ),
     )
 

@@ -44,6 +44,7 @@ class HostRecord(Strict, kw_only=True, frozen=True):
     revoked_at: float | None = None  # set when an operator revoked the host itself
     linked_at: float | None = None  # when its agent first linked (wall clock); None: never, since it joined
     engines: list[EngineInstall] = []  # installations registered on the host (paths on its own disk)
+    draining: bool = False  # an operator drained it: nothing new is placed there until it is undrained
 
 
 # --- the link's state -------------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ class LinkTimings(msgspec.Struct, frozen=True, kw_only=True):
 
     suspend_after: float = 5.0
     lost_after: float = 30.0
+    replace_after: float = 300.0  # lost this long: its instances are placed elsewhere (0: never)
 
     def __post_init__(self) -> None:
         if not 0 < self.suspend_after < self.lost_after:
@@ -103,6 +105,17 @@ def link_state(facts: LinkFacts, now: float, timings: LinkTimings) -> HostState:
     if silent >= timings.suspend_after:
         return HostState.SUSPENDED
     return HostState.ONLINE
+
+
+def replacement_due(facts: LinkFacts, now: float, timings: LinkTimings) -> bool:
+    """Whether a host's instances are to be placed elsewhere now: it has been lost for ``replace_after`` (a
+    revoked host's instances, at once: it will never run them again); never with ``replace_after`` 0."""
+    if facts.revoked:
+        return True
+    if timings.replace_after <= 0 or link_state(facts, now, timings) is not HostState.LOST:
+        return False
+    silent = now - (facts.last_heard if facts.last_heard is not None else facts.since)
+    return silent - timings.lost_after >= timings.replace_after
 
 
 # --- command fencing, on the host ---------------------------------------------------------------------------

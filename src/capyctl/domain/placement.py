@@ -7,7 +7,7 @@ declares no memory). A slot is refused, with the reason said, when:
 
 - its machine is not one ``placement.hosts`` (or ``host``) allows, or not a
   device ``placement.devices`` (or ``resources.device``) allows;
-- its host is revoked, or not online (only an online host or the server's
+- its host is revoked, or drained by an operator, or not online (only an online host or the server's
   own machine takes a new instance; a host the file names with ``host``
   takes it in any state but revoked, and its instance waits for it);
 - its machine already runs ``placement.max_per_host`` instances of it;
@@ -45,6 +45,7 @@ class Slot(NamedTuple):
     state: HostState | None = None
     usable: int | None = None
     free: int | None = None
+    draining: bool = False  # an operator drained its host
 
 
 class Placed(NamedTuple):
@@ -68,6 +69,8 @@ def _refusal(spec: DeploymentSpec, slot: Slot, on_host: int, on_device: int, mem
         return f"{where}: not in placement.devices"
     if slot.state is HostState.REVOKED:
         return f"{where}: revoked"
+    if slot.draining:
+        return f"{where}: drained by an operator (capyctl undrain host {slot.host})"
     if slot.state is not None and slot.state is not HostState.ONLINE and slot.host != spec.host:
         return f"{where}: {slot.state}, not online"
     cap = spec.placement.max_per_host

@@ -34,6 +34,7 @@ from capyctl.adapters.storage.sqlite import SqliteStore
 from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.domain.ports import EngineAdapter
 from capyctl.domain.request_rows import RecordSettings
+from capyctl.domain.scheduling import QueueLimits
 from capyctl.entrypoints.host_role import host_commands
 from capyctl.services.admission import AdmissionService
 from capyctl.services.canary import Canary
@@ -46,6 +47,7 @@ from capyctl.services.host_engines import HostEngines
 from capyctl.services.keys import Keyring
 from capyctl.services.request_log import RequestLog
 from capyctl.services.requests import RequestSettings
+from capyctl.services.routing import Router
 from capyctl.services.server_hosts import HostRegistry
 from capyctl.services.switching import Switchboard
 
@@ -99,9 +101,14 @@ def host_registry(
     return HostRegistry(store, clock, events, timings) if several else None
 
 
-def listening_stats(fleet: Fleet, admission: AdmissionService, events: Events) -> RequestStats:
+def router_for(fleet: Fleet, clock: SystemClock, limits: QueueLimits) -> Router:
+    """The one router both request services share: a sleeping instance's wake counts one instance's limit."""
+    return Router(fleet, clock, limits.max_in_flight_per_instance)
+
+
+def listening_stats(fleet: Fleet, admission: AdmissionService, events: Events, router: Router) -> RequestStats:
     """The Prometheus figures, counting parks, wakes and switches from the events."""
-    stats = RequestStats(fleet, admission)
+    stats = RequestStats(fleet, admission, router)
     events.listen(stats.event)
     return stats
 
@@ -167,6 +174,7 @@ class Container(containers.DeclarativeContainer):
         hosts=hosts,
     )
     keyring = providers.Singleton(open_keyring, store=store, clock=clock, events=events, state_dir=state_dir)
+    router = providers.Singleton(router_for, fleet=fleet, clock=clock, limits=config.queue_limits)
     chat_service = providers.Singleton(
         ChatService,
         fleet=fleet,
@@ -176,8 +184,9 @@ class Container(containers.DeclarativeContainer):
         settings=request_settings,
         admission=admission,
         keys=keyring,
+        router=router,
     )
-    request_stats = providers.Singleton(listening_stats, fleet=fleet, admission=admission, events=events)
+    request_stats = providers.Singleton(listening_stats, fleet=fleet, admission=admission, events=events, router=router)
     decision_service = providers.Singleton(
         DecisionService,
         fleet=fleet,
@@ -187,6 +196,7 @@ class Container(containers.DeclarativeContainer):
         settings=request_settings,
         admission=admission,
         keys=keyring,
+        router=router,
     )
     request_log = providers.Singleton(request_records, store=store, clock=clock, settings=config.records, events=events)
     chat_handler = providers.Singleton(

@@ -66,6 +66,7 @@ PARKING: dict[str, tuple[Residency, ...]] = {
     EngineFamily.TENSORFOLD: (Residency.RESTART_ONLY,),
 }
 SAMPLE_EVERY = 1.0  # seconds between load samples of each ready instance of a deployment with several
+WATCH_EVERY = 1.0  # seconds between looks at the hosts' states (a lost host's instances are replaced)
 
 
 def decode_spec(document: Any) -> DeploymentSpec:
@@ -139,6 +140,7 @@ class Fleet:
         hosts: HostRegistry | None = None,
         drain_timeout: float = 30.0,
     ) -> None:
+        self._loaded = False  # the stored deployments are set up: a host's engine no instance knows is an orphan
         self._room: Switchboard | NoSwitchboard = room or NoSwitchboard()
         self._canary = canary
         self._store = store
@@ -169,8 +171,11 @@ class Fleet:
                         self._build(deployment)
                     except CapyError as exc:  # (a deployment on a host, in a CapyCTL started alone): the others
                         self._events.emit(deployment.spec.name, "deployment_unloaded", reason=exc.message)  # serve
+                self._loaded = True
                 tg.start_soon(self._room.run)  # the idle timers
                 tg.start_soon(self._sample_loads)
+                if self._hosts is not None:
+                    tg.start_soon(self._watch_hosts)
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
@@ -198,14 +203,100 @@ class Fleet:
         place before are placed again, now that one more host is online."""
         for instance in running:
             found = self._sets.get(instance.deployment)
-            controller = next((c for c in found.members if c.holder == instance.instance), None) if found else None
-            if isinstance(controller, ManagedController) and controller.host == host and controller.status.pid is None:
+            known = [*found.members, *found.retired] if found is not None else []
+            controller = next((c for c in known if c.holder == instance.instance and c.host == host), None)
+            if isinstance(controller, ManagedController) and controller.status.pid is None:
                 controller.ask()
+            elif controller is None and self._loaded and self._task_group is not None:  # no instance of ours: an
+                self._task_group.start_soon(self._stop_orphan, host, instance)  # engine left behind is stopped
         for managed in self.managed():  # what it kept running while away: ready again?
             if managed.effects.host == host and self._task_group is not None and managed.status.pid is not None:
                 self._task_group.start_soon(managed.effects.reprove)
         if self._task_group is not None and any(s.unplaced for s in self._sets.values()):
             self._task_group.start_soon(self._place_all)
+
+    async def _stop_orphan(self, host: str, instance: RunningInstance) -> None:
+        """Stop an engine host ``host`` runs for no instance of this server's (its deployment was deleted, or it
+        was replaced while its host was away)."""
+        try:
+            await self._registry().run(
+                host, "stop", {"grace": self._settings.stop_grace}, instance.instance, instance.generation
+            )
+        except CapyError as exc:
+            self._events.emit(
+                instance.deployment, "orphan_stop_failed", host=host, pid=instance.pid, reason=exc.message
+            )
+            return
+        self._events.emit(
+            instance.deployment, "orphan_stopped", host=host, instance=instance.instance, pid=instance.pid
+        )
+
+    async def _watch_hosts(self) -> None:
+        """Moves the instances of a host lost for ``hosts.replace_after`` (or revoked) elsewhere."""
+        while True:
+            await anyio.sleep(WATCH_EVERY)
+            registry = self._registry()
+            hosts = {m.host for m in self.controllers() if m.host is not None and not m.draining}
+            for host in sorted(hosts):
+                try:
+                    due = registry.replacement_due(host)
+                except CapyError:
+                    continue
+                if due:
+                    await self._move_off(host, "revoked" if registry.state(host) is HostState.REVOKED else "lost")
+
+    async def drain_host(self, name: str) -> None:
+        """An operator's drain: nothing new is placed on host ``name``; its instances are replaced where room
+        exists, finish their requests (within the drain timeout) and stop, the process gone. Returns at once."""
+        registry = self._registry()
+        registry.drain(name, True)
+        if self._task_group is not None:
+            self._task_group.start_soon(self._move_off, name, "drained")
+
+    async def undrain_host(self, name: str) -> None:
+        """Host ``name`` takes instances again; instances without a place are placed at once."""
+        self._registry().drain(name, False)
+        await self._place_all()
+
+    def drain_state(self, name: str) -> str | None:
+        """``draining`` while a drained host still runs instances, ``drained`` once none; None when not drained."""
+        if self._hosts is None or not self._hosts.draining(name):
+            return None
+        return "draining" if any(c.host == name for c in self.controllers()) else "drained"
+
+    async def _move_off(self, host: str, why: str) -> None:
+        """Each instance on ``host`` leaves it: a replacement is placed where room exists (started at once when
+        the old one ran), and the old one takes no new request, finishes what it has (a drain) and stops (its
+        own task: this returns once the replacements are placed)."""
+        async with self._changes:
+            for found in self._sets.values():
+                leaving = [m for m in found.members if m.host == host]
+                if not leaving:
+                    continue
+                running = any(m.status.pid is not None or m.desired is Desired.RUN for m in leaving)
+                for member in leaving:
+                    member.draining = True
+                    found.members.remove(member)
+                    found.retired.append(member)
+                    self._events.emit(found.name, "instance_moving", instance=member.index, host=host, why=why)
+                    if self._task_group is not None:
+                        self._task_group.start_soon(self._retire, found, member, why)
+                before = {c.index for c in found.members}
+                self._place_missing(found)
+                for member in found.members:
+                    if member.index not in before and running:
+                        member.want(Desired.RUN)
+
+    async def _retire(self, found: InstanceSet, member: Controller, why: str) -> None:
+        """``member`` stopped for good once its requests ended (or the drain timeout passed); held until its host
+        proves the engine gone (a lost host: when it is back)."""
+        began = self._clock.monotonic()
+        while member.in_flight and why == "drained" and self._clock.monotonic() - began < self._drain_timeout:
+            await anyio.sleep(0.05)
+        await member.close()
+        if member in found.retired:
+            found.retired.remove(member)
+        self._events.emit(found.name, "instance_retired", instance=member.index, host=member.host, why=why)
 
     async def _place_all(self) -> None:
         async with self._changes:
@@ -360,11 +451,12 @@ class Fleet:
         slots = []
         for host, state in machines:
             devices = self._room.devices if host is None else self._room.host_devices(host)
+            drained = host is not None and self._registry().draining(host)
             if spec.resources.memory_bytes is None or not devices:
-                slots.append(Slot(host, None, state))
+                slots.append(Slot(host, None, state, draining=drained))
                 continue
             for name, device in devices.items():
-                slots.append(Slot(host, name, state, device.usable, self._room.free(device)))
+                slots.append(Slot(host, name, state, device.usable, self._room.free(device), drained))
         return slots
 
     def _placed(self, spec: DeploymentSpec, keep: list[InstancePlace], indexes: list[int]) -> Placed:
@@ -376,7 +468,7 @@ class Fleet:
         if spec.attached:
             return
         have = [c.place for c in found.members]
-        missing = [i for i in range(spec.instances) if found.member(i) is None]
+        missing = found.free_indexes(max(0, spec.instances - len(found.members)))
         if not missing:
             found.unplaced = []
             return
@@ -527,7 +619,10 @@ class Fleet:
                 deployment = Deployment(spec=spec, operator_stopped=False, probed_version=probed)
             self._store.put_deployment(deployment)
             found = current or self._build(deployment)
-            self._events.emit(spec.name, f"deployment_{outcome}", instances=spec.instances)
+            if outcome == "scaled":
+                self._events.emit(spec.name, "deployment_scaled", instances=spec.instances)
+            else:
+                self._events.emit(spec.name, f"deployment_{outcome}")
             if activate:
                 found.want(Desired.RUN)
             elif found.commanded is Desired.STOP:
@@ -538,7 +633,7 @@ class Fleet:
         """``found`` to ``spec.instances``: new instances are placed by the caller; those past the new count,
         the highest index first, take no new request, finish theirs (within the drain timeout) and stop."""
         found.deployment.spec = spec
-        leaving = [c for c in found.members if c.index >= spec.instances]
+        leaving = sorted(found.members, key=lambda c: -c.index)[: max(0, len(found.members) - spec.instances)]
         for member in leaving:
             member.draining = True
         began = self._clock.monotonic()
@@ -547,7 +642,7 @@ class Fleet:
         for member in sorted(leaving, key=lambda c: -c.index):
             await member.close()
             self._events.emit(spec.name, "instance_removed", instance=member.index, in_flight=member.in_flight)
-        found.members = [c for c in found.members if c.index < spec.instances]
+        found.members = [c for c in found.members if c not in leaving]
         found.deployment.places = [c.place for c in found.members]
 
     @property
@@ -575,8 +670,9 @@ class Fleet:
         return [self._sets[name] for name in self.names()]
 
     def controllers(self) -> list[Controller]:
-        """Every instance of every deployment, by deployment, then index."""
-        return [member for found in self.deployments() for member in found.members]
+        """Every instance of every deployment, by deployment, then index; those being retired too (they hold
+        what they hold until their engines are gone)."""
+        return [member for found in self.deployments() for member in [*found.members, *found.retired]]
 
     def leads(self) -> list[Controller]:
         """Each deployment's lead instance (``InstanceSet.lead``: the one whose state stands for it), by name;

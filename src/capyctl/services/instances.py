@@ -25,6 +25,8 @@ class InstanceSet:
         self.deployment = deployment
         self.engine = engine
         self.members = sorted(members, key=lambda c: c.index)
+        self.retired: list[Controller] = []  # instances being replaced: no request goes there; each is dropped
+        # once its engine is proven gone (its host drained, lost or revoked)
         self.unplaced: list[str] = []  # why each instance not placed has no place (``domain.placement``)
         self.commanded = initial_desire(deployment)  # what the last command (or apply) asked of every instance
 
@@ -37,7 +39,18 @@ class InstanceSet:
         return self.deployment.spec
 
     def member(self, index: int) -> Controller | None:
-        return next((c for c in self.members if c.index == index), None)
+        return next((c for c in [*self.members, *self.retired] if c.index == index), None)
+
+    def free_indexes(self, count: int) -> list[int]:
+        """The ``count`` lowest indexes no instance holds (a retired one keeps its own until it is gone)."""
+        taken = {c.index for c in [*self.members, *self.retired]}
+        out: list[int] = []
+        index = 0
+        while len(out) < count:
+            if index not in taken:
+                out.append(index)
+            index += 1
+        return out
 
     @property
     def lead(self) -> Controller | None:
@@ -93,7 +106,8 @@ class InstanceSet:
                 tg.start_soon(member.until_settled)
 
     async def close(self) -> None:
-        """Every instance stopped for good: their engines are gone when this returns."""
+        """Every instance stopped for good: their engines are gone when this returns (a retired instance is
+        being stopped by its own task, which may wait for its host)."""
         async with anyio.create_task_group() as tg:
             for member in self.members:
                 tg.start_soon(member.close)

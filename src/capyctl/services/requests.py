@@ -191,11 +191,12 @@ class RequestService:
         settings: RequestSettings,
         admission: AdmissionService | None = None,
         keys: Keyring | None = None,
+        router: Router | None = None,
     ) -> None:
         self._fleet = fleet
         self._keys = keys
         self._admission = admission or AdmissionService(QueueLimits(), clock, settings.request_deadline)
-        self.router = Router(fleet, clock, self._admission.state.limits.max_in_flight_per_instance)
+        self.router = router or Router(fleet, clock, self._admission.state.limits.max_in_flight_per_instance)
         self._events = events
         self._session = session
         self._clock = clock

@@ -21,7 +21,7 @@ import msgspec
 
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import AlreadyExists, CapyError, DeviceOffline, HostAnswerInvalid, HostNotFound, HostRevoked
-from capyctl.domain.hosts import HostRecord, HostState, LinkFacts, LinkTimings, link_state
+from capyctl.domain.hosts import HostRecord, HostState, LinkFacts, LinkTimings, link_state, replacement_due
 from capyctl.domain.joining import DEFAULT_TTL, Invite, invite_for, redeem, secret_hash
 from capyctl.domain.link import (
     Action,
@@ -337,18 +337,43 @@ class HostRegistry:
 
     # --- states -------------------------------------------------------------------------------------
     def state(self, name: str) -> HostState:
+        return link_state(self._facts(name), self._clock.monotonic(), self.timings)
+
+    def _facts(self, name: str) -> LinkFacts:
         record = self._records.get(name)
         if record is None:
             raise HostNotFound(name)
         link = self._links.get(name)
-        facts = LinkFacts(
+        return LinkFacts(
             revoked=record.revoked_at is not None,
             ever_linked=record.linked_at is not None,
             linked=link is not None and link.connected and not link.leaving,
             last_heard=link.last_heard if link is not None else None,
             since=self._since,
         )
-        return link_state(facts, self._clock.monotonic(), self.timings)
+
+    def replacement_due(self, name: str) -> bool:
+        """Whether host ``name``'s instances are to be placed elsewhere now (lost for ``hosts.replace_after``,
+        or revoked)."""
+        return replacement_due(self._facts(name), self._clock.monotonic(), self.timings)
+
+    def draining(self, name: str) -> bool:
+        """Whether an operator drained host ``name`` (and has not undrained it)."""
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        return record.draining
+
+    def drain(self, name: str, draining: bool) -> HostRecord:
+        """Host ``name`` drained (nothing new placed there) or undrained; said once as an event."""
+        record = self._records.get(name)
+        if record is None:
+            raise HostNotFound(name)
+        if record.draining != draining:
+            record = msgspec.structs.replace(record, draining=draining)
+            self._put(record)
+            self._events.emit(None, "host_drained" if draining else "host_undrained", host=name)
+        return record
 
     def _tell(self, name: str, link: _Link) -> None:
         """An event when the host's state is not the one last told."""
@@ -419,6 +444,7 @@ class HostRegistry:
             ],
             "joined_at": record.joined_at,
             "revoked_at": record.revoked_at,
+            "draining": record.draining,
         }
 
     def views(self) -> list[dict[str, Any]]:

@@ -209,6 +209,20 @@ async def add_host_engine(hosts: HostsDep, name: str, data: dict[str, Any]) -> d
     return {**engine_view(engine), "host": name}
 
 
+@post("/hosts/{name:str}/drain", status_code=200)
+async def drain_host(hosts: HostsDep, fleet: FleetDep, name: str) -> dict[str, Any]:
+    _hosts(hosts).registry.state(name)  # host_not_found for a name no host joined under
+    await fleet.drain_host(name)
+    return host_view(_hosts(hosts).registry.view(name), fleet)
+
+
+@post("/hosts/{name:str}/undrain", status_code=200)
+async def undrain_host(hosts: HostsDep, fleet: FleetDep, name: str) -> dict[str, Any]:
+    _hosts(hosts).registry.state(name)
+    await fleet.undrain_host(name)
+    return host_view(_hosts(hosts).registry.view(name), fleet)
+
+
 @delete("/hosts/{name:str}", status_code=200)
 async def revoke_host(hosts: HostsDep, name: str) -> dict[str, Any]:
     record = await _hosts(hosts).registry.revoke(name)
@@ -246,6 +260,8 @@ def create_management_app(
                 get_host,
                 invite_host,
                 add_host_engine,
+                drain_host,
+                undrain_host,
                 revoke_host,
                 *(RECORD_HANDLERS if records is not None else ()),
             ],

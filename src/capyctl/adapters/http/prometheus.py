@@ -20,6 +20,7 @@ from capyctl.domain.deployments import InstanceState
 from capyctl.domain.settlement import ENGINE_IDLE, ENGINE_STOP
 from capyctl.services.admission import AdmissionService
 from capyctl.services.fleet import Fleet
+from capyctl.services.routing import Router
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -29,9 +30,10 @@ _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 3
 
 
 class _LiveCollector(Collector):
-    def __init__(self, fleet: Fleet, admission: AdmissionService) -> None:
+    def __init__(self, fleet: Fleet, admission: AdmissionService, router: Router | None) -> None:
         self._fleet = fleet
         self._admission = admission
+        self._router = router
 
     def collect(self) -> Iterator[Metric]:
         admission = self._admission.state
@@ -89,12 +91,32 @@ class _LiveCollector(Collector):
             for name, size in room.charged(device).items():
                 charged.add_metric([device.name, name], size)
         yield from (flight, queue, states, restarts, unsettled, charged, capacity, instance_flight)
+        if self._router is not None:
+            yield from self._routing(self._router)
+
+    @staticmethod
+    def _routing(router: Router) -> Iterator[Metric]:
+        selections = CounterMetricFamily(
+            "capyctl_instance_selections",
+            "Requests the router sent to each instance of a deployment",
+            labels=["deployment", "instance"],
+        )
+        for (deployment, index), count in sorted(router.selections.items()):
+            selections.add_metric([deployment, str(index)], count)
+        failovers = CounterMetricFamily(
+            "capyctl_router_failovers",
+            "Requests that reached no engine at an instance and went to another, by reason",
+            labels=["deployment", "reason"],
+        )
+        for (deployment, reason), count in sorted(router.failovers.items()):
+            failovers.add_metric([deployment, reason], count)
+        yield from (selections, failovers)
 
 
 class RequestStats:
     """Per-request figures for Prometheus, and the text exposition of everything."""
 
-    def __init__(self, fleet: Fleet, admission: AdmissionService) -> None:
+    def __init__(self, fleet: Fleet, admission: AdmissionService, router: Router | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = PromCounter(
             "capyctl_requests",
@@ -159,7 +181,7 @@ class RequestStats:
             ["device", "outcome"],
             registry=self.registry,
         )
-        self.registry.register(_LiveCollector(fleet, admission))
+        self.registry.register(_LiveCollector(fleet, admission, router))
         admission.on_wait = self.waited
         self._park_reason: dict[str, str] = {}
         # the labelled children of the per-request metrics, by labels: prometheus_client's labels() checks and

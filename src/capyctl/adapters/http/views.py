@@ -78,6 +78,7 @@ def instance_view(controller: Controller, now: float, room: Switchboard | NoSwit
         "host": controller.host,
         "device": controller.device if device is None else device.name,
         "draining": controller.draining,
+        "retired": False,  # (a retired one: being replaced, stopped once its engine is gone)
         "pid": status.pid,
         "port": status.port,  # the engine's, on its machine's loopback
         "ingress_port": status.ingress_port,  # on a host: where the server reaches it
@@ -107,6 +108,7 @@ def deployment_view(
     engine = found.engine
     fields = found.members[0].fields if found.members else row_for(engine.family, engine.version)
     instances = [instance_view(c, now, room) for c in found.members]
+    instances += [instance_view(c, now, room) | {"retired": True} for c in found.retired]
     for shown in instances:
         at = shown.pop("engine_load_at")
         shown["engine_load_age_s"] = None if at is None or monotonic is None else round(max(0.0, monotonic - at), 3)
@@ -166,7 +168,8 @@ def host_view(view: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
     """A host as ``GET /hosts`` and the dashboard show it: the registry's ``view`` with what its devices hold,
     as the switchboard charges them, and the deployments whose engines run there now (its hello's list is
     what ran when it linked)."""
-    view["instances"] = [c.name for c in fleet.controllers() if c.host == view["name"] and c.status.pid is not None]
+    view["instances"] = [c.holder for c in fleet.controllers() if c.host == view["name"] and c.status.pid is not None]
+    view["drain"] = fleet.drain_state(view["name"])  # draining, drained, or None
     room = fleet.room
     if isinstance(room, Switchboard):
         devices = room.host_devices(view["name"])

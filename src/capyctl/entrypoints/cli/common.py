@@ -65,6 +65,8 @@ create_app = _typer("Create a named API key.")
 revoke_app = _typer("Revoke a named API key (its next request is refused) or a host (its link closes).")
 invite_app = _typer("Invite a GPU machine to join this server as a host.")
 join_app = _typer("Join this machine to a server, with the file `capyctl invite host` wrote.")
+drain_app = _typer("Drain a host: nothing new is placed there; its instances move elsewhere and stop.")
+undrain_app = _typer("Undrain a host: it takes instances again.")
 engine_app = _typer("Register, list and remove engine installations.")
 deploy_app = _typer("Create or update deployments from files.")
 config_app = _typer("The server configuration file: its schema, and checking a file.")
@@ -82,6 +84,8 @@ for name, sub in [
     ("revoke", revoke_app),
     ("invite", invite_app),
     ("join", join_app),
+    ("drain", drain_app),
+    ("undrain", undrain_app),
 ]:
     app.add_typer(sub, name=name)
 

@@ -63,30 +63,46 @@ def deploy_model(
 
 
 def _wait_ready(api: ManagementClient, name: str, timeout: float, quiet: bool) -> dict[str, Any]:
-    """Poll the deployment until ready, printing each state change on stderr."""
+    """Poll the deployment until every placed instance is ready, printing each change on stderr (and why an
+    instance has no place, when one has none)."""
     started = time.monotonic()
     last = None
     while True:
         deployment: dict[str, Any] = api.call("GET", f"/deployments/{name}")
-        state = deployment["state"]
-        if state != last and not quiet:
-            sys.stderr.write(f"  {name}: {state}\n")
-            last = state
-        if state == "ready":
+        instances = deployment["instances"]
+        states = [i["state"] for i in instances]
+        shown = _progress(deployment)
+        if shown != last and not quiet:
+            sys.stderr.write(f"  {name}: {shown}\n")
+            last = shown
+        if instances and all(state == "ready" for state in states):
+            if deployment["unplaced"] and not quiet:
+                sys.stderr.write("".join(f"  {name}: {reason}\n" for reason in deployment["unplaced"]))
             return deployment
-        instance = deployment["instances"][0]
         waited = time.monotonic() - started
-        if state in ("failed", "stopped"):
-            raise DeploymentFailed(
-                f"deployment {name} is {state}: {instance['last_error']}; engine log: {instance['log']}"
-            )
-        if state == "unavailable" and waited > ATTACHED_PATIENCE:
-            raise DeploymentFailed(f"deployment {name}: {instance['last_error']}")
+        for instance in instances:
+            where = f"deployment {name}" + (f" instance {instance['index']}" if len(instances) > 1 else "")
+            if instance["state"] in ("failed", "stopped"):
+                raise DeploymentFailed(
+                    f"{where} is {instance['state']}: {instance['last_error']}; engine log: {instance['log']}"
+                )
+            if instance["state"] == "unavailable" and waited > ATTACHED_PATIENCE:
+                raise DeploymentFailed(f"{where}: {instance['last_error']}")
         if waited > timeout:
-            raise WaitTimeout(
-                f"deployment {name} not ready after {timeout:.0f} s (state {state}); log: {instance['log']}"
-            )
+            why = "; ".join(deployment["unplaced"]) or "; ".join(f"log: {i['log']}" for i in instances if i["log"])
+            raise WaitTimeout(f"deployment {name} not ready after {timeout:.0f} s ({shown}); {why}")
         time.sleep(0.25)
+
+
+def _progress(deployment: dict[str, Any]) -> str:
+    """The state to show while waiting: the deployment's, or how many of its instances are ready."""
+    instances = deployment["instances"]
+    if not instances:
+        return "no instance placed yet"
+    if len(instances) == 1 and deployment["instances_wanted"] == 1:
+        return str(instances[0]["state"])
+    ready = sum(1 for i in instances if i["state"] == "ready")
+    return f"{ready} of {deployment['instances_wanted']} instances ready"
 
 
 ATTACHED_PATIENCE = 12.0  # an attached engine is checked for 10 s by the server
@@ -106,7 +122,7 @@ def _deployment_rows(deployments: list[dict[str, Any]]) -> str:
             d["name"],
             d["api"],
             _state(d) + (" (operator)" if d["operator_stopped"] else ""),
-            d["host"] or "-",
+            _hosts(d),
             f"{d['engine']} {d['engine_version']}",
             d["model"],
         ]
@@ -118,7 +134,21 @@ def _deployment_rows(deployments: list[dict[str, Any]]) -> str:
 def _state(d: dict[str, Any]) -> str:
     """The deployment's state, or ``held`` while the host its engine runs on is out of reach."""
     held = [i for i in d["instances"] if i.get("held")]
-    return f"held ({held[0]['held']['reason']})" if held else str(d["state"])
+    if held and len(held) == len(d["instances"]):
+        return f"held ({held[0]['held']['reason']})"
+    wanted = d.get("instances_wanted", 1)
+    if wanted == 1 and len(d["instances"]) == 1:
+        return str(d["state"])
+    ready = sum(1 for i in d["instances"] if i["state"] == "ready")
+    return f"{d['state']} ({ready}/{wanted} ready)"
+
+
+def _hosts(d: dict[str, Any]) -> str:
+    """Where its instances run: each host once, ``this machine`` for the server's own; ``-`` with none."""
+    seen = list(dict.fromkeys(i["host"] or "this machine" for i in d["instances"]))
+    if not seen:
+        return d["host"] or "-"
+    return ",".join(seen) if seen != ["this machine"] else "-"
 
 
 @list_app.command("deployments")
@@ -154,13 +184,23 @@ _DESIRED = {
 
 
 def _status_text(d: dict[str, Any]) -> str:
+    instances = d["instances"]
+    hosts = _hosts(d)
     head = [
         f"deployment  {d['name']}",
         f"state       {_state(d)}" + ("  (stopped by an operator)" if d["operator_stopped"] else ""),
-        *[f"held        {i['held']['message']}" for i in d["instances"] if i.get("held")],
-        f"host        {d['host']} (its engine runs there, reached through its ingress)"
-        if d["host"]
+        *[f"held        {i['held']['message']}" for i in instances if i.get("held")],
+        f"host        {hosts} (its engine runs there, reached through its ingress)"
+        if hosts != "-" and len(instances) <= 1
+        else f"hosts       {hosts} (each instance's is in the table below)"
+        if hosts != "-"
         else "host        this machine",
+        *(
+            [f"instances   {len(instances)} placed of {d['instances_wanted']} ({_placement_text(d['placement'])})"]
+            if d.get("instances_wanted", 1) > 1 or d.get("unplaced")
+            else []
+        ),
+        *[f"unplaced    {reason}" for reason in d.get("unplaced", [])],
         f"desired     {d['desired']}  ({_DESIRED[d['desired']]})",
         f"engine      {d['engine']} ({d['engine_family']} {d['engine_version']})",
         f"api         {d['api']}",
@@ -173,11 +213,15 @@ def _status_text(d: dict[str, Any]) -> str:
         f"({d['fields']['provenance']})",
         "",
     ]
-    remote = bool(d["host"])
+    remote = any(i["host"] for i in instances)
     rows = [
         [
             i["index"],
-            i["state"],
+            i["host"] or "-",
+            i["device"] or "-",
+            i["state"] + (" (draining)" if i.get("draining") else ""),
+            i["in_flight"],
+            _load_text(i),
             i["pid"],
             i["port"],
             *([i["ingress_port"]] if remote else []),
@@ -185,9 +229,22 @@ def _status_text(d: dict[str, Any]) -> str:
             i["restarts"],
             i["last_error"],
         ]
-        for i in d["instances"]
+        for i in instances
     ]
-    columns = ["INSTANCE", "STATE", "PID", "PORT", *(["INGRESS"] if remote else []), "UPTIME", "RESTARTS", "LAST ERROR"]
+    columns = [
+        "INSTANCE",
+        "HOST",
+        "DEVICE",
+        "STATE",
+        "IN FLIGHT",
+        "ENGINE LOAD",
+        "PID",
+        "PORT",
+        *(["INGRESS"] if remote else []),
+        "UPTIME",
+        "RESTARTS",
+        "LAST ERROR",
+    ]
     logs = [f"log         {i['log']}" for i in d["instances"] if i["log"]]
     return (
         "\n".join(head)
@@ -195,6 +252,29 @@ def _status_text(d: dict[str, Any]) -> str:
         + (_unsettled_text(d["instances"]))
         + ("\n\n" + "\n".join(logs) if logs else "")
     )
+
+
+def _load_text(instance: dict[str, Any]) -> str:
+    """The engine's own running + waiting count and its age, or ``-`` when no fresh sample stands."""
+    load, age = instance.get("engine_load"), instance.get("engine_load_age_s")
+    if load is None:
+        return "-"
+    return (
+        f"{load['running']}+{load['waiting']} ({age:.1f} s ago)"
+        if age is not None
+        else f"{load['running']}+{load['waiting']}"
+    )
+
+
+def _placement_text(placement: dict[str, Any]) -> str:
+    parts = [placement["strategy"]]
+    if placement["max_per_host"] is not None:
+        parts.append(f"at most {placement['max_per_host']} per host")
+    if placement["hosts"]:
+        parts.append("hosts " + ", ".join(placement["hosts"]))
+    if placement["devices"]:
+        parts.append("devices " + ", ".join(placement["devices"]))
+    return "; ".join(parts)
 
 
 _SETTLES = {

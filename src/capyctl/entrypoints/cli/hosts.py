@@ -1,8 +1,9 @@
 """Several machines: ``start server``, ``invite host``, ``join host``, ``start host``, ``list hosts``,
-``revoke host``."""
+``drain host``, ``undrain host``, ``revoke host``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,15 +19,18 @@ from capyctl.domain.joining import JoinFile
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
     StateDirOpt,
+    TimeoutOpt,
     client,
+    drain_app,
     invite_app,
     join_app,
     list_app,
     reports_errors,
     revoke_app,
     start_app,
+    undrain_app,
 )
-from capyctl.entrypoints.cli.deployments import gib
+from capyctl.entrypoints.cli.deployments import WaitTimeout, gib
 from capyctl.entrypoints.cli.output import duration, show, stamp, table
 
 
@@ -155,7 +159,7 @@ def list_hosts(state_dir: StateDirOpt = None, json: JsonOpt = False) -> None:
     rows = [
         [
             h["name"],
-            h["state"],
+            h["state"] + (f", {h['drain']}" if h.get("drain") else ""),
             h["address"],
             None if h["silent_s"] is None else f"{duration(h['silent_s']) or '0s'} ago",
             h["version"],
@@ -187,3 +191,46 @@ def revoke_host(
     """Revoke a host for good: its link closes now; its certificate and join file are refused from now on."""
     revoked = client(state_dir).call("DELETE", f"/hosts/{name}")
     show(revoked, json, f"host {name} revoked")
+
+
+@drain_app.command("host")
+@reports_errors
+def drain_host(
+    name: Annotated[str, typer.Argument(help="The host's name (see: capyctl list hosts).")],
+    wait: Annotated[bool, typer.Option(help="Wait until no instance runs there any more.")] = False,
+    timeout: TimeoutOpt = 600.0,
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Drain a host: nothing new is placed on it; each of its instances gets a replacement where room exists,
+    takes no new request, finishes those under way (within switching.drain_timeout) and stops. `list hosts`
+    shows it draining, then drained; `undrain host` takes it back."""
+    api = client(state_dir)
+    view = api.call("POST", f"/hosts/{name}/drain")
+    if wait:
+        began = time.monotonic()
+        while view["drain"] != "drained":
+            if time.monotonic() - began > timeout:
+                raise WaitTimeout(
+                    f"host {name} still runs {', '.join(view['instances']) or 'instances'} after {timeout:.0f} s"
+                )
+            time.sleep(0.25)
+            view = api.call("GET", f"/hosts/{name}")
+    show(view, json, f"host {name} {view['drain']}" + ("" if view["drain"] == "drained" else _moving(view)))
+
+
+def _moving(view: dict[str, Any]) -> str:
+    running = view["instances"]
+    return f": {', '.join(running)} still running there" if running else ""
+
+
+@undrain_app.command("host")
+@reports_errors
+def undrain_host(
+    name: Annotated[str, typer.Argument(help="The host's name (see: capyctl list hosts).")],
+    state_dir: StateDirOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Undrain a host: instances may be placed on it again (those without a place are placed at once)."""
+    view = client(state_dir).call("POST", f"/hosts/{name}/undrain")
+    show(view, json, f"host {name} undrained")
