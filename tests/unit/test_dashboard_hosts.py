@@ -14,7 +14,15 @@ import msgspec
 import pytest
 
 from capyctl.adapters.dashboard.board import Board
-from capyctl.adapters.dashboard.hosts import DeviceRow, HostRow, host_row, invitation, invite_lines, revoke_lines
+from capyctl.adapters.dashboard.hosts import (
+    DeviceRow,
+    HostRow,
+    drain_lines,
+    host_row,
+    invitation,
+    invite_lines,
+    revoke_lines,
+)
 from capyctl.adapters.dashboard.live import Feed, stream
 from capyctl.adapters.dashboard.marks import Mark, mark_of
 from capyctl.adapters.dashboard.web import (
@@ -206,6 +214,22 @@ def test_a_revoke_says_what_it_does_to_the_deployments_running_there() -> None:
     assert "Requests for the 1 deployment running there now (alpha) are refused with device_offline." in lines
     idle = revoke_lines(host_row({"name": "gpu-b", "state": "lost", "silent_s": 9.0}))
     assert "No deployment runs there now." in idle and any("gpu-b is lost" in line for line in idle)
+
+
+def test_a_drained_host_says_so_and_offers_undrain_and_a_drain_says_what_it_moves() -> None:
+    busy = host_row({"name": "gpu-a", "state": "online", "silent_s": 1.0, "instances": ["alpha", "alpha/1"]})
+    text = render_hosts([busy])
+    assert 'href="/ui/hosts/gpu-a/drain" data-action="drain"' in text and "undrain" not in text
+    assert '<a href="/ui/#card-alpha">alpha/1</a>' in text  # an instance links to its deployment's card
+    lines = drain_lines(busy, "drain")
+    assert lines[0] == "Nothing new is placed on gpu-a until it is undrained."
+    assert "Each of the 2 instances running there (alpha, alpha/1) gets a replacement" in lines[1]
+    drained = host_row({"name": "gpu-a", "state": "online", "silent_s": 1.0, "drain": "drained"})
+    text = render_hosts([drained])
+    assert 'data-drain="drained"' in text and 'href="/ui/hosts/gpu-a/undrain" data-action="undrain"' in text
+    assert 'href="/ui/hosts/gpu-a/drain"' not in text
+    assert "it is drained at once" in drain_lines(host_row({"name": "b", "state": "online"}), "drain")[1]
+    assert drain_lines(drained, "undrain")[0].startswith("Instances may be placed on gpu-a again")
 
 
 def test_an_invitation_form_is_read_strictly_and_says_what_it_will_be() -> None:

@@ -9,7 +9,7 @@ Paths (all under ``/ui``; ``/`` redirects to the fleet):
 - ``GET /ui/requests`` (filters: module ``requests``; ``?id=`` goes to the detail), ``/ui/requests/{id}``;
 - ``GET /ui/charts?window=15m|1h|24h&deployment=`` (module ``charts``), its data as JSON ``/ui/charts/data``;
 - ``GET /ui/deployments/{name}/{action}``: what the action will do, and the form that does it (``POST``);
-- ``GET /ui/hosts``, revoke and invite (module ``host_pages``);
+- ``GET /ui/hosts``, drain, undrain, revoke and invite (module ``host_pages``);
 - ``GET /ui/stream?page=...``: the page's live stream; ``GET /ui/static/...``: the assets, and
   ``/favicon.ico`` (browsers ask for it on their own).
 """
@@ -30,7 +30,17 @@ from litestar.response import Redirect, ServerSentEvent
 from capyctl.adapters.dashboard.assets import load_assets
 from capyctl.adapters.dashboard.board import LOG_NAME, PAGES, Board
 from capyctl.adapters.dashboard.charts import Charts, charts, read_params
-from capyctl.adapters.dashboard.host_pages import do_invite, do_revoke, hosts_page, invite_page, revoke_page
+from capyctl.adapters.dashboard.host_pages import (
+    do_drain,
+    do_invite,
+    do_revoke,
+    do_undrain,
+    drain_page,
+    hosts_page,
+    invite_page,
+    revoke_page,
+    undrain_page,
+)
 from capyctl.adapters.dashboard.live import MAX_STREAMS, stream
 from capyctl.adapters.dashboard.requests import Table, chosen, fields, page_filter, query
 from capyctl.adapters.dashboard.security import guarded
@@ -352,6 +362,10 @@ def create_dashboard_app(dashboard: Dashboard, port: int, names: frozenset[str])
             hosts_page,
             revoke_page,
             do_revoke,
+            drain_page,
+            undrain_page,
+            do_drain,
+            do_undrain,
             invite_page,
             do_invite,
             live,

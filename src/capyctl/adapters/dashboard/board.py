@@ -173,10 +173,13 @@ class Board:
 
     def cards(self) -> list[Card]:
         out, now, recent = [], self.clock.wall(), self.recent()
-        for c in self.fleet.leads():
+        for found in self.fleet.deployments():
+            c = found.lead
+            if c is None:
+                continue
             status = c.status
             since = self.since(c.name, str(status.state), status.ready_at, status.started_at)
-            out.append(card(c, self.admission, since, now, recent.get(c.name)))
+            out.append(card(c, self.admission, since, now, recent.get(c.name), found.members))
         return out
 
     def key_rows(self) -> tuple[KeyRow, ...]:

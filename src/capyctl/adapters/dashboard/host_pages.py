@@ -3,6 +3,8 @@ does it), as the deployments' actions are:
 
 - ``GET /ui/hosts``: every host, live;
 - ``GET /ui/hosts/{name}/revoke``, ``POST`` it: ``DELETE /hosts/{name}``'s own call (``registry.revoke``);
+- ``GET /ui/hosts/{name}/drain`` (or ``undrain``), ``POST`` it: ``POST /hosts/{name}/drain``'s own call
+  (``Fleet.drain_host``, ``Fleet.undrain_host``);
 - ``GET /ui/hosts/invite?name=&ttl=&server=``, ``POST /ui/hosts/invite``: ``POST /hosts/invites``'s own
   call (``Hosts.invite``). Its answer is the only place the join file (and its secret) is ever shown: a
   page of its own, never stored, never logged, never in a URL (the confirmation's form posts the fields).
@@ -16,7 +18,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Redirect
 
-from capyctl.adapters.dashboard.hosts import HostRow, invitation, invite_lines, revoke_lines
+from capyctl.adapters.dashboard.hosts import HostRow, drain_lines, invitation, invite_lines, revoke_lines
 from capyctl.adapters.dashboard.web import NO_STORE, NotNow, checked, dash, page, session_of
 from capyctl.domain.errors import CapyError, HostNotFound, InvalidConfig
 from capyctl.domain.joining import DEFAULT_TTL
@@ -76,6 +78,70 @@ async def do_revoke(request: Request[Any, Any, Any], name: str) -> Response[str]
     except CapyError as error:
         parts.events.emit(
             None, "dashboard_action_failed", action="revoke_host", host=name, session=session.label, code=error.code
+        )
+        raise
+    return Redirect("/ui/hosts", status_code=303, headers=NO_STORE)
+
+
+def _drain_refusal(row: HostRow, action: str) -> str | None:
+    if row.revoked:
+        return "it is revoked"
+    if action == "drain" and row.drain is not None:
+        return f"it is {row.drain} already"
+    if action == "undrain" and row.drain is None:
+        return "it is not drained"
+    return None
+
+
+@get("/ui/hosts/{name:str}/drain", sync_to_thread=False)
+def drain_page(request: Request[Any, Any, Any], name: str) -> Response[str]:
+    return _drain_page(request, name, "drain")
+
+
+@get("/ui/hosts/{name:str}/undrain", sync_to_thread=False)
+def undrain_page(request: Request[Any, Any, Any], name: str) -> Response[str]:
+    return _drain_page(request, name, "undrain")
+
+
+@post("/ui/hosts/{name:str}/drain", status_code=303)
+async def do_drain(request: Request[Any, Any, Any], name: str) -> Response[str]:
+    return await _do_drain(request, name, "drain")
+
+
+@post("/ui/hosts/{name:str}/undrain", status_code=303)
+async def do_undrain(request: Request[Any, Any, Any], name: str) -> Response[str]:
+    return await _do_drain(request, name, "undrain")
+
+
+def _drain_page(request: Request[Any, Any, Any], name: str, action: str) -> Response[str]:
+    session_of(request)
+    row = _row(request, name)
+    return page(
+        request,
+        "host_drain.html",
+        "hosts",
+        live=False,
+        host=row,
+        action=action,
+        lines=drain_lines(row, action),
+        refusal=_drain_refusal(row, action),
+    )
+
+
+async def _do_drain(request: Request[Any, Any, Any], name: str, action: str) -> Response[str]:
+    session, _ = await checked(request)
+    row = _row(request, name)
+    refusal = _drain_refusal(row, action)
+    if refusal is not None:
+        raise NotNow(f"{name}: {refusal}")
+    parts = dash(request)
+    fleet = parts.board.fleet
+    parts.events.emit(None, "dashboard_action", action=f"{action}_host", host=name, session=session.label)
+    try:
+        await (fleet.drain_host(name) if action == "drain" else fleet.undrain_host(name))
+    except CapyError as error:
+        parts.events.emit(
+            None, "dashboard_action_failed", action=f"{action}_host", host=name, session=session.label, code=error.code
         )
         raise
     return Redirect("/ui/hosts", status_code=303, headers=NO_STORE)

@@ -48,6 +48,7 @@ class HostRow(msgspec.Struct, frozen=True):
     deployments: tuple[str, ...]  # those whose engines run there now
     exits: tuple[ExitRow, ...]
     revoked: bool
+    drain: str | None = None  # ``draining`` while a drained host still runs instances, then ``drained``
 
 
 def host_row(view: dict[str, Any]) -> HostRow:
@@ -74,6 +75,7 @@ def host_row(view: dict[str, Any]) -> HostRow:
         deployments=tuple(view.get("instances", ())),
         exits=exits,
         revoked=view.get("revoked_at") is not None,
+        drain=view.get("drain"),
     )
 
 
@@ -96,6 +98,25 @@ def revoke_lines(row: HostRow) -> list[str]:
         )
     else:
         out.append("No deployment runs there now.")
+    return out
+
+
+def drain_lines(row: HostRow, action: str) -> list[str]:
+    """What a drain (``action`` ``drain``) or an undrain does to ``row``'s host now."""
+    if action == "undrain":
+        return [
+            f"Instances may be placed on {row.name} again; those that found no place meanwhile are placed now.",
+            "Nothing that runs elsewhere is moved back.",
+        ]
+    out = [f"Nothing new is placed on {row.name} until it is undrained."]
+    if row.deployments:
+        out.append(
+            f"Each of the {counted(len(row.deployments), 'instance')} running there ({', '.join(row.deployments)}) "
+            "gets a replacement where room exists, takes no new request, finishes those under way (within "
+            "switching.drain_timeout) and stops."
+        )
+    else:
+        out.append("No instance runs there now: it is drained at once.")
     return out
 
 

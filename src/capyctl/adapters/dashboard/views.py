@@ -40,6 +40,15 @@ class Progress(msgspec.Struct, frozen=True):
     usual: float | None  # None until one was measured
 
 
+class InstanceChip(msgspec.Struct, frozen=True):
+    """One instance on a fleet card of a deployment with several."""
+
+    index: int
+    host: str | None  # None: the server's own machine
+    state: str
+    in_flight: int
+
+
 class Card(msgspec.Struct, frozen=True):
     name: str
     api: str
@@ -62,6 +71,7 @@ class Card(msgspec.Struct, frozen=True):
     actions: tuple[Action, ...]
     held: str | None = None  # why its engine, still running on its host, cannot be reached now
     note: str | None = None  # how its last engine ended, when that was no error of its own (its host's doing)
+    instances: tuple[InstanceChip, ...] = ()  # each instance, when the deployment has several
 
     def action(self, name: str) -> Action:
         return next(a for a in self.actions if a.name == name)
@@ -115,7 +125,12 @@ def coarse(seconds: float) -> str:
 
 
 def card(
-    controller: Controller, admission: AdmissionService, since: float | None, now: float, recent: Recent | None = None
+    controller: Controller,
+    admission: AdmissionService,
+    since: float | None,
+    now: float,
+    recent: Recent | None = None,
+    members: Sequence[Controller] = (),
 ) -> Card:
     status = controller.status
     held = controller.held()
@@ -143,6 +158,12 @@ def card(
         actions=actions_for(controller),
         held=None if held is None else held.message,
         note=status.last_error if blameless else None,
+        instances=tuple(
+            InstanceChip(m.index, m.host, "held" if m.held() is not None else str(m.status.state), m.in_flight)
+            for m in members
+        )
+        if len(members) > 1
+        else (),
     )
 
 
