@@ -13,7 +13,9 @@ makes a fake virtualenv whose ``bin/python`` runs this module in the engine's pl
 The family comes from the ``-m`` module (``vllm.*`` or ``sglang.*``), else from
 ``--family`` or ``STANDIN_FAMILY`` (default ``vllm``); the version from ``--version``
 or ``STANDIN_VERSION`` (the fake virtualenv sets both; defaults 0.32.0 and 0.5.23).
-Unknown flags are ignored; ``--served-model-name`` takes several names as vLLM does
+``--max-num-seqs`` (vLLM) or ``--max-running-requests`` (SGLang) caps the chats generating at once
+(the others wait, counted as waiting). Unknown flags are ignored; ``--served-model-name`` takes several
+names as vLLM does
 (the first is the name written to the timeline). Facts are those of
 /work/shared/engines/ENGINES.md (vLLM §1.1-1.7, SGLang §2.1-2.8, System One §5) and of the
 captured vLLM 0.32.0 traffic (tests/contract/recordings/vllm/0.32.0,
@@ -31,6 +33,8 @@ Environment
                                every answer differs from the deterministic one)
 ``STANDIN_TIMELINE``           a file the stand-in appends JSON lines to (see Timeline)
 ``STANDIN_HEADS`` (unset)      ``1`` adds a ``received`` line for each POST: ``path``, ``headers``
+                               and ``marker`` (a chat's last message's text, its first 120
+                               characters: what tells one request from another)
                                (the sorted, lower-cased names of its headers)
 ``VLLM_SERVER_DEV_MODE``       ``1`` registers vLLM's dev routes (sleep & co.); otherwise they are 404
 
@@ -807,6 +811,8 @@ _VALUED = {
     "--port",
     "--max-model-len",
     "--context-length",
+    "--max-num-seqs",
+    "--max-running-requests",
     "--family",
     "--version",
 }
@@ -821,6 +827,7 @@ class Options:
         self.host = "127.0.0.1"
         self.port = 8000
         self.max_len: int | None = None
+        self.max_running: int | None = None  # --max-num-seqs (vLLM), --max-running-requests (SGLang)
         self.flags: set[str] = set()
         self.argv: list[str] = []
 
@@ -872,6 +879,8 @@ def parse_args(argv: list[str], env: dict[str, str]) -> Options:
     opts.port = int(first.get("--port", 8000 if opts.family == "vllm" else 30000))
     length = first.get("--max-model-len") or first.get("--context-length")
     opts.max_len = int(length) if length else None
+    running = first.get("--max-num-seqs") or first.get("--max-running-requests")
+    opts.max_running = int(running) if running else None
     return opts
 
 
@@ -920,6 +929,16 @@ _REASONS = {
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _marker(request: Request) -> str | None:
+    """The text of a chat request's last message (its first 120 characters), None for anything else."""
+    try:
+        messages = json.loads(request.body).get("messages")
+        content = messages[-1].get("content") if isinstance(messages, list) and messages else None
+    except (ValueError, AttributeError):
+        return None
+    return content[:120] if isinstance(content, str) else None
 
 
 class Request:
@@ -1040,6 +1059,10 @@ class Engine:
     def can_start(self) -> bool:
         return self.state == "awake" and not self.hold_new
 
+    def has_room(self) -> bool:
+        """A chat may run now: fewer than ``--max-num-seqs`` run (always, without it); the others wait."""
+        return self.opts.max_running is None or len(self.running) < self.opts.max_running
+
     def mark(self, event: str, **extra: Any) -> None:
         self.timeline.write(self.state, self.level, event, **extra)
 
@@ -1087,7 +1110,7 @@ class Engine:
         try:
             while (request := await conn.read_request()) is not None:
                 if self.cfg.heads and request.method == "POST":
-                    self.mark("received", path=request.path, headers=sorted(request.headers))
+                    self.mark("received", path=request.path, headers=sorted(request.headers), marker=_marker(request))
                 if request.path == "/v1/chat/completions" and request.method == "POST":
                     keep = await self.watched(self.chat(conn, request), conn)
                 elif request.path == "/v1/systemone" and request.method == "POST" and self.serves_decisions:
@@ -1146,9 +1169,9 @@ class Engine:
         chat = Chat(self.request_id(request, body), body)
         self.waiting[chat.key] = chat
         try:
-            if not self.can_start():
+            if not self.can_start() or not self.has_room():
                 self.mark("queued", request_id=chat.rid)
-                await self.wait_for(lambda: chat.aborted is not None or self.can_start())
+                await self.wait_for(lambda: chat.aborted is not None or (self.can_start() and self.has_room()))
         except BaseException:
             self.waiting.pop(chat.key, None)
             self.notify()

@@ -42,13 +42,14 @@ class Machine:
             )
         return done
 
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """``capyctl start ARGS`` on this machine (``env``: more environment, which its engines inherit too)."""
         with open(self.log, "ab") as log:
             self.process = self.node.popen(
                 [sys.executable, "-m", "capyctl", "start", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state)},
+                env={**os.environ, "CAPYCTL_STATE_DIR": str(self.state), **(env or {})},
             )
         return self.process
 
@@ -87,13 +88,16 @@ def invite(server: Machine, lan: Lan, name: str, *extra: str) -> Path:
     return path
 
 
-def joined(lan: Lan, server: Machine, name: str, tmp: Path, config: str | None = None) -> Machine:
-    """Host ``name`` joined and started (with ``config`` as its configuration file, when given), once online."""
+def joined(
+    lan: Lan, server: Machine, name: str, tmp: Path, config: str | None = None, env: dict[str, str] | None = None
+) -> Machine:
+    """Host ``name`` joined and started (with ``config`` as its configuration file, and ``env`` in its agent's
+    environment, when given), once online."""
     host = Machine(lan.hosts[name], tmp / name)
     host.cli("join", "host", "--join-file", str(invite(server, lan, name)))
     if config is not None:
         (host.state / "config.yaml").write_text(config)
-    host.start("host")
+    host.start("host", env=env)
     until(lambda: hosts(server)[name]["state"] == "online", 20, f"{name} online")
     return host
 

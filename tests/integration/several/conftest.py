@@ -20,12 +20,13 @@ def lan() -> Iterator[Lan]:
         yield made
 
 
-def start_server(lan: Lan, tmp_path: Path, *extra: str) -> Machine:
+def start_server(lan: Lan, tmp_path: Path, *extra: str, config: str = "") -> Machine:
     """The server of the several-machines tests (suspended after 2 s of silence, lost after 4 s), once its
-    management API answers; ``extra``: more options of ``start server``."""
+    management API answers; ``extra``: more options of ``start server``; ``config``: more lines under
+    ``hosts:`` in its configuration file."""
     machine = Machine(lan.server, tmp_path / "server")
     machine.state.mkdir()
-    (machine.state / "config.yaml").write_text("hosts:\n  suspend_after: 2s\n  lost_after: 4s\n")
+    (machine.state / "config.yaml").write_text("hosts:\n  suspend_after: 2s\n  lost_after: 4s\n" + config)
     machine.start(
         "server",
         "--listen",

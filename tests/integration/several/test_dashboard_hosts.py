@@ -1,7 +1,8 @@
 """The dashboard's Hosts page in a real Chromium (Debian's, driven by Playwright), against a server of several
 machines in network namespaces: a host's state follows its agent live (frozen with SIGSTOP it goes
 suspended, and online again on SIGCONT, without a reload), a revoke asks first and a cancelled one does
-nothing, and an invitation's join file is shown once and joins a machine.
+nothing, a drain and an undrain done from the page show as they take effect, and an invitation's join file
+is shown once and joins a machine.
 
 The browser runs in the test's own namespace, so the server's management listener (where the dashboard is)
 listens on the server's address on the test's link (``--management``), not on its loopback.
@@ -130,6 +131,43 @@ def test_a_hosts_state_follows_its_agent_live_and_a_revoke_asks_first(
     done = [json.loads(line) for line in server.cli("events", "--json").stdout.splitlines() if line.strip()]
     asked = [e["detail"] for e in done if e["kind"] == "dashboard_action"]
     assert [(d["action"], d["host"]) for d in asked] == [("revoke_host", "gpu-a")]
+
+
+def test_a_host_is_drained_and_undrained_from_the_browser_and_the_page_follows(
+    lan: Lan, server: Machine, gpu_a: Machine, signed_in: tuple[Watched, Page, str]
+) -> None:
+    _, page, origin = signed_in
+    page.goto(origin + "/ui/hosts")
+    expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
+    a = card(page, "gpu-a")
+    expect(a.locator(".drain")).to_have_count(0)
+    a.locator('a[data-action="drain"]').click()
+    expect(page.locator("h1")).to_have_text("Drain gpu-a?")
+    expect(page.locator(".consequences")).to_contain_text("chat-a")
+    page.locator('button[data-confirm="drain"]').click()
+    page.wait_for_url(origin + "/ui/hosts")
+    expect(a.locator(".drain")).to_have_text("drained", timeout=LIVE)  # its one instance stopped: none left there
+    expect(a.locator('a[data-action="undrain"]')).to_be_visible()
+    shown = json.loads(server.cli("status", "deployment", "chat-a", "--json").stdout)
+    assert shown["instances"] == [] and "drained by an operator" in shown["unplaced"][0]
+    assert hosts(server)["gpu-a"]["drain"] == "drained"
+
+    a.locator('a[data-action="undrain"]').click()
+    expect(page.locator("h1")).to_have_text("Undrain gpu-a?")
+    page.locator('button[data-confirm="undrain"]').click()
+    page.wait_for_url(origin + "/ui/hosts")
+    expect(a.locator(".drain")).to_have_count(0, timeout=LIVE)
+    until(
+        lambda: (
+            [i["state"] for i in json.loads(server.cli("status", "deployment", "chat-a", "--json").stdout)["instances"]]
+            == ["ready"]
+        ),
+        60,
+        "chat-a placed and ready on gpu-a again",
+    )
+    done = [json.loads(line) for line in server.cli("events", "--json").stdout.splitlines() if line.strip()]
+    asked = [(e["detail"]["action"], e["detail"]["host"]) for e in done if e["kind"] == "dashboard_action"]
+    assert asked == [("drain_host", "gpu-a"), ("undrain_host", "gpu-a")]
 
 
 def test_an_invitation_is_confirmed_shown_once_and_joins_a_machine(

@@ -219,7 +219,7 @@ def _status_text(d: dict[str, Any]) -> str:
             i["index"],
             i["host"] or "-",
             i["device"] or "-",
-            i["state"] + (" (draining)" if i.get("draining") else ""),
+            i["state"] + (" (retiring)" if i.get("retired") else " (draining)" if i.get("draining") else ""),
             i["in_flight"],
             _load_text(i),
             i["pid"],
@@ -373,6 +373,9 @@ def delete_deployment(name: str, state_dir: StateDirOpt = None, json: JsonOpt = 
     show(result, json, f"deployment {name} deleted")
 
 
+EVENTS_PAGE = 1000  # events asked of the server at a time
+
+
 @app.command("events")
 @reports_errors
 def events(
@@ -385,7 +388,7 @@ def events(
     api = client(state_dir)
     after = 0
     while True:
-        params: dict[str, Any] = {"after": after, "limit": 1000}
+        params: dict[str, Any] = {"after": after, "limit": EVENTS_PAGE}
         if deployment:
             params["deployment"] = deployment
         batch = api.call("GET", "/events", params=params)
@@ -397,6 +400,8 @@ def events(
                 detail = " ".join(f"{k}={v}" for k, v in event["detail"].items())
                 kind = f"{event['kind']:<20} {detail}" if detail else event["kind"]  # no spaces end a line
                 typer.echo(f"{stamp(event['at'])}  {event['deployment'] or '-':<20} {kind}")
+        if len(batch) == EVENTS_PAGE:  # a full page: more may follow at once
+            continue
         if not follow:
             return
         sys.stdout.flush()
