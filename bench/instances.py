@@ -96,15 +96,14 @@ def main() -> None:
         deploy(server, tmp, "solo-b", args.slots, host="gpu-b")
         deploy(server, tmp, "pair", args.slots, instances=2, placement={"max_per_host": 1})
         placed = json.loads(server.cli("status", "deployment", "pair", "--json").stdout)["instances"]
-        print(f"pair's instances: {', '.join(f'{i['index']} on {i['host']}' for i in placed)}")
+        where = ", ".join(f"{i['index']} on {i['host']}" for i in placed)
+        print(f"pair's instances: {where}")
         key = key_of(server)
         figures: dict[str, list[float]] = {name: [] for name in DEPLOYMENTS}
         for round_ in range(args.rounds):
             order = DEPLOYMENTS[round_ % 3 :] + DEPLOYMENTS[: round_ % 3]
             for name in order:
-                figures[name].append(
-                    asyncio.run(throughput(lan.server.address, key, name, args.streams, args.seconds))
-                )
+                figures[name].append(asyncio.run(throughput(lan.server.address, key, name, args.streams, args.seconds)))
             print(f"round {round_ + 1}: " + ", ".join(f"{n} {figures[n][-1]:.1f}/s" for n in DEPLOYMENTS))
     medians = {name: statistics.median(values) for name, values in figures.items()}
     ratio = medians["pair"] / (medians["solo-a"] + medians["solo-b"])
