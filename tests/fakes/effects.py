@@ -14,6 +14,7 @@ import anyio
 
 from capyctl.domain.errors import CapyError
 from capyctl.domain.lifecycle import EngineAddress, Launched
+from capyctl.domain.ports import EngineLoad
 
 
 class FakeEngineEffects:
@@ -28,7 +29,7 @@ class FakeEngineEffects:
         self.launch_error: Exception | None = None  # raised by the next launch
         self.stop_gate: anyio.Event | None = None  # while set to an unset event, a stop waits for it
         self.launch_gate: anyio.Event | None = None  # likewise a launch (a host's waits for its host to be back)
-        self.load_now: tuple[int, int] | None = (0, 0)  # what each load reading answers
+        self.load_now: EngineLoad | None = EngineLoad(0, 0)  # what each load reading answers
         self.loads: list[int] = []  # the launch each load reading was of
         self.unreachable: CapyError | None = None  # what ``offline`` says: the engine's machine is out of reach
         self.changed = anyio.Event()
@@ -101,7 +102,7 @@ class FakeEngineEffects:
         self._did("canary", engine.number)
         return self.answers.pop(0) if self.answers else "ready"
 
-    async def load(self, engine: Launched) -> tuple[int, int] | None:
+    async def load(self, engine: Launched) -> EngineLoad | None:
         self.loads.append(engine.number)
         self.notify()
         return self.load_now

@@ -15,6 +15,7 @@ from capyctl.domain.engines import EngineInstall
 from capyctl.domain.hosts import HostRecord
 from capyctl.domain.joining import Invite
 from capyctl.domain.keys import ApiKey
+from capyctl.domain.ports import EngineLoad
 
 
 class FakeClock:
@@ -215,8 +216,8 @@ class FakeEngineAdapter:
     async def ready(self, base_url: str) -> bool:
         return self.healthy
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
-        return (0, 0)
+    async def load(self, base_url: str) -> EngineLoad | None:
+        return EngineLoad(0, 0)
 
     # parking: each call is recorded in ``calls``; ``sleeping`` is what the engine says of itself
     async def park(self, base_url: str, residency: Any) -> None:

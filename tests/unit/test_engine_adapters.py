@@ -66,6 +66,9 @@ vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 4.0
 vllm:num_requests_waiting{engine="1",model_name="tiny-llama"} 0.0
 # TYPE vllm:num_requests_waiting_by_reason gauge
 vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="capacity"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.875
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny-llama"} 0.25
 """
 
 # SYNTHESIZED from the names and labels in ENGINES.md 2.6 (SGLang did not run here: CUDA-only).
@@ -359,14 +362,15 @@ def test_prometheus_gauges_sum_over_label_sets() -> None:
     text = b'a{x="b}\\"c"} 1\na{x="d"} 2.5 1700000000000\na_b 7\nb NaN\n'
     assert _prom.gauges(text, ["a", "b", "c"]) == {"a": 3.5}
     assert _prom.running_waiting(b"# nothing\n", ["a"], ["b"]) is None
-    assert _prom.running_waiting(b"a 2\n", ["a"], ["b"]) == (2, 0)
+    assert _prom.running_waiting(b"a 2\n", ["a"], ["b"]) == (2, 0, None)
+    assert _prom.running_waiting(b"a 2\nk 0.5\nk 2\n", ["a"], ["b"], ["k"]) == (2, 0, 1.0)  # held to 0..1
 
 
 def test_prometheus_infinities_are_no_count() -> None:
     # an engine's gauge at +Inf must read as missing, not end the settlement's reading with OverflowError
     assert _prom.gauges(b"a +Inf\nb -Inf\nc 1\n", ["a", "b", "c"]) == {"c": 1.0}
     assert _prom.running_waiting(b"a +Inf\nb 1\n", ["a"], ["b"]) is None
-    assert _prom.running_waiting(b"a 1\nb Inf\n", ["a"], ["b"]) == (1, 0)
+    assert _prom.running_waiting(b"a 1\nb Inf\n", ["a"], ["b"]) == (1, 0, None)
 
 
 # --- ready / load / probe_version over HTTP ---------------------------------------------------
@@ -384,8 +388,8 @@ async def test_vllm_ready_load_version(http: ScriptedEngine, client: WireEngineS
     http.add("/metrics", body=VLLM_METRICS_BUSY, content_type="text/plain", how="chunked")
     http.add("/metrics", body=b"# HELP nothing\n", content_type="text/plain")
     http.add("/metrics", 404)
-    assert await engine.load(base) == (0, 0)
-    assert await engine.load(base) == (3, 4)
+    assert await engine.load(base) == (0, 0, 0.0)  # the recorded 0.32.0 metrics: an empty KV cache
+    assert await engine.load(base) == (3, 4, 0.875)  # the fuller of two engines' caches, not their sum
     assert await engine.load(base) is None
     assert await engine.load(base) is None
     assert await engine.load(down) is None
@@ -407,7 +411,7 @@ async def test_sglang_ready_load_version(http: ScriptedEngine, client: WireEngin
     assert await engine.ready(down) is False
 
     http.add("/metrics", body=SGLANG_METRICS, content_type="text/plain")
-    assert await engine.load(base) == (6, 7)
+    assert await engine.load(base) == (6, 7, None)  # (no sglang:token_usage in this text)
     assert await engine.load(down) is None
 
     http.add("/get_server_info", json={"version": "0.5.21", "tp_size": 1})
@@ -448,8 +452,8 @@ async def test_tensorfold_ready_load_version(http: ScriptedEngine, client: WireE
         content_type="text/plain",
     )
     http.add("/metrics", 401)
-    assert await engine.load(base) == (2, 1)
-    assert await engine.load(base) == (1, 5)
+    assert await engine.load(base) == (2, 1, 0.25)
+    assert await engine.load(base) == (1, 5, None)
     assert await engine.load(base) is None
 
 
@@ -464,7 +468,7 @@ async def test_llamacpp_ready_load_version(http: ScriptedEngine, client: WireEng
     http.add("/props", json={"build_info": "b0-unknown"})
     assert await engine.ready(base) is False  # loading the model
     assert await engine.ready(base) is True
-    assert await engine.load(base) == (1, 2)
+    assert await engine.load(base) == (1, 2, None)  # llama.cpp does not say how full its cache is
     assert await engine.probe_version(base) == "b6123"
     assert await engine.probe_version(base) is None  # no real build number
     assert await engine.probe_version(down) is None

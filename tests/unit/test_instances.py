@@ -20,6 +20,7 @@ from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import NotPlaced
 from capyctl.domain.hosts import HostState
 from capyctl.domain.memory import Device
+from capyctl.domain.ports import EngineLoad
 from capyctl.domain.scheduling import QueueLimits
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import ControllerSettings
@@ -50,6 +51,7 @@ class World:
         self.clock = VirtualClock()
         self.events = Events(self.store, self.clock)
         self.devices = [Device(name=f"gpu{i}", capacity=2 * GiB) for i in range(devices)]
+        self.adapter = FakeEngineAdapter()
         self.fleet = self.make_fleet()
 
     def make_fleet(self) -> Fleet:
@@ -59,7 +61,7 @@ class World:
         )
         fleet = Fleet(
             self.store,
-            {"llamacpp": FakeEngineAdapter()},
+            {"llamacpp": self.adapter},
             self.processes,
             self.clock,  # type: ignore[arg-type]
             self.events,
@@ -110,6 +112,30 @@ async def test_three_instances_on_one_machine_run_three_engines_each_with_its_ow
     logs = {Path(m.status.log_path).parent for m in alone.members()}
     assert logs == {alone.tmp_path / "logs" / "m", *(alone.tmp_path / "logs" / "m" / f"instance-{i}" for i in (1, 2))}
     assert [p["instance"] for p in alone.kinds("instance_placed")] == [0, 1, 2]
+
+
+async def test_each_ready_instance_of_a_model_with_several_has_its_engine_load_sampled_every_second(
+    alone: World,
+) -> None:
+    reads: list[float] = []
+
+    async def load(base_url: str) -> EngineLoad | None:
+        reads.append(alone.clock.monotonic())
+        return EngineLoad(3, 1, 0.9) if len(reads) % 2 else None  # every other read fails
+
+    alone.adapter.load = load  # type: ignore[method-assign]
+    await alone.fleet.apply(alone.document(2), activate=True)
+    await alone.all_ready()
+    await alone.until(lambda: len(reads) >= 4, "two rounds of reads")
+    await anyio.sleep(0.1)  # (the round's reads are in)
+    samples = [m.sample for m in alone.members()]
+    (sampled,) = [m for m in samples if m is not None]  # the instance whose read answered; the other: unknown
+    assert (sampled.running, sampled.waiting, sampled.kv_usage) == (3, 1, 0.9)
+    assert alone.clock.monotonic() - sampled.at < 1.5  # fresh: taken within the last round
+    await alone.fleet.apply(alone.document(1), activate=False)  # one instance: nothing to balance, no reads
+    made = len(reads)
+    await anyio.sleep(3)
+    assert len(reads) == made
 
 
 async def test_scaling_down_drains_the_highest_index_and_scaling_up_leaves_the_others_running(alone: World) -> None:

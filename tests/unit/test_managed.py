@@ -16,6 +16,7 @@ from capyctl.domain.errors import DeviceOffline, EngineRestarted, EngineUnavaila
 from capyctl.domain.fields import row_for
 from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.memory import Holding
+from capyctl.domain.ports import EngineLoad
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import Route
 from capyctl.services.controllers import ControllerSettings, ManagedController, Room
@@ -228,10 +229,10 @@ async def test_an_engine_whose_machine_is_out_of_reach_is_refused_at_once_and_se
 
 async def test_cut_requests_are_settled_by_the_running_launchs_own_load_readings(world: World) -> None:
     await world.controller.route(5)
-    world.effects.load_now = (1, 0)  # still working on what was cut
+    world.effects.load_now = EngineLoad(1, 0)  # still working on what was cut
     world.controller.cut(RequestRecord(id="r1", deployment="m", stream=True, answered=True))
     await world.until(lambda: len(world.effects.loads) >= 2)
     assert set(world.effects.loads) == {1} and world.controller.settlement.ledger.counts() != []
-    world.effects.load_now = (0, 0)
+    world.effects.load_now = EngineLoad(0, 0)
     await world.until(lambda: world.controller.settlement.ledger.counts() == [])
     assert "request_settled" in world.kinds()

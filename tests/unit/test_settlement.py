@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from capyctl.domain.ports import EngineLoad
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.settlement import ENGINE_IDLE, ENGINE_STOP, Ledger
 from capyctl.services.events import Events
@@ -48,10 +49,10 @@ class LoadEngine(FakeEngineAdapter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.now = (1, 0)
+        self.now = EngineLoad(1, 0)
         self.readings = 0
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
+    async def load(self, base_url: str) -> EngineLoad | None:
         self.readings += 1
         return self.now
 
@@ -68,7 +69,7 @@ async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> 
             while engine.readings < 3:  # it keeps reading while the engine reports work
                 await anyio.sleep(0.005)
         assert settlement.ledger.counts() == [{"rule": ENGINE_IDLE, "count": 1}]
-        engine.now = (0, 0)
+        engine.now = EngineLoad(0, 0)
         with anyio.fail_after(5):
             while settlement.ledger.counts():
                 await anyio.sleep(0.005)
@@ -83,7 +84,7 @@ async def test_the_instance_reads_the_engine_until_idle_then_stops_reading() -> 
 
 async def test_an_unanswered_cut_is_settled_only_by_the_engine_ending() -> None:
     store, engine = FakeStore(), LoadEngine()
-    engine.now = (0, 0)
+    engine.now = EngineLoad(0, 0)
     settlement = Settlement(
         "m", 2, lambda: engine.load("http://e"), VirtualClock(), Events(store, VirtualClock()), poll=0.005
     )

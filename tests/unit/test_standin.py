@@ -32,6 +32,7 @@ from capyctl.domain.deployments import DeploymentSpec, EngineConfig
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.fields import DeltaVerifier, row_for
 from capyctl.domain.memory import Residency
+from capyctl.domain.ports import EngineLoad
 from capyctl.domain.streams import DONE, Chunks
 from tests.fakes.answers import pump_all
 from tests.fakes.standin_engine import (
@@ -234,7 +235,8 @@ def recording(path: str) -> list[dict[str, Any]]:
 
 def load_is(standin: Standin, expected: tuple[int, int]) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
-        return await standin.adapter.load(standin.base) == expected
+        load = await standin.adapter.load(standin.base)
+        return load is not None and (load.running, load.waiting) == expected  # (the stand-in tells no KV use)
 
     return check
 
@@ -259,7 +261,7 @@ async def test_vllm_standin_starts_like_the_engine(launch: Any, client: httpx.As
     assert loaded["at"] - start["at"] >= 0.4
     assert start["argv"] == standin.argv[1:] and start["name"] == "tiny"
     assert await standin.adapter.probe_version(standin.base) == "0.32.0"
-    assert await standin.adapter.load(standin.base) == (0, 0)
+    assert await standin.adapter.load(standin.base) == EngineLoad(0, 0)
     models = (await client.get(standin.base + "/v1/models")).json()
     assert [model["id"] for model in models["data"]] == ["tiny"]
     assert models["data"][0]["max_model_len"] == 2048
@@ -521,7 +523,7 @@ async def test_sglang_release_and_resume(launch: Any, client: httpx.AsyncClient)
     assert await until(health, "the socket to open") == 503  # SGLang answers 503 while it loads
     await standin.ready()
     assert await standin.adapter.probe_version(base) == "0.5.23"
-    assert await standin.adapter.load(base) == (0, 0)
+    assert await standin.adapter.load(base) == EngineLoad(0, 0)
 
     right = expected_text(CHAT)
     chunks = await stream_chat(client, base, {**CHAT, "stream_options": {"include_usage": True}})
@@ -725,7 +727,7 @@ async def test_vllm_decision_counts_as_running_and_stops_when_the_client_leaves(
 
     (line,) = await until(cut, "the decision_cut line")
     assert (line["reason"], line["stage"]) == ("client_gone", "running")
-    assert await standin.adapter.load(standin.base) == (0, 0)  # out of the gauge at once, not after 400 ms
+    assert await standin.adapter.load(standin.base) == EngineLoad(0, 0)  # out of the gauge at once, not after 400 ms
 
     async with anyio.create_task_group() as group:
         answers: list[httpx.Response] = []
@@ -766,7 +768,7 @@ async def test_vllm_decisions_hung_up_together_are_all_cut(launch: Any) -> None:
             return sum(line["event"] == "decision_cut" for line in standin.lines()) == expected
 
         await until(cut, f"every decision of round {round_} to be cut")
-        assert await standin.adapter.load(standin.base) == (0, 0)
+        assert await standin.adapter.load(standin.base) == EngineLoad(0, 0)
 
 
 async def test_vllm_decision_queues_while_asleep(launch: Any, client: httpx.AsyncClient) -> None:
@@ -886,7 +888,7 @@ async def test_sglang_decision_runs_on_after_the_client_leaves(launch: Any, clie
     (line,) = await until(done, "the decision to finish anyway")
     assert line["client_gone"] is True and line["took_ms"] >= 300
     assert "decision_cut" not in standin.events()
-    assert await standin.adapter.load(standin.base) == (0, 0)
+    assert await standin.adapter.load(standin.base) == EngineLoad(0, 0)
 
 
 async def test_sglang_systemone_is_404_before_0_5_21(launch: Any, client: httpx.AsyncClient) -> None:

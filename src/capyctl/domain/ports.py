@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from capyctl.domain.deployments import Deployment, DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -21,6 +21,15 @@ from capyctl.domain.lifecycle import EngineAddress, Launched
 from capyctl.domain.memory import Residency
 from capyctl.domain.request_rows import Entry, RequestRow, Retention, RowFilter
 from capyctl.domain.streams import Relayed, StreamEvent
+
+
+class EngineLoad(NamedTuple):
+    """What an engine says of its load: requests running and waiting, and the share of its KV cache in use
+    (0..1; None where it does not say)."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None = None
 
 
 class Clock(Protocol):
@@ -133,8 +142,9 @@ class EngineAdapter(Protocol):
     async def ready(self, base_url: str) -> bool:
         """True once the engine answers requests; False while it loads. Never raises for I/O."""
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
-        """(running, waiting) requests as the engine reports them, None if unreadable."""
+    async def load(self, base_url: str) -> EngineLoad | None:
+        """Running and waiting requests (and the KV cache's use, where it says) as the engine reports them,
+        None if unreadable."""
 
     def serves_decisions(self, engine: EngineInstall) -> bool:
         """True when this installation answers ``POST /v1/systemone`` (no process started)."""
@@ -191,9 +201,9 @@ class EngineEffects(Protocol):
     async def canary(self, engine: Launched) -> str | None:
         """The engine's answer to the fixed canary request (``services/canary``); None when none is sent."""
 
-    async def load(self, engine: Launched) -> tuple[int, int] | None:
-        """The engine's running and waiting counts, read now (they settle cut requests); None when it
-        cannot tell or cannot be reached."""
+    async def load(self, engine: Launched) -> EngineLoad | None:
+        """The engine's running and waiting counts (they settle cut requests) and its KV cache's use, read now;
+        None when it cannot tell or cannot be reached."""
 
     def offline(self) -> CapyError | None:
         """Why the engine's machine cannot be reached now (a host that is not online); None when it can.

@@ -21,7 +21,7 @@ from capyctl.domain.deployments import (
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError, EngineUnavailable
 from capyctl.domain.fields import RowChoice
-from capyctl.domain.ports import Clock, EngineAdapter
+from capyctl.domain.ports import Clock, EngineAdapter, EngineLoad
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.scheduling import Loading, Route
 from capyctl.services.events import Events
@@ -194,7 +194,7 @@ class ControllerBase:
         nor released; None when it can be reached, or none runs."""
         return None
 
-    async def read_load(self) -> tuple[int, int] | None:
+    async def read_load(self) -> EngineLoad | None:
         """The engine's running and waiting counts, as its adapter reads them (what settles cut requests)."""
         return await self.adapter.load(self.base_url)
 

@@ -318,13 +318,15 @@ class Fleet:
                                 member.sample = None
 
     async def _sample(self, member: Controller) -> None:
-        counts = None
+        sample = None
         with anyio.move_on_after(SAMPLE_EVERY * 2):
             try:
-                counts = await member.read_load()
+                load = await member.read_load()
+                if load is not None:
+                    sample = Sample(load.running, load.waiting, self._clock.monotonic(), load.kv_usage)
             except Exception:  # a read that fails is an unknown load, never a fault of the fleet's
-                counts = None
-        member.sample = None if counts is None else Sample(counts[0], counts[1], self._clock.monotonic())
+                sample = None
+        member.sample = sample
 
     def leave_hosts(self) -> None:
         """The server stops: the engines on hosts are left running, for the next server to adopt. Called before

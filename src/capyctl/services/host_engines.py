@@ -94,7 +94,9 @@ class HostEngines:
             return {"ready": ready, "exited": exited, "parked": await running.effects.parked(engine) if ready else None}
         if action == "load":
             load = await running.effects.load(engine)
-            return {"running": load[0], "waiting": load[1]} if load is not None else {"running": None, "waiting": None}
+            if load is None:
+                return {"running": None, "waiting": None}
+            return {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage}
         if action == "park":
             await running.effects.park(engine)
         else:

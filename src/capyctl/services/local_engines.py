@@ -15,7 +15,7 @@ from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import CapyError
 from capyctl.domain.lifecycle import EngineAddress, Launched
-from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, ProcessControl, ProcessHandle
+from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, EngineLoad, ProcessControl, ProcessHandle
 
 Canary = Callable[[EngineAddress, str], Awaitable[str]]  # (engine address, served model) -> its answer
 
@@ -98,7 +98,7 @@ class LocalEngineEffects(EngineEffects):
             return None
         return await self._canary(engine.address, self._spec.served_model)
 
-    async def load(self, engine: Launched) -> tuple[int, int] | None:
+    async def load(self, engine: Launched) -> EngineLoad | None:
         return await self._adapter.load(engine.address.url)
 
     def offline(self) -> CapyError | None:

@@ -28,7 +28,7 @@ from capyctl.domain.errors import (
 from capyctl.domain.fields import RowChoice
 from capyctl.domain.lifecycle import RouteStep, fresh_budget, give_way, gone, holding, route_step
 from capyctl.domain.memory import Holding
-from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects
+from capyctl.domain.ports import Clock, EngineAdapter, EngineEffects, EngineLoad
 from capyctl.domain.scheduling import Loading, Route
 from capyctl.domain.settlement import ENGINE_STOP
 from capyctl.services.controller_base import ControllerBase, ControllerSettings, InstanceStatus, Room
@@ -161,7 +161,7 @@ class ManagedController(ControllerBase):
             self._events.emit(self.name, "gave_way", instance=self.index, asked=asked, why=why)
 
     # --- what requests ask ------------------------------------------------------
-    async def read_load(self) -> tuple[int, int] | None:
+    async def read_load(self) -> EngineLoad | None:
         engine = self._state.engine
         return None if engine is None else await self._effects.load(engine)
 

@@ -36,7 +36,7 @@ from capyctl.domain.errors import CapyError, DeviceOffline
 from capyctl.domain.hosts import HostState
 from capyctl.domain.lifecycle import EngineAddress, Launched
 from capyctl.domain.link import Action, ProcessExit, RunningInstance
-from capyctl.domain.ports import Clock, EngineEffects
+from capyctl.domain.ports import Clock, EngineEffects, EngineLoad
 
 Canary = Callable[[EngineAddress, str], Awaitable[str]]  # (engine address, served model) -> its answer
 GONE = -1  # the exit status of an engine known gone without one (its host said it no longer runs)
@@ -244,13 +244,15 @@ class RemoteEngineEffects(EngineEffects):
             return None
         return await self._canary(engine.address, self._spec.served_model)
 
-    async def load(self, engine: Launched) -> tuple[int, int] | None:
+    async def load(self, engine: Launched) -> EngineLoad | None:
         try:
             detail = await self._run("load", self._launches[engine.number])
         except CapyError:
             return None
-        running, waiting = detail.get("running"), detail.get("waiting")
-        return (int(running), int(waiting)) if running is not None and waiting is not None else None
+        running, waiting, kv = detail.get("running"), detail.get("waiting"), detail.get("kv_usage")
+        if running is None or waiting is None:
+            return None
+        return EngineLoad(int(running), int(waiting), float(kv) if isinstance(kv, int | float) else None)
 
     def offline(self) -> CapyError | None:
         refusal = self._hosts.offline(self._host, self._spec.name)

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from capyctl.domain.ports import Clock
+from capyctl.domain.ports import Clock, EngineLoad
 from capyctl.domain.requests import RequestRecord
 from capyctl.domain.settlement import ENGINE_IDLE, Ledger, Settled
 from capyctl.services.events import Events
@@ -25,7 +25,7 @@ class Settlement:
         self,
         name: str,
         index: int,
-        read_load: Callable[[], Awaitable[tuple[int, int] | None]],
+        read_load: Callable[[], Awaitable[EngineLoad | None]],
         clock: Clock,
         events: Events,
         poll: float = 0.1,

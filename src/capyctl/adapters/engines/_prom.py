@@ -11,6 +11,8 @@ import math
 import re
 from collections.abc import Iterable
 
+from capyctl.domain.ports import EngineLoad
+
 # name, optional {labels} (quoted values may hold "}" or escaped quotes), value, optional timestamp
 _SAMPLE = re.compile(
     rb'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?:[^"}]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+([^ \t\r\n]+)(?:[ \t]+-?\d+)?[ \t]*\r?$',
@@ -18,8 +20,9 @@ _SAMPLE = re.compile(
 )
 
 
-def gauges(text: bytes, names: Iterable[str]) -> dict[str, float]:
-    """Each named metric summed over its label sets; names without a sample are left out."""
+def gauges(text: bytes, names: Iterable[str], peak: bool = False) -> dict[str, float]:
+    """Each named metric summed over its label sets (``peak``: the largest of them); names without a sample
+    are left out."""
     wanted = {name.encode(): name for name in names}
     found: dict[str, float] = {}
     for match in _SAMPLE.finditer(text):
@@ -32,19 +35,26 @@ def gauges(text: bytes, names: Iterable[str]) -> dict[str, float]:
             continue
         if not math.isfinite(value):  # NaN (the engine could not count it) or an infinity: no count at all
             continue
-        found[name] = found.get(name, 0.0) + value
+        found[name] = max(found.get(name, value), value) if peak else found.get(name, 0.0) + value
     return found
 
 
-def running_waiting(text: bytes, running: Iterable[str], waiting: Iterable[str]) -> tuple[int, int] | None:
-    """(running, waiting) from the first name of each list that has a sample; None without a running gauge.
+def running_waiting(
+    text: bytes, running: Iterable[str], waiting: Iterable[str], kv: Iterable[str] = ()
+) -> EngineLoad | None:
+    """(running, waiting, KV-cache use) from the first name of each list that has a sample; None without a
+    running gauge.
 
-    A missing waiting gauge reads as 0 (an engine with no queue does not publish one).
+    A missing waiting gauge reads as 0 (an engine with no queue does not publish one); a missing KV gauge as
+    None (not reported). The KV share is the fullest of its label sets (one per engine of a data-parallel
+    server), as a fraction of 1.
     """
-    running, waiting = list(running), list(waiting)
+    running, waiting, kv = list(running), list(waiting), list(kv)
     found = gauges(text, running + waiting)
     run = next((found[name] for name in running if name in found), None)
     if run is None:
         return None
     wait = next((found[name] for name in waiting if name in found), 0.0)
-    return int(run), int(wait)
+    shares = gauges(text, kv, peak=True) if kv else {}
+    share = next((shares[name] for name in kv if name in shares), None)
+    return EngineLoad(int(run), int(wait), None if share is None else min(1.0, max(0.0, share)))

@@ -21,7 +21,7 @@ from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.errors import InvalidEngine
-from capyctl.domain.ports import EngineAdapter
+from capyctl.domain.ports import EngineAdapter, EngineLoad
 
 _SEMVER = re.compile(r"version:\s*v?(\d+\.\d+\.\d+)")
 _BUILD = re.compile(r"version:\s*b?(\d+)\b")
@@ -95,7 +95,7 @@ class LlamaCppEngine(RestartOnly, EngineAdapter):
     async def ready(self, base_url: str) -> bool:
         return await fetch_ok(self._client, base_url + "/health") is not None
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
+    async def load(self, base_url: str) -> EngineLoad | None:
         metrics = await fetch_ok(self._client, base_url + "/metrics")
         return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING])
 

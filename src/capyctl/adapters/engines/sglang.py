@@ -26,10 +26,11 @@ from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok, p
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
 from capyctl.domain.memory import Residency
-from capyctl.domain.ports import EngineAdapter
+from capyctl.domain.ports import EngineAdapter, EngineLoad
 
 DISTRIBUTION = "sglang"
 _RUNNING = "sglang:num_running_reqs"
+_KV = ["sglang:token_usage"]  # the KV cache's use, 1.0 = full
 _WAITING = "sglang:num_queue_reqs"
 
 _OWNED = {
@@ -92,9 +93,9 @@ class SglangEngine(DecisionsByVersion, EngineAdapter):
     async def ready(self, base_url: str) -> bool:
         return await fetch_ok(self._client, base_url + "/health") is not None
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
+    async def load(self, base_url: str) -> EngineLoad | None:
         metrics = await fetch_ok(self._client, base_url + "/metrics")
-        return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING])
+        return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING], _KV)
 
     # --- parking (memory saver: release and resume; deep also reloads the weights) --------------
     async def park(self, base_url: str, residency: Residency) -> None:

@@ -26,7 +26,7 @@ from capyctl.adapters.engines._capabilities import DecisionsByVersion, RestartOn
 from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.ports import EngineAdapter
+from capyctl.domain.ports import EngineAdapter, EngineLoad
 
 DISTRIBUTION = "tensorfold"
 PROGRAM = "tensorfold"
@@ -77,6 +77,12 @@ class TensorfoldEngine(DecisionsByVersion, RestartOnly, EngineAdapter):
         health = await self._health(base_url)
         return health is not None and health.get("status") == "ok"
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
+    async def load(self, base_url: str) -> EngineLoad | None:
         metrics = await fetch_ok(self._client, base_url + "/metrics")
-        return None if metrics is None else _prom.running_waiting(metrics, _RUNNING, _WAITING)
+        return (
+            None
+            if metrics is None
+            else _prom.running_waiting(
+                metrics, _RUNNING, _WAITING, ["tensorfold:kv_cache_usage_ratio", "tensorfold:kv_cache_usage_perc"]
+            )
+        )

