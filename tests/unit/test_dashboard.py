@@ -21,7 +21,7 @@ from capyctl.adapters.dashboard.live import Feed, Hub, stream
 from capyctl.adapters.dashboard.requests import ROWS, Table, chosen, fields, figure, page_filter, settlement
 from capyctl.adapters.dashboard.security import host_ok, served_names
 from capyctl.adapters.dashboard.sessions import LINK_TTL, MAX_SESSIONS, SESSION_IDLE, Sessions, SignIns, admin_token_ok
-from capyctl.adapters.dashboard.views import consequences, counted
+from capyctl.adapters.dashboard.views import consequences, counted, unplaced_card
 from capyctl.adapters.dashboard.web import templates
 from capyctl.domain.config import Switching
 from capyctl.domain.engines import EngineFamily, EngineInstall
@@ -590,3 +590,17 @@ async def test_a_card_names_the_host_its_engine_runs_on_and_nothing_on_this_mach
     assert "<dt>Host</dt>" not in env.get_template("_card.html").render(c=here)
     there = env.get_template("_card.html").render(c=msgspec.structs.replace(here, host="gpu-a"))
     assert '<dt>Host</dt><dd class="host"><a href="/ui/hosts#host-gpu-a">gpu-a</a></dd>' in there
+
+
+async def test_a_card_says_why_instances_have_no_place_and_one_with_none_placed_can_only_be_started(
+    world: World,
+) -> None:
+    document = {"name": "pair", "engine": "e", "model": str(world.model), "instances": 2}
+    await world.fleet.apply({**document, "placement": {"max_per_host": 1}}, activate=False)
+    shown = world.card("pair")
+    assert shown.unplaced == ("instance 1: no place: this machine: runs 1 instance already (placement.max_per_host)",)
+    html = templates().get_template("_card.html").render(c=shown)
+    assert "<dt>Not placed</dt>" in html and "placement.max_per_host" in html
+    none = unplaced_card(world.fleet.get("pair"), world.admission)
+    assert (none.name, none.state, none.pid) == ("pair", "unplaced", None)
+    assert allowed(none) == {"start": True, "stop": False, "park": False}

@@ -52,7 +52,7 @@ from capyctl.adapters.dashboard.signin import (
     sign_in_with_token,
     sign_out,
 )
-from capyctl.adapters.dashboard.views import ACTIONS, card, consequences
+from capyctl.adapters.dashboard.views import ACTIONS, card, consequences, unplaced_card
 from capyctl.adapters.dashboard.web import (
     NO_STORE,
     Dashboard,
@@ -69,7 +69,7 @@ from capyctl.adapters.dashboard.web import (
 )
 from capyctl.adapters.http.asgi import with_request_ids
 from capyctl.domain.deployments import NAME_PATTERN
-from capyctl.domain.errors import CapyError, InvalidRequest, NotFound, NotPlaced
+from capyctl.domain.errors import CapyError, InvalidRequest, NotFound
 from capyctl.domain.request_charts import WINDOWS
 from capyctl.services.events import Events
 from capyctl.services.request_log import RequestLog
@@ -211,8 +211,8 @@ def _action(request: Request[Any, Any, Any], name: str, action: str) -> tuple[An
     board = dash(request).board
     found = board.fleet.get(name)
     controller = found.lead
-    if controller is None:
-        raise NotPlaced(name, found.unplaced or ["not placed yet"])
+    if controller is None:  # nothing placed: only a start (which places again) can be asked
+        return None, unplaced_card(found, board.admission)
     status = controller.status
     shown = card(
         controller,
@@ -228,7 +228,11 @@ def confirm_page(request: Request[Any, Any, Any], name: str, action: str) -> Res
     session_of(request)
     controller, shown = _action(request, name, action)
     board = dash(request).board
-    lines = consequences(action, controller, board.admission, board.fleet.room, board.fleet.controllers())
+    lines = (
+        consequences(action, controller, board.admission, board.fleet.room, board.fleet.controllers())
+        if controller is not None
+        else ["It places the deployment's instances again where room exists, and starts them."]
+    )
     return page(
         request,
         "confirm.html",

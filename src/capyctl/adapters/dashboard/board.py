@@ -19,7 +19,7 @@ from capyctl.adapters.dashboard.charts import WINDOW, marks_in, window_edges
 from capyctl.adapters.dashboard.hosts import HostRow, host_rows
 from capyctl.adapters.dashboard.live import Hub
 from capyctl.adapters.dashboard.marks import Mark, mark_of, words
-from capyctl.adapters.dashboard.views import Card, Outlooks, bars, card
+from capyctl.adapters.dashboard.views import Card, Outlooks, bars, card, unplaced_card
 from capyctl.domain.deployments import NAME_PATTERN, InstanceState
 from capyctl.domain.ports import Clock, Store
 from capyctl.domain.request_charts import Recent
@@ -176,10 +176,11 @@ class Board:
         for found in self.fleet.deployments():
             c = found.lead
             if c is None:
+                out.append(unplaced_card(found, self.admission))
                 continue
             status = c.status
             since = self.since(c.name, str(status.state), status.ready_at, status.started_at)
-            out.append(card(c, self.admission, since, now, recent.get(c.name), found.members))
+            out.append(card(c, self.admission, since, now, recent.get(c.name), found.members, found.unplaced))
         return out
 
     def key_rows(self) -> tuple[KeyRow, ...]:

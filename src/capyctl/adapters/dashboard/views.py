@@ -19,6 +19,7 @@ from capyctl.domain.memory import Device, Fits, Holding, NeverFits, NotNow, Resi
 from capyctl.domain.request_charts import Recent
 from capyctl.services.admission import AdmissionService
 from capyctl.services.controllers import Controller, ManagedController
+from capyctl.services.instances import InstanceSet
 from capyctl.services.switching import NoSwitchboard, Switchboard
 
 S = InstanceState
@@ -72,6 +73,7 @@ class Card(msgspec.Struct, frozen=True):
     held: str | None = None  # why its engine, still running on its host, cannot be reached now
     note: str | None = None  # how its last engine ended, when that was no error of its own (its host's doing)
     instances: tuple[InstanceChip, ...] = ()  # each instance, when the deployment has several
+    unplaced: tuple[str, ...] = ()  # why instances it should run have no place (``domain.placement``)
 
     def action(self, name: str) -> Action:
         return next(a for a in self.actions if a.name == name)
@@ -131,6 +133,7 @@ def card(
     now: float,
     recent: Recent | None = None,
     members: Sequence[Controller] = (),
+    unplaced: Sequence[str] = (),
 ) -> Card:
     status = controller.status
     held = controller.held()
@@ -164,6 +167,34 @@ def card(
         )
         if len(members) > 1
         else (),
+        unplaced=tuple(unplaced),
+    )
+
+
+def unplaced_card(found: InstanceSet, admission: AdmissionService) -> Card:
+    """The card of a deployment none of whose instances has a place: why, and a start (which places again)."""
+    why = "no instance placed: see why below"
+    return Card(
+        name=found.name,
+        api=found.spec.api,
+        engine=str(found.engine.family),
+        engine_version=found.engine.version,
+        attached=False,
+        host=None,
+        state="unplaced",
+        since=None,
+        age="",
+        desired=str(found.desired),
+        operator_stopped=found.deployment.operator_stopped,
+        pid=None,
+        restarts=0,
+        in_flight=admission.state.in_flight(found.name),
+        waiting=admission.state.waiting(found.name),
+        recent=None,
+        last_error=None,
+        progress=None,
+        actions=(Action("start", True), Action("stop", False, why), Action("park", False, why)),
+        unplaced=tuple(found.unplaced),
     )
 
 
