@@ -23,25 +23,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.relay import _LISTENING  # noqa: E402
 from capyctl.adapters.engines._wire import WireEngineSession  # noqa: E402
-from capyctl.domain.deployments import Deployment, Desired, InstanceState  # noqa: E402
-from capyctl.domain.engines import EngineFamily, EngineInstall  # noqa: E402
-from capyctl.domain.fields import row_for  # noqa: E402
 from capyctl.domain.streams import Relayed  # noqa: E402
 from capyctl.services.chat import ChatService  # noqa: E402
-from capyctl.services.controllers import AttachedController  # noqa: E402
 from capyctl.services.events import Events  # noqa: E402
-from capyctl.services.fleet import decode_spec  # noqa: E402
 from capyctl.services.requests import Call, RequestSettings  # noqa: E402
-from tests.fakes.ports import FakeEngineAdapter, FakeStore  # noqa: E402
+from tests.fakes.ports import FakeStore  # noqa: E402
 from tests.integration.harness import free_port  # noqa: E402
+from tests.unit.test_failover import fleet_of  # noqa: E402
 
 
 class Clock:
@@ -50,25 +44,6 @@ class Clock:
 
     def monotonic(self) -> float:
         return time.monotonic()
-
-
-def fleet_of(urls: list[str], events: Events, clock: Clock) -> Any:
-    engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
-    members = []
-    for index, url in enumerate(urls):
-        spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": url, "engine_version": "0.32.0"})
-        member = AttachedController(
-            Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events, row_for("vllm", "0.32.0"), index
-        )
-        member.want(Desired.RUN)
-        member.status.state = InstanceState.READY
-        members.append(member)
-    return SimpleNamespace(
-        instances=lambda name, api="chat": members,
-        has=lambda name: True,
-        get=lambda name: SimpleNamespace(members=members),
-        names=lambda: ["m"],
-    )
 
 
 async def run(urls: list[str], requests: int) -> tuple[list[float], list[float]]:

@@ -59,14 +59,13 @@ class Engines:
         yield ScriptedAnswer(events())
 
 
-def fleet_of(clock: VirtualClock, events: Events, count: int) -> Any:
-    """Deployment ``m`` with ``count`` attached instances, each its own engine, all ready."""
+def fleet_of(urls: list[str], events: Events, clock: Any) -> Any:
+    """Deployment ``m`` with an attached instance at each of ``urls`` (its own engine), all counted ready (also
+    used by ``bench/failover.py``)."""
     engine = EngineInstall(name="vllm@x", family=EngineFamily.VLLM, path="x", version="0.32.0", version_text="")
     members = []
-    for index in range(count):
-        spec = decode_spec(
-            {"name": "m", "engine": "vllm", "endpoint": f"http://127.0.0.1:900{index}", "engine_version": "0.32.0"}
-        )
+    for index, url in enumerate(urls):
+        spec = decode_spec({"name": "m", "engine": "vllm", "endpoint": url, "engine_version": "0.32.0"})
         member = AttachedController(
             Deployment(spec=spec), engine, FakeEngineAdapter(), clock, events, row_for("vllm", "0.32.0"), index
         )
@@ -85,7 +84,8 @@ async def ask(refuse: dict[int, EngineUnavailable], count: int = 3) -> tuple[Any
     clock, store = VirtualClock(), FakeStore()
     events = Events(store, clock)
     engines = Engines(refuse)
-    service = ChatService(fleet_of(clock, events, count), engines, clock, events, RequestSettings())  # type: ignore[arg-type]
+    urls = [f"http://127.0.0.1:900{index}" for index in range(count)]
+    service = ChatService(fleet_of(urls, events, clock), engines, clock, events, RequestSettings())  # type: ignore[arg-type]
     call = Call(id="r1", deployment="m", stream=False, obj={"model": "m", "messages": []})
     with anyio.fail_after(5):
         try:
