@@ -15,7 +15,7 @@ import pytest
 from capyctl.domain.balancing import Unsent
 from capyctl.domain.deployments import Deployment, Desired
 from capyctl.domain.engines import EngineFamily, EngineInstall
-from capyctl.domain.errors import EngineUnavailable
+from capyctl.domain.errors import DeviceOffline, EngineUnavailable
 from capyctl.domain.fields import row_for
 from capyctl.domain.lifecycle import EngineAddress
 from capyctl.domain.streams import DONE
@@ -129,3 +129,26 @@ async def test_no_more_than_four_instances_are_tried() -> None:
     assert isinstance(answer, EngineUnavailable)
     tried = [i for i, _ in failovers(store)]
     assert len(tried) == 3 and tried == call.tried and len({*tried, call.instance}) == 4  # four, then the error
+
+
+async def test_an_instance_whose_host_is_away_when_routed_hands_the_request_to_another() -> None:
+    clock, store = VirtualClock(), FakeStore()
+    events = Events(store, clock)
+    fleet = fleet_of(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], events, clock)
+    away = fleet.instances("m")[0]
+
+    async def route(timeout: float) -> Any:
+        raise DeviceOffline("gpu-a", "suspended", model="m", retry_after=1)
+
+    away.route = route
+    for member in fleet.instances("m"):  # neither ready at once (the request waits for its grant) ...
+        member.route_now = lambda: None
+    fleet.instances("m")[1].in_flight = 1  # ... and the first, the less loaded, is asked first: its host is away
+    engines = Engines({})
+    service = ChatService(fleet, engines, clock, events, RequestSettings())  # type: ignore[arg-type]
+    call = Call(id="r1", deployment="m", stream=False, obj={"model": "m", "messages": []})
+    with anyio.fail_after(5):
+        answer = await service.complete(call)
+    assert answer["choices"][0]["message"]["content"] == "hi" and engines.reached == [1]
+    assert failovers(store) == [(0, "host_away")] and call.tried == [0]
+    assert fleet.instances("m")[1].in_flight == 1  # its count is back where it was: the request left

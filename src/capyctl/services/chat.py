@@ -15,16 +15,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from capyctl.domain.balancing import Unsent
 from capyctl.domain.engines import EngineFamily
 from capyctl.domain.errors import (
     CacheSaltUnsupported,
     CapyError,
-    DeviceOffline,
     EdgeError,
     EngineError,
     EngineUnavailable,
-    HostLost,
     InvalidJson,
     InvalidRequest,
     engine_code,
@@ -127,15 +124,9 @@ class ChatService(RequestService):
                     controller = self._pick(call, "chat")  # granted: whichever instance serves best now
                 while True:  # once, unless the request reached no engine and may go to another instance
                     route = call.route
-                    try:
-                        if route is None:  # granted: ready, unless it fell
-                            route = call.route = await controller.route(self._settings.request_deadline)
-                    except (DeviceOffline, HostLost):  # its host was out of reach as it was routed
-                        nxt = self._fail_over(call, "chat", Unsent.HOST_AWAY)
-                        if nxt is None:
-                            raise
-                        controller = nxt
-                        continue
+                    if route is None:  # granted: ready, unless it fell
+                        controller, route = await self._routed(call, "chat", controller)
+                        call.route = route
                     stream, call.engine_stream = call.engine_stream, None
                     if stream is None:  # (the session may write the request at once: the rest is done meanwhile)
                         stream = self._session.chat_stream(route.address, call.body)

@@ -12,17 +12,14 @@ from typing import Any
 
 import msgspec
 
-from capyctl.domain.balancing import Unsent
 from capyctl.domain.decisions import decision_metrics, read_decision, refuse_dropped
 from capyctl.domain.engines import EngineFamily
 from capyctl.domain.errors import (
     CacheSaltUnsupported,
-    DeviceOffline,
     EdgeError,
     EngineError,
     EngineRejected,
     EngineUnavailable,
-    HostLost,
     InvalidJson,
 )
 from capyctl.domain.requests import Phase
@@ -58,14 +55,7 @@ class DecisionService(RequestService):
                 self._counted(call)
                 controller = self._pick(call, "decisions")  # granted: whichever instance serves best now
                 while True:  # once, unless the decision reached no engine and may go to another instance
-                    try:
-                        route = await controller.route(self._settings.request_deadline)
-                    except (DeviceOffline, HostLost):  # its host was out of reach as it was routed
-                        nxt = self._fail_over(call, "decisions", Unsent.HOST_AWAY)
-                        if nxt is None:
-                            raise
-                        controller = nxt
-                        continue
+                    controller, route = await self._routed(call, "decisions", controller)
                     self._selected(call, at := controller)
                     sent_at = self._clock.monotonic()
                     try:

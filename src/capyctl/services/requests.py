@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from capyctl.domain.balancing import Score
-from capyctl.domain.errors import CapyError, DeviceOffline, EdgeError
+from capyctl.domain.balancing import Score, Unsent
+from capyctl.domain.errors import CapyError, DeviceOffline, EdgeError, HostLost
 from capyctl.domain.hosts import HostState
 from capyctl.domain.metrics import Meter, MetricsRow, metrics_row_for
 from capyctl.domain.ports import Clock, EngineAnswer, EngineSession, EngineStream
@@ -288,6 +288,18 @@ class RequestService:
             return self._pick(call, api)
         except CapyError:
             return None
+
+    async def _routed(self, call: Call, api: str, controller: Serving) -> tuple[Serving, Route]:
+        """``controller``'s route once its engine is ready (waiting for it if need be); when its host was out of
+        reach as the request was routed, another instance's (failover, cause ``host_away``), while one is left."""
+        while True:
+            try:
+                return controller, await controller.route(self._settings.request_deadline)
+            except (DeviceOffline, HostLost):
+                nxt = self._fail_over(call, api, Unsent.HOST_AWAY)
+                if nxt is None:
+                    raise
+                controller = nxt
 
     def _selected(self, call: Call, controller: Serving) -> None:
         """``call`` is sent to ``controller``'s engine now: counted there until ``_left``."""
