@@ -170,12 +170,13 @@ class HostLost(CapyError):
 
     code = "device_offline"
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, instance: int | None = None) -> None:
         super().__init__(
             f"the host running {model!r} went silent for longer than hosts.lost_after while it "
             "answered; the answer is incomplete (see: capyctl list hosts)",
             model=model,
             reason="lost",
+            **({"instance": instance} if instance is not None else {}),
         )
 
 

@@ -150,7 +150,7 @@ class ChatService(RequestService):
                         # stopped, or crashed and restarting
                         gone = await controller.lost(route, self._settings.crash_notice, exc)
                         if gone is not None:
-                            raise gone from exc
+                            raise self._of_instance(gone, controller) from exc
                         if streaming:  # the engine is still there, but its answer broke off
                             raise EdgeError(
                                 f"the engine's connection broke before the end of its stream ({exc.message})"

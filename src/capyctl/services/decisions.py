@@ -69,7 +69,7 @@ class DecisionService(RequestService):
                             continue
                         gone = await controller.lost(route, self._settings.crash_notice, exc)
                         if gone is not None:
-                            raise gone from exc
+                            raise self._of_instance(gone, controller) from exc
                         raise
                     finally:
                         self._left(at)

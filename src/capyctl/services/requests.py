@@ -313,6 +313,14 @@ class RequestService:
         self._events.selection(call.id, call.deployment, host, index, call.key, inputs)
 
     @staticmethod
+    def _of_instance(error: CapyError, controller: Serving) -> CapyError:
+        """``error`` (what ended a request an engine may have seen) naming the instance it was at, when its
+        host is out of reach (``device_offline``): the request is not sent again, its client is told where."""
+        if error.code == "device_offline":
+            error.extra["instance"] = controller.index
+        return error
+
+    @staticmethod
     def _left(controller: Serving) -> None:
         """A request sent to ``controller``'s engine is over (answered, cut or failed)."""
         controller.in_flight -= 1

@@ -106,6 +106,7 @@ class Outcome(NamedTuple):
     status: int  # 0: no answer at all
     kind: str  # done | error_event | error_status | truncated | transport
     code: str | None
+    instance: int | None = None  # the instance an error names
 
 
 def stream_one(three: Three, marker: str, client: httpx.Client, tokens: int = 16) -> Outcome:
@@ -121,8 +122,17 @@ def stream_one(three: Three, marker: str, client: httpx.Client, tokens: int = 16
             request_id = answer.headers.get("x-capyctl-request-id")
             if answer.status_code != 200:
                 answer.read()
-                code = answer.json().get("error", {}).get("code")
-                return Outcome(marker, request_id, began, time.time(), answer.status_code, "error_status", code)
+                error = answer.json().get("error", {})
+                return Outcome(
+                    marker,
+                    request_id,
+                    began,
+                    time.time(),
+                    answer.status_code,
+                    "error_status",
+                    error.get("code"),
+                    error.get("instance"),
+                )
             text = "".join(answer.iter_text())
     except httpx.TransportError as error:
         return Outcome(marker, None, began, time.time(), 0, "transport", type(error).__name__)
@@ -132,7 +142,8 @@ def stream_one(three: Three, marker: str, client: httpx.Client, tokens: int = 16
         return Outcome(marker, request_id, began, ended, 200, "done", None)
     errors = [json.loads(f[6:])["error"] for f in frames if f.startswith('data: {"error"')]
     if errors and frames[-1].startswith('data: {"error"'):
-        return Outcome(marker, request_id, began, ended, 200, "error_event", errors[-1].get("code"))
+        last = errors[-1]
+        return Outcome(marker, request_id, began, ended, 200, "error_event", last.get("code"), last.get("instance"))
     return Outcome(marker, request_id, began, ended, 200, "truncated", text[-200:])
 
 
@@ -232,6 +243,7 @@ def test_streams_spread_evenly_and_a_slow_engine_gets_fewer(lan3: Lan, tmp_path:
 def test_a_killed_host_costs_only_the_streams_it_held_and_each_ends_with_an_error(lan3: Lan, tmp_path: Path) -> None:
     three = three_hosts(lan3, tmp_path)
     victim = three.hosts["gpu-b"]
+    index = next(i["index"] for i in status(three)["instances"] if i["host"] == "gpu-b")
     assert victim.process is not None
     with Traffic(three, workers=18, tag="kill", tokens=40) as traffic:
         time.sleep(2)
@@ -248,6 +260,7 @@ def test_a_killed_host_costs_only_the_streams_it_held_and_each_ends_with_an_erro
     for outcome in failed:  # each was at gpu-b, and ended with a clear error
         assert outcome.request_id is not None and sent[outcome.request_id] == "gpu-b", outcome
         assert outcome.kind in ("error_event", "error_status") and outcome.code == "device_offline", outcome
+        assert outcome.instance == index, outcome  # the instance it was at, named
         assert outcome.began <= killed_at + 1.0, outcome
     after = [o for o in outcomes if o.began > killed_at + 1.0]
     assert after and all(o.kind == "done" for o in after)  # once it is known gone: nothing is lost

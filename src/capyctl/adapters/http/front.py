@@ -99,7 +99,7 @@ _TIMEOUTS: dict[CancelCause | None, Callable[[RequestRecord], CapyError]] = {
         "the request was cut and the engine told to stop",
         model=record.deployment,
     ),
-    CancelCause.HOST_LOST: lambda record: HostLost(record.deployment),
+    CancelCause.HOST_LOST: lambda record: HostLost(record.deployment, record.instance),
 }
 
 
