@@ -275,6 +275,29 @@ async def test_a_lost_hosts_instance_is_replaced_and_stopped_when_its_host_retur
     assert hosts_of(server) == [(0, "gpu-a"), (1, "gpu-b"), (3, "gpu-a")]
 
 
+async def test_an_instance_pinned_to_a_lost_host_waits_for_it_and_no_replacement_lands_on_a_host_being_left(
+    server: World,
+) -> None:
+    registry = server.hosts
+    assert registry is not None
+    await server.fleet.apply({**server.document(1), "name": "pinned", "host": "gpu-c"}, activate=True)
+    await server.fleet.apply(
+        server.document(2, placement={"hosts": ["gpu-b", "gpu-c"], "max_per_host": 1}), activate=True
+    )
+    await server.until(lambda: all(m.ready for f in server.fleet.deployments() for m in f.members), "all ready")
+    assert hosts_of(server) == [(0, "gpu-b"), (1, "gpu-c")]
+    registry.states["gpu-c"] = HostState.LOST
+    registry.due.add("gpu-c")
+    await anyio.sleep(5)  # five looks at the hosts
+    assert [(m.index, m.host) for m in server.fleet.get("pinned").members] == [(0, "gpu-c")]  # it waits there
+    assert hosts_of(server) == [(0, "gpu-b")]  # m's gpu-c instance left, and no replacement went back there
+    assert server.fleet.get("m").unplaced == [
+        "instance 2: no place: host gpu-a: not in placement.hosts; "
+        "host gpu-b: runs 1 instance already (placement.max_per_host)"
+    ]
+    assert server.kinds("instance_moving") == [{"instance": 1, "host": "gpu-c", "why": "lost"}]  # once; not pinned's
+
+
 async def test_an_engine_no_instance_knows_is_stopped_when_its_host_links(server: World) -> None:
     registry = server.hosts
     assert registry is not None

@@ -177,7 +177,10 @@ class Fleet:
                 if self._hosts is not None:
                     tg.start_soon(self._watch_hosts)
                 task_status.started()
-                await anyio.sleep_forever()
+                try:
+                    await anyio.sleep_forever()
+                finally:  # before the task group waits for its tasks: a stop that waits for a host that is
+                    self.leave_hosts()  # away (an instance being replaced) ends now, its engine left running
         finally:
             with anyio.CancelScope(shield=True):
                 await self.shutdown()
@@ -236,7 +239,9 @@ class Fleet:
         while True:
             await anyio.sleep(WATCH_EVERY)
             registry = self._registry()
-            hosts = {m.host for m in self.controllers() if m.host is not None and not m.draining}
+            hosts = {  # (not those a file pins there: they wait for their host)
+                m.host for m in self.controllers() if m.host is not None and not m.draining and m.spec.host != m.host
+            }
             for host in sorted(hosts):
                 try:
                     due = registry.replacement_due(host)
@@ -271,8 +276,8 @@ class Fleet:
         async with self._changes:
             for found in self._sets.values():
                 leaving = [m for m in found.members if m.host == host]
-                if not leaving:
-                    continue
+                if not leaving or (why != "drained" and found.spec.host == host):
+                    continue  # (a deployment its file pins to that host waits for it: there is nowhere else)
                 running = any(m.status.pid is not None or m.desired is Desired.RUN for m in leaving)
                 for member in leaving:
                     member.draining = True
@@ -282,7 +287,7 @@ class Fleet:
                     if self._task_group is not None:
                         self._task_group.start_soon(self._retire, found, member, why)
                 before = {c.index for c in found.members}
-                self._place_missing(found)
+                self._place_missing(found, host)
                 for member in found.members:
                     if member.index not in before and running:
                         member.want(Desired.RUN)
@@ -461,11 +466,15 @@ class Fleet:
                 slots.append(Slot(host, name, state, device.usable, self._room.free(device), drained))
         return slots
 
-    def _placed(self, spec: DeploymentSpec, keep: list[InstancePlace], indexes: list[int]) -> Placed:
-        return place(spec, self._slots(spec), keep, indexes)
+    def _placed(
+        self, spec: DeploymentSpec, keep: list[InstancePlace], indexes: list[int], leaving: str | None = None
+    ) -> Placed:
+        slots = [slot for slot in self._slots(spec) if leaving is None or slot.host != leaving]
+        return place(spec, slots, keep, indexes)
 
-    def _place_missing(self, found: InstanceSet) -> None:
-        """Place the instances of ``found`` that have no place yet, where they fit now; says why for the rest."""
+    def _place_missing(self, found: InstanceSet, leaving: str | None = None) -> None:
+        """Place the instances of ``found`` that have no place yet, where they fit now (never on host ``leaving``,
+        whose instances are being replaced); says why for the rest."""
         spec = found.spec
         if spec.attached:
             return
@@ -474,7 +483,7 @@ class Fleet:
         if not missing:
             found.unplaced = []
             return
-        placed = self._placed(spec, have, missing)
+        placed = self._placed(spec, have, missing, leaving)
         for where in placed.places:
             try:
                 member = self._controller(found.deployment, where)
