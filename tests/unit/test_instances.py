@@ -275,6 +275,17 @@ async def test_a_lost_hosts_instance_is_replaced_and_stopped_when_its_host_retur
     assert hosts_of(server) == [(0, "gpu-a"), (1, "gpu-b"), (3, "gpu-a")]
 
 
+async def test_a_drain_under_way_when_the_server_restarted_goes_on(server: World) -> None:
+    registry = server.hosts
+    assert registry is not None
+    await server.fleet.apply(server.document(3), activate=True)
+    await server.all_ready()
+    registry.drained.add("gpu-b")  # drained in the host's record, as a restarted server finds it: nothing moved yet
+    await server.until(lambda: registry.on("gpu-b") == [], "gpu-b's instance moved off and stopped")
+    assert "gpu-b" not in [m.host for m in server.members()] and len(server.members()) == 3
+    assert server.kinds("instance_moving") == [{"instance": 1, "host": "gpu-b", "why": "drained"}]
+
+
 async def test_an_instance_pinned_to_a_lost_host_waits_for_it_and_no_replacement_lands_on_a_host_being_left(
     server: World,
 ) -> None:

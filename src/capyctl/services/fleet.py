@@ -235,20 +235,25 @@ class Fleet:
         )
 
     async def _watch_hosts(self) -> None:
-        """Moves the instances of a host lost for ``hosts.replace_after`` (or revoked) elsewhere."""
+        """Moves the instances of a drained host elsewhere (again after a restart of the server, where a drain
+        was under way), and those of a host lost for ``hosts.replace_after`` or revoked (not those a file pins
+        there: they wait for their host)."""
         while True:
             await anyio.sleep(WATCH_EVERY)
             registry = self._registry()
-            hosts = {  # (not those a file pins there: they wait for their host)
-                m.host for m in self.controllers() if m.host is not None and not m.draining and m.spec.host != m.host
-            }
-            for host in sorted(hosts):
+            members = [m for f in self._sets.values() for m in f.members if m.host is not None and not m.draining]
+            for host in sorted({m.host for m in members if m.host is not None}):
                 try:
-                    due = registry.replacement_due(host)
-                except CapyError:
+                    if registry.draining(host):
+                        why: str | None = "drained"
+                    elif registry.replacement_due(host) and any(m.spec.host != host for m in members if m.host == host):
+                        why = "revoked" if registry.state(host) is HostState.REVOKED else "lost"
+                    else:
+                        why = None
+                except CapyError:  # (a host that is gone from the registry)
                     continue
-                if due:
-                    await self._move_off(host, "revoked" if registry.state(host) is HostState.REVOKED else "lost")
+                if why is not None:
+                    await self._move_off(host, why)
 
     async def drain_host(self, name: str) -> None:
         """An operator's drain: nothing new is placed on host ``name``; its instances are replaced where room
