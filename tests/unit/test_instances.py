@@ -304,7 +304,8 @@ async def test_an_instance_pinned_to_a_lost_host_waits_for_it_and_no_replacement
     assert hosts_of(server) == [(0, "gpu-b")]  # m's gpu-c instance left, and no replacement went back there
     assert server.fleet.get("m").unplaced == [
         "instance 2: no place: host gpu-a: not in placement.hosts; "
-        "host gpu-b: runs 1 instance already (placement.max_per_host)"
+        "host gpu-b: runs 1 instance already (placement.max_per_host); "
+        "host gpu-c: its instances are being moved off it"
     ]
     assert server.kinds("instance_moving") == [{"instance": 1, "host": "gpu-c", "why": "lost"}]  # once; not pinned's
 

@@ -66,6 +66,17 @@ def test_only_an_online_host_takes_a_new_instance(state: HostState, said: str) -
     assert where(place(spec(), [*hosts("a", state=state), *hosts("b")], [], [0]).places) == [(0, "b", None)]
 
 
+def test_a_host_being_left_or_drained_takes_nothing_new_and_says_so() -> None:
+    leaving = [Slot("a", None, ONLINE, leaving=True)]
+    assert place(spec(), leaving, [], [0]).unplaced == [
+        "instance 0: no place: host a: its instances are being moved off it"
+    ]
+    drained = [Slot("a", None, ONLINE, draining=True)]
+    assert place(spec(host="a"), drained, [], [0]).unplaced == [
+        "instance 0: no place: host a: drained by an operator (capyctl undrain host a)"
+    ]
+
+
 def test_a_host_the_file_names_takes_its_instance_in_any_state_but_revoked() -> None:
     assert where(place(spec(host="a"), hosts("a", state=HostState.DISCONNECTED), [], [0]).places) == [(0, "a", None)]
     assert place(spec(host="a"), hosts("a", state=HostState.REVOKED), [], [0]).places == []

@@ -46,6 +46,7 @@ class Slot(NamedTuple):
     usable: int | None = None
     free: int | None = None
     draining: bool = False  # an operator drained its host
+    leaving: bool = False  # its host's instances are being moved off it (drained, lost or revoked)
 
 
 class Placed(NamedTuple):
@@ -71,6 +72,8 @@ def _refusal(spec: DeploymentSpec, slot: Slot, on_host: int, on_device: int, mem
         return f"{where}: revoked"
     if slot.draining:
         return f"{where}: drained by an operator (capyctl undrain host {slot.host})"
+    if slot.leaving:
+        return f"{where}: its instances are being moved off it"
     if slot.state is not None and slot.state is not HostState.ONLINE and slot.host != spec.host:
         return f"{where}: {slot.state}, not online"
     cap = spec.placement.max_per_host

@@ -474,7 +474,9 @@ class Fleet:
     def _placed(
         self, spec: DeploymentSpec, keep: list[InstancePlace], indexes: list[int], leaving: str | None = None
     ) -> Placed:
-        slots = [slot for slot in self._slots(spec) if leaving is None or slot.host != leaving]
+        slots = [
+            s._replace(leaving=True) if leaving is not None and s.host == leaving else s for s in self._slots(spec)
+        ]
         return place(spec, slots, keep, indexes)
 
     def _place_missing(self, found: InstanceSet, leaving: str | None = None) -> None:
