@@ -5,9 +5,8 @@ up and heartbeat, and how long listing them takes.
 
 The server is ``capyctl start server`` (its own process, control listener on loopback). The hosts are simulated
 in one other process (this script): each is invited through the management API (``POST /hosts/invites``),
-joins with CapyCTL's own ``join`` (a key, a CSR, the invitation spent, a certificate kept) and runs CapyCTL's
-own ``HostAgent``: mutual TLS to the control listener, hello, inventory (one 80 GiB device), a heartbeat every
-second, exactly as ``capyctl start host`` does, without engines or an ingress. Once every host reads
+then joins and links as ``bench/simulated_hosts.py`` describes (CapyCTL's own ``join`` and ``HostAgent``:
+mutual TLS, hello, inventory, a heartbeat every second), without engines or an ingress. Once every host reads
 ``online``, the server's CPU time (user + system, from ``/proc``) is read over ``--seconds`` of idle links;
 printed: CPU as a share of one core, RSS, and ``GET /hosts`` (the management API, what ``capyctl list hosts``
 asks) p50 over 10 calls, with the CLI's whole run beside it (its Python start included).
@@ -32,12 +31,10 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from capyctl.adapters.control.host_agent import HostAgent, join  # noqa: E402
+from bench import simulated_hosts  # noqa: E402
 from capyctl.domain.joining import JoinFile  # noqa: E402
-from capyctl.domain.link import DeviceReport, Inventory  # noqa: E402
 from tests.integration.harness import free_port  # noqa: E402
 
-GiB = 1 << 30
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -87,23 +84,17 @@ def start_server(state: Path) -> tuple[subprocess.Popen[bytes], httpx.Client, in
 
 
 async def simulate(client: httpx.Client, count: int, control: int, root: Path, ready: anyio.Event) -> None:
-    """``count`` hosts joined and linked; ``ready`` set once they are; runs until cancelled."""
-    stopping = anyio.Event()
-    inventory = Inventory(devices=[DeviceReport(name="gpu0", capacity=80 * GiB, reserve=0)])
-    agents = []
+    """``count`` hosts invited, joined and linked (``bench/simulated_hosts.py``, no engines); ``ready`` set
+    once they are; runs until cancelled."""
+    joins = []
     for i in range(count):
-        name = f"sim-{i:04d}"
-        answer = client.post("/hosts/invites", json={"name": name, "ttl_s": 3600, "server": f"127.0.0.1:{control}"})
+        answer = client.post(
+            "/hosts/invites", json={"name": f"sim-{i:04d}", "ttl_s": 3600, "server": f"127.0.0.1:{control}"}
+        )
         if answer.status_code != 201:
             raise RuntimeError(f"POST /hosts/invites answered {answer.status_code}: {answer.text[:300]}")
-        state = root / name
-        await join(msgspec.convert(answer.json(), JoinFile), state)
-        agents.append(HostAgent(state, lambda: inventory))
-    async with anyio.create_task_group() as tg:
-        for agent in agents:
-            tg.start_soon(agent.run, stopping)
-        ready.set()
-        await anyio.sleep_forever()
+        joins.append(msgspec.convert(answer.json(), JoinFile))
+    await simulated_hosts.simulate(joins, root, False, ready)
 
 
 def main() -> None:
