@@ -5,15 +5,16 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable
-from typing import Annotated, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ParamSpec, TypeVar
 
 import typer
 
-from capyctl import __version__
 from capyctl.adapters.storage.state_dir import resolve_state_dir
 from capyctl.domain.errors import CapyError
-from capyctl.entrypoints.cli.client import ManagementClient
 from capyctl.entrypoints.cli.output import exit_code, print_error, print_json
+
+if TYPE_CHECKING:
+    from capyctl.entrypoints.cli.client import ManagementClient
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -107,11 +108,15 @@ def reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def client(state_dir: str | None) -> ManagementClient:
+    from capyctl.entrypoints.cli.client import ManagementClient  # httpx: only for the commands that call the server
+
     return ManagementClient(resolve_state_dir(state_dir))
 
 
 def _version(value: bool) -> None:
     if value:
+        from capyctl import __version__
+
         typer.echo(f"capyctl {__version__}")
         raise typer.Exit()
 

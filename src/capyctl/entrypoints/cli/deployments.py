@@ -5,15 +5,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import typer
 
-from capyctl.adapters.config_files import decode_file, load_yaml_file
-from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.errors import CapyError
-from capyctl.entrypoints.cli.client import ManagementClient, ServerError
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
     StateDirOpt,
@@ -31,6 +28,9 @@ from capyctl.entrypoints.cli.common import (
 )
 from capyctl.entrypoints.cli.output import duration, print_json, show, stamp, table
 
+if TYPE_CHECKING:
+    from capyctl.entrypoints.cli.client import ManagementClient
+
 
 @deploy_app.command("model")
 @reports_errors
@@ -43,6 +43,10 @@ def deploy_model(
     json: JsonOpt = False,
 ) -> None:
     """Create or update a deployment from a YAML file."""
+    from capyctl.adapters.config_files import decode_file, load_yaml_file  # YAML
+    from capyctl.domain.deployments import DeploymentSpec
+    from capyctl.entrypoints.cli.client import ServerError
+
     document = load_yaml_file(file)
     decode_file(file, DeploymentSpec)  # refused here with the line of the bad key; the server checks the rest
     api = client(state_dir)

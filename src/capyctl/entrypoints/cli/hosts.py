@@ -7,15 +7,11 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import anyio
 import msgspec
 import typer
 
-from capyctl.adapters.pki import write_private
 from capyctl.adapters.storage.state_dir import resolve_state_dir
-from capyctl.domain.deployments import parse_duration
 from capyctl.domain.errors import InvalidConfig
-from capyctl.domain.joining import JoinFile
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
     StateDirOpt,
@@ -58,6 +54,9 @@ def invite_host(
     The file holds a secret that works once, for this host name only, until the TTL ends; the server keeps
     only its hash. It also pins the server's CA, so the host talks only to this server.
     """
+    from capyctl.adapters.pki import write_private  # cryptography
+    from capyctl.domain.deployments import parse_duration
+
     seconds = parse_duration(ttl, "--ttl")
     join = client(state_dir).call("POST", "/hosts/invites", json={"name": name, "ttl_s": seconds, "server": server})
     path = output if output is not None else Path(f"{name}.join")
@@ -79,7 +78,10 @@ def join_host(
     json: JsonOpt = False,
 ) -> None:
     """Join this machine to the server of a join file, as the host named in it (run on the GPU machine)."""
+    import anyio
+
     from capyctl.adapters.control.host_agent import join
+    from capyctl.domain.joining import JoinFile
 
     try:
         data = join_file.read_bytes()
@@ -137,6 +139,8 @@ def start_host(
     again (backing off up to 10 s) whenever the link drops. It exits when the server says the host is
     revoked.
     """
+    import anyio
+
     from capyctl.adapters.log_format import configure_logging
     from capyctl.entrypoints.cli.server import load_settings
     from capyctl.entrypoints.service import serve_host

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import anyio
 import typer
 
-from capyctl.adapters.config_files import decode_file
 from capyctl.adapters.storage.state_dir import resolve_state_dir
-from capyctl.domain.config import ServerConfig, Settings, resolve, schema
-from capyctl.domain.deployments import parse_duration
 from capyctl.domain.errors import InvalidConfig
-from capyctl.domain.limits import parse_count, parse_size
 from capyctl.entrypoints.cli.common import (
     JsonOpt,
     LogFormat,
@@ -24,6 +19,9 @@ from capyctl.entrypoints.cli.common import (
     start_app,
 )
 from capyctl.entrypoints.cli.output import print_json, show
+
+if TYPE_CHECKING:
+    from capyctl.domain.config import ServerConfig, Settings
 
 ListenOpt = Annotated[str, typer.Option(help="Inference API address. Use 127.0.0.1:8443 to keep it on this machine.")]
 ManagementOpt = Annotated[str, typer.Option(help="Management API address (the CLI's). Keep it on loopback.")]
@@ -36,6 +34,9 @@ JsonLogOpt = Annotated[bool, typer.Option("--json", help="Same as --log-format j
 def load_settings(root: Path, config: Path | None, overrides: dict[str, Any]) -> Settings:
     """The settings of ``config`` (default: <state-dir>/config.yaml when it exists; else the defaults), with the
     command line's ``overrides`` on top."""
+    from capyctl.adapters.config_files import decode_file  # YAML
+    from capyctl.domain.config import ServerConfig
+
     file = config if config is not None else (root / "config.yaml" if (root / "config.yaml").exists() else None)
     return _resolve(file, decode_file(file, ServerConfig) if file is not None else ServerConfig(), overrides)
 
@@ -129,6 +130,11 @@ def start_standalone(
     Settings come from the configuration file, then from the flags given here,
     which win. The limits are listed in docs/errors.md, "Limits".
     """
+    import anyio
+
+    from capyctl.domain.deployments import parse_duration
+    from capyctl.domain.limits import parse_count, parse_size
+
     if json:
         log_format = LogFormat.JSON
     root = resolve_state_dir(state_dir)
@@ -195,6 +201,8 @@ def start_server(
     `capyctl invite host NAME` writes a join file for a GPU machine. At its first start it makes its
     CA and writes identity/server-credentials.json (the API key, 0600).
     """
+    import anyio
+
     if json:
         log_format = LogFormat.JSON
     root = resolve_state_dir(state_dir)
@@ -224,6 +232,8 @@ def _flag(value: str | None, what: str, parse: Callable[[str, str], Any]) -> Any
 
 def _resolve(file: Path | None, config: ServerConfig, overrides: dict[str, Any]) -> Settings:
     """``resolve``, whose refusals name the file like the decoder's do (flags were checked before)."""
+    from capyctl.domain.config import resolve
+
     try:
         return resolve(config, overrides)
     except InvalidConfig as exc:
@@ -234,6 +244,8 @@ def _resolve(file: Path | None, config: ServerConfig, overrides: dict[str, Any])
 @reports_errors
 def config_schema() -> None:
     """Print the JSON Schema of the server configuration file (for editors' YAML support)."""
+    from capyctl.domain.config import schema
+
     print_json(schema())
 
 
@@ -244,6 +256,9 @@ def config_check(
     json: JsonOpt = False,
 ) -> None:
     """Check a server configuration file and show the settings it gives; changes nothing."""
+    from capyctl.adapters.config_files import decode_file  # YAML
+    from capyctl.domain.config import ServerConfig
+
     settings = _resolve(file, decode_file(file, ServerConfig), {})
     limits = settings.limits
     devices = (
