@@ -33,10 +33,12 @@ NEVER = [
     "capyctl.domain.config",
     "capyctl.entrypoints.container",
     "capyctl.entrypoints.service",
+    "httpx",  # the CLI calls the management API with the standard library's http.client
+    "httpcore",
+    "anyio",
 ]
-# ... nor these to register the commands: the client of the management API (httpx, and httpcore's anyio) comes
-# with the first command that calls the server, the version with --version.
-NOT_AT_START = [*NEVER, "httpx", "httpcore", "anyio", "importlib.metadata"]
+# ... nor this to register the commands: the version comes with --version.
+NOT_AT_START = [*NEVER, "importlib.metadata"]
 
 
 def loaded(modules: list[str], names: list[str]) -> list[str]:

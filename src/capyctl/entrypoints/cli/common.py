@@ -108,7 +108,7 @@ def reports_errors(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def client(state_dir: str | None) -> ManagementClient:
-    from capyctl.entrypoints.cli.client import ManagementClient  # httpx: only for the commands that call the server
+    from capyctl.entrypoints.cli.client import ManagementClient  # http.client: for the commands that call the server
 
     return ManagementClient(resolve_state_dir(state_dir))
 
