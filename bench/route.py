@@ -157,6 +157,9 @@ async def bench(args: argparse.Namespace, root: Path) -> dict[str, object]:
 
                 await poll("every instance is ready and sampled", all_sampled, 600)
                 result["deployed_s"] = time.monotonic() - began
+                cpu0, wall0 = time.process_time(), time.monotonic()  # this process is the server
+                await anyio.sleep(args.idle)
+                result["idle_cpu"] = (time.process_time() - cpu0) / (time.monotonic() - wall0)
                 router = container.router()
                 result["large"] = await time_picks(router, deployments, args.picks)
                 result["lone"] = await time_picks(router, ["lone"], args.picks)
@@ -179,6 +182,7 @@ def main() -> None:
     parser.add_argument("--deployments", type=int, default=10, help="deployments per host")
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--picks", type=int, default=200_000)
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds the idle server's CPU is read over")
     args = parser.parse_args()
     random.seed(43)
     with tempfile.TemporaryDirectory(prefix="capyctl-route-") as tmp:
@@ -187,6 +191,10 @@ def main() -> None:
         f"{args.hosts} hosts linked over the control link in {result['linked_s']:.1f} s; "
         f"{args.hosts * args.deployments} deployments of {args.instances} + 1 of one: {result['instances']} instances "
         f"ready and sampled in {result['deployed_s']:.1f} s; {args.picks} picks each"
+    )
+    print(
+        f"  the server idle over {args.idle:g} s, its hosts heartbeating and each instance's load read every second: "
+        f"CPU {result['idle_cpu'] * 100:.1f} % of one core"
     )
     for label, key in ((f"{args.instances} instances, large fleet", "large"), ("1 instance, 1 deployment", "lone")):
         samples: list[int] = result[key]  # type: ignore[assignment]

@@ -68,15 +68,18 @@ class _NoGates:
         pass
 
 
-def agent_for(state: Path, engines: bool, seed: int, ports: itertools.count[int]) -> HostAgent:
-    """The host agent of the host that joined into ``state``; with ``engines``, one that runs them."""
+def agent_for(
+    state: Path, engines: bool, seed: int, ports: itertools.count[int]
+) -> tuple[HostAgent, HostEngines | None]:
+    """The host agent of the host that joined into ``state``; with ``engines``, one that runs them (and its
+    engines, whose loads it reports every second as ``capyctl start host`` does)."""
     if not engines:
-        return HostAgent(state, lambda: INVENTORY)
+        return HostAgent(state, lambda: INVENTORY), None
     adapters: dict[str, Any] = {"llamacpp": SimulatedEngine(seed)}
     gates: Any = _NoGates()  # where host_commands wants the ingress: its gates are all a launch touches
     run = HostEngines(adapters, FakeProcessControl(), SystemClock(), lambda: next(ports), state / "logs", gates)
     commands = host_commands(gates, run, adapters)
-    return HostAgent(state, lambda: INVENTORY, commands, ingress_port=1, running=run.running)
+    return HostAgent(state, lambda: INVENTORY, commands, ingress_port=1, running=run.running), run
 
 
 async def simulate(joins: Sequence[JoinFile], root: Path, engines: bool, ready: anyio.Event) -> None:
@@ -90,8 +93,10 @@ async def simulate(joins: Sequence[JoinFile], root: Path, engines: bool, ready: 
         await join(join_file, state)
         agents.append(agent_for(state, engines, i, ports))
     async with anyio.create_task_group() as tg:
-        for agent in agents:
+        for agent, run in agents:
             tg.start_soon(agent.run, stopping)
+            if run is not None:
+                tg.start_soon(run.report_loads, agent.tell)
         ready.set()
         await anyio.sleep_forever()
 

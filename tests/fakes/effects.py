@@ -10,6 +10,8 @@ controller's events call it), so a test waits on conditions, not on time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 
 from capyctl.domain.errors import CapyError
@@ -67,6 +69,9 @@ class FakeEngineEffects:
             port=None,
             log_path=f"/logs/{number}.log",
         )
+
+    def watch_exits(self, told: Callable[[], None]) -> bool:
+        return False  # the tests set ``codes``: the controller looks
 
     def exited(self, engine: Launched) -> int | None:
         return self.codes[engine.number]

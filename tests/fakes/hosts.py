@@ -29,6 +29,8 @@ class FakeRegistry:
         self.listeners: list[Callable[[str, list[RunningInstance]], None]] = []
         self._pids = itertools.count(5000)
         self.link_session = 1
+        self.watchers: dict[str, list[Any]] = {}  # host -> the effects that asked for its exit news
+        self.loads: dict[tuple[str, str], tuple[Any, float]] = {}  # (host, instance) -> (its load, heard at)
 
     # --- what the fleet asks
     def on_linked(self, told: Callable[[str, list[RunningInstance]], None]) -> None:
@@ -99,6 +101,12 @@ class FakeRegistry:
     def exit_of(self, name: str, instance: str, pid: int) -> Any:
         return None
 
+    def load_of(self, name: str, instance: str) -> tuple[Any, float] | None:
+        return self.loads.get((name, instance))
+
+    def watch_exits(self, name: str, watcher: Any) -> None:
+        self.watchers.setdefault(name, []).append(watcher)
+
     def offline(self, name: str, model: str) -> DeviceOffline | None:
         state = self.state(name)
         return None if state is HostState.ONLINE else DeviceOffline(name, state.value, model=model)
@@ -126,6 +134,8 @@ class FakeRegistry:
         self.link_session += 1
         for told in self.listeners:
             told(name, self.hello(name))
+        for watcher in self.watchers.get(name, []):  # as the registry does: its hello may end engines
+            watcher.exit_news()
 
     def on(self, name: str) -> list[str]:
         """The instances running on host ``name``."""

@@ -124,6 +124,7 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
         tasks.start_soon(ingress.serve, ingress_sock, stopping)
         tasks.start_soon(agent.run, agent_stopping)
         tasks.start_soon(engines.watch, agent.tell)
+        tasks.start_soon(engines.report_loads, agent.tell)
 
         async def linked() -> bool:
             return registry.view("gpu-a")["connected"]
@@ -152,6 +153,13 @@ async def test_a_host_runs_an_engine_on_the_servers_commands(tmp_path: Path) -> 
         # the gate key alone opens nothing: a caller without the server's certificate gets no answer at all
         for caller in (None, (host_cert, host_key)):
             assert await chat(authority.cert_pem, ingress_sock.getsockname()[1], "g" * 32, caller) == b""
+
+        # its load, read from the engine's own metrics on the host, reaches the server in the host's report
+        async def load() -> Any:
+            return registry.load_of("gpu-a", "chat")
+
+        reported = await until(load, "the engine's load reported")
+        assert (reported[0].running, reported[0].waiting) == (0, 0)  # idle now: its chat has been answered
 
         stale = await registry.command("gpu-a", "stop", {}, instance="chat", generation=0)
         assert not stale.ok and stale.code == "stale_generation"

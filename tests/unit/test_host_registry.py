@@ -320,3 +320,33 @@ async def test_each_link_that_comes_up_is_told_with_what_runs_on_the_host() -> N
     assert told == [("gpu-a", ["chat"])] and [d.name for d in hosts.devices("gpu-a")] == ["gpu0"]
     hosts.heard("gpu-a", session, inventory)  # told once per link
     assert told == [("gpu-a", ["chat"])] and hosts.proven("gpu-a") == (session, running)
+
+
+async def test_what_may_end_an_engine_is_news_to_the_effects_watching_that_host_only() -> None:
+    import gc
+
+    hosts, _, _ = registry()
+    hosts.joined("gpu-a", "f1")
+    hosts.joined("gpu-b", "f2")
+
+    class Watcher:
+        def __init__(self) -> None:
+            self.news = 0
+
+        def exit_news(self) -> None:
+            self.news += 1
+
+    on_a, on_b, gone = Watcher(), Watcher(), Watcher()
+    hosts.watch_exits("gpu-a", on_a)
+    hosts.watch_exits("gpu-b", on_b)
+    hosts.watch_exits("gpu-a", gone)
+    session, _ = hosts.connected("gpu-a", "10.0.0.2", hello("gpu-a"), close=_no_close)  # its hello: what runs
+    assert (on_a.news, on_b.news, gone.news) == (1, 0, 1)
+    del gone
+    gc.collect()  # held weakly: a deployment deleted, its effects hear nothing more
+    hosts.heard("gpu-a", session, Inventory())  # a heartbeat's worth of news: none about its engines
+    assert on_a.news == 1
+    hosts.heard("gpu-a", session, ProcessExit(instance="chat", pid=42, returncode=0, at=1.0))
+    assert (on_a.news, on_b.news) == (2, 0)
+    await hosts.revoke("gpu-b")  # its agent ends its engines
+    assert (on_a.news, on_b.news) == (2, 1)

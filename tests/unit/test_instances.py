@@ -333,3 +333,42 @@ async def test_with_no_host_online_nothing_is_placed_and_requests_are_told_why(s
     registry.links("gpu-b")
     await server.until(lambda: len(server.members()) == 2, "placed once a host is online")
     assert hosts_of(server) == [(0, "gpu-b"), (1, "gpu-b")] and server.fleet.get("m").unplaced == []
+
+
+async def test_an_engine_its_host_no_longer_runs_is_noticed_when_the_host_says_so_not_at_the_next_look(
+    server: World,
+) -> None:
+    """A host's engines are not looked at again and again (thousands of instances would cost a core): the
+    registry's news wakes the instance. Its backstop look comes every 10 s; the news must come well before."""
+    registry = server.hosts
+    assert registry is not None
+    await server.fleet.apply(server.document(1, placement={"hosts": ["gpu-b"]}), activate=True)
+    await server.all_ready()
+    (member,) = server.members()
+    first = member.status.pid
+    await anyio.sleep(1)  # the watch settled into its wait
+    del registry.running[("gpu-b", "m")]  # its agent was restarted: the engine is gone
+    registry.links("gpu-b")  # its hello says so
+    await server.until(lambda: member.ready and member.status.pid not in (None, first), "relaunched", limit=2)
+    assert [e["cause"] for e in server.kinds("engine_ended")] == ["not_on_host"]
+
+
+async def test_an_instance_on_a_host_is_sampled_from_its_hosts_report_not_by_a_command_each(server: World) -> None:
+    from capyctl.domain.link import InstanceLoad
+
+    registry = server.hosts
+    assert registry is not None
+    await server.fleet.apply(server.document(3), activate=True)
+    await server.all_ready()
+    first, second, third = server.members()
+    heard = server.clock.monotonic()
+    registry.loads[(first.host, first.holder)] = (InstanceLoad(instance=first.holder, running=4, waiting=2), heard)
+    registry.loads[(second.host, second.holder)] = (
+        InstanceLoad(instance=second.holder, running=1, waiting=0, kv_usage=0.95),
+        heard,
+    )
+    await server.until(lambda: first.sample is not None and second.sample is not None, "sampled", limit=3)
+    assert (first.sample.running, first.sample.waiting, first.sample.at) == (4, 2, heard)
+    assert (second.sample.running, second.sample.kv_usage) == (1, 0.95)
+    assert third.sample is None  # its host told nothing of it: unknown, never zero
+    assert not [s for s in registry.sent if s[1] == "load"]  # no command per instance

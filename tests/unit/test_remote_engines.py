@@ -31,6 +31,7 @@ class FakeHosts:
     def __init__(self) -> None:
         self.state_now = HostState.ONLINE
         self.link_session = 1
+        self.watchers: list[Any] = []
         self.running: list[RunningInstance] | None = []  # the hello's list; None: not linked
         self.exits: dict[tuple[str, int], ProcessExit] = {}
         self.sent: list[tuple[str, dict[str, Any], int]] = []  # (action, args, generation)
@@ -69,6 +70,9 @@ class FakeHosts:
 
     def exit_of(self, name: str, instance: str, pid: int) -> ProcessExit | None:
         return self.exits.get((instance, pid))
+
+    def watch_exits(self, name: str, watcher: Any) -> None:
+        self.watchers.append(watcher)
 
     def exit(self, pid: int, code: int | None, cause: ExitCause = "exited") -> None:
         self.exits[("chat", pid)] = ProcessExit(instance="chat", pid=pid, returncode=code, at=1.0, cause=cause)

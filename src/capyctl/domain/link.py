@@ -84,6 +84,7 @@ class InstanceLoad(Strict, kw_only=True, frozen=True):
     instance: str
     running: int
     waiting: int
+    kv_usage: float | None = None  # the share of its KV cache in use, where the engine reports it
 
 
 class Hello(_Message, tag="hello", kw_only=True, frozen=True):
@@ -101,7 +102,9 @@ class Inventory(_Message, tag="inventory", kw_only=True, frozen=True):
 
 
 class LoadSample(_Message, tag="load_sample", kw_only=True, frozen=True):
-    """The counts each engine reported, read at ``at``; they settle cut requests as a local engine's do."""
+    """Each engine's load as the host read it at ``at`` (its wall clock), sent every second while the host
+    runs engines: what the server balances a model's instances on. An engine whose read failed is left out
+    (its load unknown)."""
 
     at: float
     loads: list[InstanceLoad] = []

@@ -177,6 +177,11 @@ class EngineEffects(Protocol):
     def exited(self, engine: Launched) -> int | None:
         """The engine's exit status once its process is gone; None while it runs. Never blocks."""
 
+    def watch_exits(self, told: Callable[[], None]) -> bool:
+        """Asks for ``told()`` each time what ``exited`` answers may have changed (a host told an engine's end,
+        linked again, or was revoked). True: the effects tell, so ``exited`` need not be looked at again and
+        again; False: an exit is found only by looking (a child process on this machine)."""
+
     def ended_by(self, engine: Launched) -> str | None:
         """Why an engine that is gone ended, when it was not by itself: ``agent_stopped`` (its host's agent was
         stopped, and stopped its engines), ``host_revoked``, ``not_on_host`` (its host came back without it);

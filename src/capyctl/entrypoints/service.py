@@ -151,6 +151,7 @@ async def serve_host(state_dir: Path, settings: Settings = DEFAULTS, ingress_lis
         tg.start_soon(_stop_on_signal, stopping)
         tg.start_soon(ingress.serve, ingress_sock, stopping)
         tg.start_soon(engines.watch, agent.tell)
+        tg.start_soon(engines.report_loads, agent.tell)
         try:
             await agent.run(stopping)
         except LinkRefused as exc:  # raised after the task group, not inside it (which would wrap it)

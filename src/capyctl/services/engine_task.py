@@ -30,6 +30,9 @@ from capyctl.services.switching import Occupant
 log = logging.getLogger("capyctl.controller")
 S = InstanceState
 CANARY_WAIT = 120.0  # seconds the canary may take before the engine counts as not answering
+# seconds between two looks at a serving engine whose exits its effects tell (``EngineEffects.watch_exits``):
+# the news wakes the watch; the look is only a backstop, rare so that thousands of instances cost little
+EXITS_TOLD_LOOK = 10.0
 
 
 ENDED_BY = {  # the words for ``EngineEffects.ended_by``'s causes
@@ -61,6 +64,8 @@ class EngineTask:
         self._settlement = settlement
         self._name = occupant.name
         self._reference: str | None = None  # this launch's canary answer, at its first readiness
+        # An engine whose exits are told (a host's) wakes the watch itself; a child process here is looked at
+        self._look_every = EXITS_TOLD_LOOK if effects.watch_exits(state.notify) else settings.poll_interval
 
     async def run(self, scope: anyio.CancelScope, finished: anyio.Event) -> None:
         """Reconcile until the deployment is closed or CapyCTL shuts down: then no engine is left."""
@@ -196,7 +201,7 @@ class EngineTask:
             elif step is Watch.WAKE:
                 await self._wake(engine)
             else:
-                with anyio.move_on_after(self._settings.poll_interval):
+                with anyio.move_on_after(self._look_every):
                     await self._state.changed()
         return code
 

@@ -315,17 +315,29 @@ class Fleet:
 
     async def _sample_loads(self) -> None:
         """Each ready instance's engine load, every ``SAMPLE_EVERY`` seconds, for the deployments that run
-        several (what the router balances on); an instance whose read fails has no sample (unknown load)."""
+        several (what the router balances on): read here for an engine on this machine, and for one on a host
+        the load its host last reported (each host tells all its engines' loads in one message a second, so
+        that thousands of instances cost no command each). An instance whose read fails, or whose host told
+        nothing of it, has no sample (unknown load); the router counts a sample older than 3 s as none."""
         while True:
             await anyio.sleep(SAMPLE_EVERY)
             async with anyio.create_task_group() as tg:
                 for found in list(self._sets.values()):
                     if len(found.members) > 1:
                         for member in found.members:
-                            if member.ready:
+                            if not member.ready:
+                                member.sample = None
+                            elif member.host is None:
                                 tg.start_soon(self._sample, member)
                             else:
-                                member.sample = None
+                                member.sample = self._reported(member.host, member.holder)
+
+    def _reported(self, host: str, instance: str) -> Sample | None:
+        told = self._hosts.load_of(host, instance) if self._hosts is not None else None
+        if told is None:
+            return None
+        load, heard = told
+        return Sample(load.running, load.waiting, heard, load.kv_usage)
 
     async def _sample(self, member: Controller) -> None:
         sample = None

@@ -23,11 +23,12 @@ from capyctl.domain.deployments import DeploymentSpec
 from capyctl.domain.engines import EngineInstall
 from capyctl.domain.errors import InvalidRequest
 from capyctl.domain.lifecycle import Launched
-from capyctl.domain.link import Command, Message, ProcessExit, RunningInstance
+from capyctl.domain.link import Command, InstanceLoad, LoadSample, Message, ProcessExit, RunningInstance
 from capyctl.domain.ports import Clock, EngineAdapter, ProcessControl
 from capyctl.services.local_engines import LocalEngineEffects
 
 WATCH_EVERY = 0.5  # seconds between two looks for engines that exited
+LOADS_EVERY = 1.0  # seconds between two reports of the engines' loads
 
 
 class Gates(Protocol):
@@ -168,6 +169,34 @@ class HostEngines:
                         )
                     )
             await anyio.sleep(WATCH_EVERY)
+
+    async def report_loads(self, tell: Callable[[Message], Awaitable[None]]) -> None:
+        """Every ``LOADS_EVERY`` seconds, each engine's load read at once and all told in one ``LoadSample``
+        (one message a second, however many engines: what the server balances on); never returns."""
+        while True:
+            await anyio.sleep(LOADS_EVERY)
+            running = [(name, r) for name, r in self._running.items() if not r.ending]
+            if not running:
+                continue
+            loads: list[InstanceLoad] = []
+            async with anyio.create_task_group() as reads:  # side by side: one slow engine delays no other
+                for name, each in running:
+                    reads.start_soon(self._read_load, name, each, loads)
+            await tell(LoadSample(at=self._clock.wall(), loads=sorted(loads, key=lambda load: load.instance)))
+
+    @staticmethod
+    async def _read_load(name: str, running: _Running, into: list[InstanceLoad]) -> None:
+        """``name``'s load added to ``into``; nothing when the read fails or takes longer than a report's
+        interval (an unknown load)."""
+        with anyio.move_on_after(LOADS_EVERY):
+            try:
+                load = await running.effects.load(running.launched)
+            except Exception:  # a read that fails is an unknown load, not a fault of the host's
+                return
+            if load is not None:
+                into.append(
+                    InstanceLoad(instance=name, running=load.running, waiting=load.waiting, kv_usage=load.kv_usage)
+                )
 
     async def stop_all(self, tell: Callable[[Message], Awaitable[None]] | None = None, grace: float = 10.0) -> None:
         """Every engine ended, each end told (cause ``agent_stopped``) while the link is up: the agent is

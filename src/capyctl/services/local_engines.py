@@ -72,6 +72,10 @@ class LocalEngineEffects(EngineEffects):
     def leave(self) -> None:
         """(see ``EngineEffects``): an engine on this machine ends with the server."""
 
+    def watch_exits(self, told: Callable[[], None]) -> bool:
+        """(see ``EngineEffects``): a child process's exit is found by looking at it."""
+        return False
+
     def exited(self, engine: Launched) -> int | None:
         return self._handles[engine.number].returncode()
 

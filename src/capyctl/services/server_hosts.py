@@ -12,9 +12,10 @@ into events.
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -29,6 +30,7 @@ from capyctl.domain.link import (
     CommandResult,
     Goodbye,
     Hello,
+    InstanceLoad,
     Inventory,
     LoadSample,
     Message,
@@ -38,6 +40,9 @@ from capyctl.domain.link import (
 from capyctl.domain.memory import Device
 from capyctl.domain.ports import Clock, HostStore
 from capyctl.services.events import Events
+
+if TYPE_CHECKING:
+    from capyctl.services.server_remote_engines import ExitWatcher
 
 WATCH_EVERY = 0.25  # seconds between two looks at the links' states
 COMMAND_TIMEOUT = 30.0  # seconds a host has to answer a command
@@ -54,7 +59,7 @@ class _Link:
     last_heard_wall: float | None = None
     hello: Hello | None = None
     inventory: Inventory | None = None
-    loads: LoadSample | None = None
+    loads: dict[str, tuple[InstanceLoad, float]] = field(default_factory=dict)  # instance -> its last, heard at
     close: Callable[[str], Awaitable[None]] | None = None  # closes the link, saying why
     send: Callable[[Message], Awaitable[None]] | None = None  # sends a message on the link
     state: HostState | None = None  # as last told in an event
@@ -75,6 +80,7 @@ class HostRegistry:
         self._sessions = 0
         self._waiting: dict[str, tuple[str, anyio.Event, list[CommandResult]]] = {}  # command ID -> its answer
         self._on_linked: list[Callable[[str, list[RunningInstance]], None]] = []
+        self._exit_watchers: dict[str, weakref.WeakSet[ExitWatcher]] = {}  # host -> its engines' effects
 
     # --- invitations and joins ---------------------------------------------------------------------
     def invite(self, name: str, secret: bytes, ttl: float = DEFAULT_TTL) -> Invite:
@@ -132,6 +138,7 @@ class HostRegistry:
         replaced = link.close if link.connected else None
         link.session, link.connected, link.address, link.hello, link.close = self._sessions, True, address, hello, close
         link.send, link.leaving = send, False
+        self._exit_news(name)  # its hello says what runs there now
         self._heard(link)
         record = self._records.get(name)
         if record is not None and record.linked_at is None:  # its first link since it joined: joined no more
@@ -157,10 +164,12 @@ class HostRegistry:
                 for told in self._on_linked:
                     told(name, link.hello.running)
         elif isinstance(message, LoadSample):
-            link.loads = message
+            heard = self._clock.monotonic()
+            link.loads = {load.instance: (load, heard) for load in message.loads}
         elif isinstance(message, ProcessExit):
             link.exits.append(message)
             del link.exits[:-64]
+            self._exit_news(name)
         elif isinstance(message, CommandResult):
             waiting = self._waiting.get(message.id)
             if waiting is not None and waiting[0] == name:
@@ -335,6 +344,22 @@ class HostRegistry:
                 return told
         return None
 
+    def load_of(self, name: str, instance: str) -> tuple[InstanceLoad, float] | None:
+        """The load host ``name`` last told for ``instance`` and when it came (this server's monotonic clock);
+        None when its last report had none."""
+        link = self._links.get(name)
+        return link.loads.get(instance) if link is not None else None
+
+    def watch_exits(self, name: str, watcher: ExitWatcher) -> None:
+        """``watcher.exit_news()`` each time host ``name`` tells an engine's end, links (its hello says what
+        runs there) or is revoked, for as long as ``watcher`` lives (held weakly: a deployment deleted, its
+        effects go)."""
+        self._exit_watchers.setdefault(name, weakref.WeakSet()).add(watcher)
+
+    def _exit_news(self, name: str) -> None:
+        for watcher in list(self._exit_watchers.get(name, ())):
+            watcher.exit_news()
+
     # --- states -------------------------------------------------------------------------------------
     def state(self, name: str) -> HostState:
         return link_state(self._facts(name), self._clock.monotonic(), self.timings)
@@ -403,6 +428,7 @@ class HostRegistry:
         record = msgspec.structs.replace(record, revoked=revoked, revoked_at=self._clock.wall())
         self._put(record)
         self._events.emit(None, "host_revoked", host=name)
+        self._exit_news(name)  # its agent, cut off, ends its engines: they count gone
         link = self._links.get(name)
         if link is not None and link.close is not None:
             await link.close("host_revoked")

@@ -44,6 +44,11 @@ RETRY_EVERY = 0.5  # seconds between two tries of a stop while the host is out o
 NOT_READY_PAUSE = 0.1  # seconds a probe that found the engine not ready yet waits: each probe is a round trip
 
 
+class ExitWatcher(Protocol):
+    def exit_news(self) -> None:
+        """What the host said may end an engine: ``exited`` is worth reading again."""
+
+
 class HostLink(Protocol):
     """What a deployment's engine effects on a host ask of the server's registry of hosts (``HostRegistry``):
     commands over the host's control link, and what the link knows of the host and its engines."""
@@ -70,6 +75,10 @@ class HostLink(Protocol):
 
     def exit_of(self, name: str, instance: str, pid: int) -> ProcessExit | None:
         """What the host told of the end of ``instance``'s process ``pid``; None if it told nothing."""
+
+    def watch_exits(self, name: str, watcher: ExitWatcher) -> None:
+        """``watcher.exit_news()`` each time host ``name`` tells an engine's end, links (its hello says what
+        runs there) or is revoked, for as long as ``watcher`` lives (it is held weakly)."""
 
     def state(self, name: str) -> HostState: ...
 
@@ -112,6 +121,7 @@ class RemoteEngineEffects(EngineEffects):
         self._proven = 0  # the link session in which the latest launch was last seen ready
         self._generation = 0
         self._leaving = False
+        self._told: Callable[[], None] | None = None  # (``watch_exits``)
 
     @property
     def host(self) -> str:
@@ -161,6 +171,17 @@ class RemoteEngineEffects(EngineEffects):
     def _adoptable(self) -> RunningInstance | None:
         proof = self._hosts.proven(self._host)
         return next((r for r in proof[1] if r.instance == self._instance), None) if proof is not None else None
+
+    def watch_exits(self, told: Callable[[], None]) -> bool:
+        """(see ``EngineEffects``): what ``exited`` reads is the host's word, each piece of it told."""
+        self._told = told
+        self._hosts.watch_exits(self._host, self)
+        return True
+
+    def exit_news(self) -> None:
+        """(``ExitWatcher``): the host said something that may end this instance's engine."""
+        if self._told is not None:
+            self._told()
 
     def exited(self, engine: Launched) -> int | None:
         launch = self._launches[engine.number]
