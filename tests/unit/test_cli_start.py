@@ -4,18 +4,16 @@ only other commands need (the server's stack, cryptography, YAML). Each check ru
 
 from __future__ import annotations
 
-import http.server
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from capyctl.adapters.storage.state_dir import StateDir
+from tests.fakes.management_api import Seen, management_api
 
 # What the command line must not import to register its commands, nor to run `list hosts`.
 NEVER = [
@@ -88,29 +86,13 @@ def management(tmp_path: Path) -> Iterator[Path]:
     state.prepare()
     token = state.admin_token()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            ok = self.path == "/hosts" and self.headers["authorization"] == f"Bearer {token}"
-            body = json.dumps(HOSTS if ok else {"error": {"code": "not_found", "message": self.path}}).encode()
-            self.send_response(200 if ok else 404)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def respond(seen: Seen) -> tuple[int, bytes]:
+        if seen.method == "GET" and seen.path == "/hosts" and seen.headers["authorization"] == f"Bearer {token}":
+            return 200, json.dumps(HOSTS).encode()
+        return 404, json.dumps({"error": {"code": "not_found", "message": seen.path}}).encode()
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    state.write_management(f"http://127.0.0.1:{server.server_address[1]}")
-    try:
+    with management_api(state, respond):
         yield state.root
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 LIST_HOSTS = """\

@@ -3,25 +3,23 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from capyctl.adapters.storage.state_dir import StateDir
 from capyctl.entrypoints.cli.client import ManagementClient, ServerError, ServerNotRunning
+from tests.fakes.management_api import Seen, management_api
 
 
 class Api:
-    """The stand-in's record of each request, and what it answers next."""
+    """What the stand-in answers next."""
 
     def __init__(self) -> None:
-        self.seen: list[dict[str, Any]] = []
+        self.seen: list[Seen] = []
         self.status = 200
         self.answer: bytes = b"{}"
 
@@ -32,40 +30,9 @@ def api(tmp_path: Path) -> Iterator[tuple[Path, Api]]:
     state.prepare()
     state.admin_token()  # made at a server's first start
     record = Api()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def answer(self) -> None:
-            length = int(self.headers.get("content-length") or 0)
-            record.seen.append(
-                {
-                    "method": self.command,
-                    "path": self.path,
-                    "authorization": self.headers["authorization"],
-                    "content-type": self.headers["content-type"],
-                    "body": self.rfile.read(length) if length else b"",
-                }
-            )
-            self.send_response(record.status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(record.answer)))
-            self.end_headers()
-            self.wfile.write(record.answer)
-
-        do_GET = do_POST = do_PUT = do_DELETE = answer
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    state.write_management(f"http://127.0.0.1:{server.server_address[1]}")
-    try:
+    with management_api(state, lambda seen: (record.status, record.answer)) as seen:
+        record.seen = seen
         yield state.root, record
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def test_a_call_sends_the_token_the_json_body_and_the_query(api: tuple[Path, Api]) -> None:
@@ -78,16 +45,16 @@ def test_a_call_sends_the_token_the_json_body_and_the_query(api: tuple[Path, Api
     }
     put, get = record.seen
     token = StateDir(root).read_admin_token()
-    assert (put["method"], put["path"], put["authorization"]) == ("PUT", "/deployments", f"Bearer {token}")
-    assert put["content-type"] == "application/json"
-    assert json.loads(put["body"]) == {"document": {"name": "chat"}}
-    assert (get["method"], get["path"], get["body"]) == ("GET", "/events?after=3&limit=1000", b"")
+    assert (put.method, put.path, put.headers["authorization"]) == ("PUT", "/deployments", f"Bearer {token}")
+    assert put.headers["content-type"] == "application/json"
+    assert json.loads(put.body) == {"document": {"name": "chat"}}
+    assert (get.method, get.path, get.body) == ("GET", "/events?after=3&limit=1000", b"")
 
 
 def test_a_name_that_is_not_a_path_segment_is_quoted_not_refused(api: tuple[Path, Api]) -> None:
     root, record = api
     ManagementClient(root).call("GET", "/deployments/a b?c")
-    assert record.seen[0]["path"] == "/deployments/a%20b%3Fc"
+    assert record.seen[0].path == "/deployments/a%20b%3Fc"
 
 
 def test_an_error_answer_keeps_its_code_message_and_extra_fields(api: tuple[Path, Api]) -> None:
@@ -103,7 +70,7 @@ def test_an_error_answer_keeps_its_code_message_and_extra_fields(api: tuple[Path
         "it runs chat",
         {"host": "gpu-a"},
     )
-    assert record.seen[0]["method"] == "POST"
+    assert record.seen[0].method == "POST"
 
 
 def test_an_answer_that_is_not_json_is_an_error_with_its_text(api: tuple[Path, Api]) -> None:
