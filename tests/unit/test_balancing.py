@@ -1,5 +1,6 @@
-"""The balancing rule (``domain.balancing``): load from CapyCTL's count and the engine's fresh samples, unknown
-load never zero, KV pressure, wake cost, ties taking turns; and when a request may move to another instance."""
+"""The balancing rule (``domain.balancing``): load from CapyCTL's count and the engine's fresh samples (less
+CapyCTL's requests they counted that have ended since), unknown load never zero, KV pressure, wake cost, ties
+taking turns; and when a request may move to another instance."""
 
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ def test_the_engines_own_count_counts_when_it_is_larger_than_capyctls() -> None:
     loads = [Load(0, True, 2, fresh(9, 3)), Load(1, True, 5, fresh(1))]
     assert [s.score for s in scores(loads, NOW, 32)] == [12, 5]
     assert choose(loads, NOW, 32, 0).instance == 1
+
+
+def test_capyctls_requests_a_sample_counted_that_have_ended_since_are_taken_off_its_count() -> None:
+    # sampled while one request of CapyCTL's ran at each (20 of them had left 0 before; 7 had left 1)
+    at_zero = Sample(1, 0, NOW - 0.5, None, in_flight=1, left=20)
+    at_one = Sample(1, 0, NOW - 0.5, None, in_flight=1, left=7)
+    ended = [Load(0, True, 0, at_zero, left=21), Load(1, True, 0, at_one, left=7)]  # 0's ended; 1's runs on
+    assert [s.engine for s in scores(ended, NOW, 32)] == [0, 1]
+    assert choose(ended, NOW, 32, 1).instance == 0  # the one just answered is free again
+    # others' requests always count: no more is taken off than CapyCTL had there when the sample was read
+    busy = Sample(9, 2, NOW - 0.5, None, in_flight=2, left=0)
+    assert scores([Load(0, True, 0, busy, left=50)], NOW, 32)[0].engine == 9
+    # and requests that both began and ended after the sample (in flight none then) take nothing off
+    quiet = Sample(3, 0, NOW - 0.5, None, in_flight=0, left=4)
+    assert scores([Load(0, True, 1, quiet, left=9)], NOW, 32)[0].engine == 3
 
 
 def test_a_stale_missing_or_failed_sample_is_unknown_load_never_zero() -> None:

@@ -152,3 +152,45 @@ async def test_an_instance_whose_host_is_away_when_routed_hands_the_request_to_a
     assert answer["choices"][0]["message"]["content"] == "hi" and engines.reached == [1]
     assert failovers(store) == [(0, "host_away")] and call.tried == [0]
     assert fleet.instances("m")[1].in_flight == 1  # its count is back where it was: the request left
+
+
+async def test_a_burst_of_requests_is_spread_as_they_arrive_each_counted_at_its_instance_when_written() -> None:
+    """A burst's requests are each started (picked and written) as its last byte comes, before any is relayed:
+    each must be counted at its instance then, or every later pick sees the same counts and takes the same
+    instance."""
+    clock, store = VirtualClock(), FakeStore()
+    events = Events(store, clock)
+    engines = Engines({})
+    fleet = fleet_of([f"http://127.0.0.1:900{index}" for index in range(2)], events, clock)
+    service = ChatService(fleet, engines, clock, events, RequestSettings())  # type: ignore[arg-type]
+    calls = [Call(id=f"r{n}", deployment="m", stream=False, obj={"model": "m", "messages": []}) for n in range(12)]
+    for call in calls:
+        service.start(call)
+    assert [call.controller.index for call in calls] == [0, 1] * 6  # type: ignore[union-attr]
+    assert [m.in_flight for m in fleet.instances("m")] == [6, 6]
+    with anyio.fail_after(5):
+        for call in calls:
+            answer = await service.complete(call)
+            assert answer["choices"][0]["message"]["content"] == "hi"
+    assert sorted(engines.reached) == [0] * 6 + [1] * 6
+    assert [(m.in_flight, m.left) for m in fleet.instances("m")] == [(0, 6), (0, 6)]  # each counted once
+    assert [e["detail"]["instance"] for e in store.events if e["kind"] == "router_selection"] == [0, 1] * 6
+
+
+async def test_a_request_written_at_once_and_never_relayed_leaves_its_instance_when_it_closes() -> None:
+    clock, store = VirtualClock(), FakeStore()
+    events = Events(store, clock)
+    abandoned: list[str] = []
+    session = SimpleNamespace(
+        chat_stream=lambda address, body: SimpleNamespace(abandon=lambda: abandoned.append(address.url))
+    )
+    fleet = fleet_of(["http://127.0.0.1:9000", "http://127.0.0.1:9001"], events, clock)
+    service = ChatService(fleet, session, clock, events, RequestSettings())  # type: ignore[arg-type]
+    call = Call(id="r1", deployment="m", stream=True, obj={"model": "m", "messages": []})
+    service.start(call)  # picked and written at once
+    assert [m.in_flight for m in fleet.instances("m")] == [1, 0]
+    call.close()  # its client went away before the relay began
+    assert abandoned == ["http://127.0.0.1:9000"]
+    assert [(m.in_flight, m.left) for m in fleet.instances("m")] == [(0, 1), (0, 0)]
+    call.close()  # once only
+    assert [(m.in_flight, m.left) for m in fleet.instances("m")] == [(0, 1), (0, 0)]

@@ -372,3 +372,8 @@ async def test_an_instance_on_a_host_is_sampled_from_its_hosts_report_not_by_a_c
     assert (second.sample.running, second.sample.kv_usage) == (1, 0.95)
     assert third.sample is None  # its host told nothing of it: unknown, never zero
     assert not [s for s in registry.sent if s[1] == "load"]  # no command per instance
+    taken = first.sample
+    assert (taken.in_flight, taken.left) == (0, 0)  # CapyCTL's own counts, as the report was first read
+    first.left = 5  # requests that ended after: the same report keeps the counts first taken
+    await anyio.sleep(2.5)
+    assert first.sample is taken

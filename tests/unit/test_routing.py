@@ -22,6 +22,7 @@ class Instance:
         self.index, self._ready, self.in_flight, self._held = index, ready, in_flight, held
         self.draining = False
         self.sample: Sample | None = None
+        self.left = 0
 
     def route_now(self) -> object | None:
         return object() if self._ready and not self._held else None

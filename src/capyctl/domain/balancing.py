@@ -5,7 +5,11 @@
 - an instance's load is the larger of the requests CapyCTL has in flight
   there and the engine's own running + waiting counts from a sample at most
   ``SAMPLE_MAX_AGE`` seconds old (the engine may serve other clients, or
-  hold requests CapyCTL has cut that it still runs);
+  hold requests CapyCTL has cut that it still runs), less those of CapyCTL's
+  requests the sample counted that have ended since (a sample taken while
+  one request ran must not make its instance look busy once it is answered;
+  at most the requests CapyCTL had there when the sample was taken are taken
+  off, so the engine's other clients always count);
 - a sample that is missing, failed or stale is unknown load, never zero:
   such an instance counts as loaded as the busiest instance whose load is
   known (at least its own in-flight count), so it neither draws every
@@ -43,6 +47,8 @@ class Sample(NamedTuple):
     waiting: int
     at: float
     kv_usage: float | None = None  # share of the KV cache in use, 0..1, where the engine reports it
+    in_flight: int = 0  # CapyCTL's requests at the instance when the sample was taken
+    left: int = 0  # how many of CapyCTL's requests had left the instance by then (a running count)
 
 
 class Load(NamedTuple):
@@ -52,6 +58,7 @@ class Load(NamedTuple):
     ready: bool
     in_flight: int  # CapyCTL's requests there now
     sample: Sample | None  # the engine's latest load sample; None: none taken, or the last read failed
+    left: int = 0  # how many of CapyCTL's requests have left the instance so far (a running count)
 
 
 class Score(NamedTuple):
@@ -70,10 +77,13 @@ class Choice(NamedTuple):
 
 
 def _known(load: Load, now: float) -> int | None:
+    """The engine's running + waiting from a fresh sample, less CapyCTL's requests it counted that have
+    ended since; None when no fresh sample stands."""
     sample = load.sample
     if sample is None or now - sample.at > SAMPLE_MAX_AGE or now < sample.at:
         return None
-    return sample.running + sample.waiting
+    ended = min(max(0, load.left - sample.left), sample.in_flight)
+    return max(0, sample.running + sample.waiting - ended)
 
 
 def _pressure(sample: Sample | None) -> float:

@@ -98,6 +98,10 @@ class ChatService(RequestService):
         assert route is not None  # (a lease is granted at once only with a route)
         call.route = route
         call.engine_stream = self._session.chat_stream(route.address, call.body)
+        # counted at its instance now, not when ``open`` runs: the next request's pick (a burst's come one
+        # after another, before any ``open``) must see it there
+        self._selected(call, controller)
+        call.counted = controller
 
     @asynccontextmanager
     async def open(self, call: Call) -> AsyncIterator[Call]:
@@ -128,14 +132,18 @@ class ChatService(RequestService):
                         controller, route = await self._routed(call, "chat", controller)
                         call.route = route
                     stream, call.engine_stream = call.engine_stream, None
+                    at, call.counted = call.counted, None  # counted by ``start`` when it wrote the request
                     if stream is None:  # (the session may write the request at once: the rest is done meanwhile)
                         stream = self._session.chat_stream(route.address, call.body)
                     try:
                         self._arm(call, controller)
                     except BaseException:
                         stream.abandon()
+                        if at is not None:
+                            self._left(at)
                         raise
-                    self._selected(call, at := controller)
+                    if at is None:
+                        self._selected(call, at := controller)
                     streaming = False
                     try:
                         async with stream as answer:

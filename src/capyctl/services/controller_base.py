@@ -53,6 +53,7 @@ class Serving(Protocol):
         """Which instance of its deployment it runs (``FIRST_INSTANCE`` for the first)."""
 
     in_flight: int  # the requests CapyCTL has at this instance now (the router counts them)
+    left: int  # how many of them have left it so far: what a load sample counted and has ended since
     sample: Sample | None  # the engine's latest load sample, None when none stands
     draining: bool  # it takes no new request (it is being removed)
 
@@ -143,6 +144,7 @@ class ControllerBase:
         self.index = index  # which instance of its deployment it runs
         self.place: InstancePlace = deployment.place_of(index)
         self.in_flight = 0  # requests at this instance now, counted by the router
+        self.left = 0  # requests that have left this instance, all told
         self.draining = False  # takes no new request (it is being removed)
         self.sample: Sample | None = None  # the engine's latest load sample (the fleet's sampler takes them)
         self._clock = clock

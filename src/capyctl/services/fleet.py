@@ -330,22 +330,28 @@ class Fleet:
                             elif member.host is None:
                                 tg.start_soon(self._sample, member)
                             else:
-                                member.sample = self._reported(member.host, member.holder)
+                                member.sample = self._reported(member, member.host)
 
-    def _reported(self, host: str, instance: str) -> Sample | None:
-        told = self._hosts.load_of(host, instance) if self._hosts is not None else None
+    def _reported(self, member: Controller, host: str) -> Sample | None:
+        """The load ``member``'s host last reported for it; CapyCTL's own counts are taken when the report is
+        first read (requests that ended between its arrival and then still count: a load too high, never too
+        low)."""
+        told = self._hosts.load_of(host, member.holder) if self._hosts is not None else None
         if told is None:
             return None
         load, heard = told
-        return Sample(load.running, load.waiting, heard, load.kv_usage)
+        if member.sample is not None and member.sample.at == heard:
+            return member.sample  # the same report: its counts stand as first taken
+        return Sample(load.running, load.waiting, heard, load.kv_usage, member.in_flight, member.left)
 
     async def _sample(self, member: Controller) -> None:
         sample = None
+        in_flight, left = member.in_flight, member.left  # CapyCTL's own, as the engine is read
         with anyio.move_on_after(SAMPLE_EVERY * 2):
             try:
                 load = await member.read_load()
                 if load is not None:
-                    sample = Sample(load.running, load.waiting, self._clock.monotonic(), load.kv_usage)
+                    sample = Sample(load.running, load.waiting, self._clock.monotonic(), load.kv_usage, in_flight, left)
             except Exception:  # a read that fails is an unknown load, never a fault of the fleet's
                 sample = None
         member.sample = sample

@@ -66,6 +66,7 @@ class Call(RequestRecord, kw_only=True):
     lease: Lease | None = None  # granted and not yet entered: ``close`` gives it back
     route: Route | None = None
     engine_stream: EngineStream | None = None  # made and not yet entered: ``close`` cuts it
+    counted: Serving | None = None  # the instance ``start`` counted it at, writing it at once (``open`` takes it)
     error: CapyError | None = None  # what ``start`` found, raised when the request goes on
     # the relay
     answer: EngineAnswer | None = None
@@ -94,6 +95,9 @@ class Call(RequestRecord, kw_only=True):
         if self.engine_stream is not None:
             self.engine_stream.abandon()
             self.engine_stream = None
+        if self.counted is not None:  # written at once and never relayed: it has left its instance
+            RequestService._left(self.counted)
+            self.counted = None
         if self.lease is not None:
             self.lease.give_back()
             self.lease = None
@@ -324,6 +328,7 @@ class RequestService:
     def _left(controller: Serving) -> None:
         """A request sent to ``controller``'s engine is over (answered, cut or failed)."""
         controller.in_flight -= 1
+        controller.left += 1
 
     def _arm(self, call: Call, controller: Serving) -> None:
         """The call's meter and check (the rules made once per engine version)."""

@@ -57,7 +57,7 @@ class Router:
             return Picked(reachable[0], None, count)
         turn = self._turns.get(model, 0)
         self._turns[model] = turn + 1
-        loads = [Load(i.index, i.route_now() is not None, i.in_flight, i.sample) for i in reachable]
+        loads = [Load(i.index, i.route_now() is not None, i.in_flight, i.sample, i.left) for i in reachable]
         choice = choose(loads, self._clock.monotonic(), self._wake_cost, turn)
         return Picked(next(i for i in reachable if i.index == choice.instance), choice.scores, count)
 
