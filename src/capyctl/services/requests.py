@@ -46,6 +46,13 @@ class RequestSettings(msgspec.Struct, kw_only=True, frozen=True):
     host_name: str = "local"  # the machine serving standalone deployments, as logs name it
 
 
+def _leave(controller: Serving) -> None:
+    """A request sent to ``controller``'s engine is over (answered, cut or failed, or written and never
+    relayed): counted out there."""
+    controller.in_flight -= 1
+    controller.left += 1
+
+
 class Call(RequestRecord, kw_only=True):
     """One request, from its last byte in to its last byte out (see the module's text).
 
@@ -96,7 +103,7 @@ class Call(RequestRecord, kw_only=True):
             self.engine_stream.abandon()
             self.engine_stream = None
         if self.counted is not None:  # written at once and never relayed: it has left its instance
-            RequestService._left(self.counted)
+            _leave(self.counted)
             self.counted = None
         if self.lease is not None:
             self.lease.give_back()
@@ -324,11 +331,7 @@ class RequestService:
             error.extra["instance"] = controller.index
         return error
 
-    @staticmethod
-    def _left(controller: Serving) -> None:
-        """A request sent to ``controller``'s engine is over (answered, cut or failed)."""
-        controller.in_flight -= 1
-        controller.left += 1
+    _left = staticmethod(_leave)  # a request sent to an instance's engine is over
 
     def _arm(self, call: Call, controller: Serving) -> None:
         """The call's meter and check (the rules made once per engine version)."""
